@@ -1,0 +1,38 @@
+# Two commands on a fresh machine with Python 3.11 and make:
+#   make test    set up .venv and run the whole test suite
+#   make bench   set up .venv and run the main benchmark (kvoffload bench throughput --compare)
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvoffload-installed
+BENCH_ARGS ?=
+
+.PHONY: test bench setup lint clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU build on machines without CUDA, so that nothing
+# (transformers, our own "torch>=" range) ever pulls a multi-GB CUDA wheel.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/kvoffload bench throughput --compare $(BENCH_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check kvoffload tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

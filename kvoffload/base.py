@@ -1,0 +1,175 @@
+"""The scheduler-side offloading contract: :class:`OffloadingManager` and its data types.
+
+A manager is bookkeeping only: it knows which blocks a tier holds, which are readable, which are
+pinned by in-flight transfers, and which to evict. It never moves bytes (the worker side does) and
+imports no torch. ``docs/manager-contract.md`` states the whole contract with its invariants.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from kvoffload.keys import OffloadKey
+
+__all__ = [
+    "LoadStoreSpec",
+    "LookupResult",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+]
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True, eq=False)
+class ReqContext:
+    """One request as the offloading layer sees it.
+
+    The scheduler creates exactly one per request and passes the *same object* on every manager
+    call for that request, so managers and policies may keep per-request scratch state on it
+    (:meth:`set_state` / :meth:`get_state`, keyed by the state's type) instead of in dicts keyed by
+    request id that they would have to clean up.
+    """
+
+    req_id: str
+    #: Free-form per-request parameters (store policy, token caps, ...), owned by the caller.
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    _state: dict[type, Any] = field(default_factory=dict, repr=False)
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        """Return the scratch state of type ``cls`` attached to this request, or ``None``."""
+        return self._state.get(cls)
+
+    def set_state(self, state: object) -> None:
+        """Attach ``state``, replacing any earlier state of the same type."""
+        self._state[type(state)] = state
+
+    def pop_state(self, cls: type[_T]) -> _T | None:
+        """Detach and return the state of type ``cls`` (``None`` if there was none)."""
+        return self._state.pop(cls, None)
+
+
+class LookupResult(enum.Enum):
+    """What :meth:`OffloadingManager.lookup` knows about one block."""
+
+    #: Not held by this tier.
+    MISS = 0
+    #: Stored and readable: :meth:`OffloadingManager.prepare_load` may be called for it.
+    HIT = 1
+    #: Being written: it becomes readable once its store completes (or vanishes if it fails).
+    HIT_PENDING = 2
+
+
+class LoadStoreSpec(ABC):  # noqa: B024 - an opaque marker base; subclasses carry the data
+    """Opaque "where the data is" for one transfer side. ``medium`` routes it to a handler."""
+
+    __slots__ = ()
+    medium: ClassVar[str]
+
+
+@dataclass(slots=True)
+class PrepareStoreOutput:
+    """The answer of :meth:`OffloadingManager.prepare_store`.
+
+    ``store_spec`` addresses the destination of ``keys_to_store``, entry for entry (co-indexed).
+    ``evicted_keys`` were removed from the tier to make room.
+    """
+
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass(slots=True, frozen=True)
+class OffloadingEvent:
+    """Blocks that became readable (``removed=False``) or left the tier (``removed=True``)."""
+
+    keys: list[OffloadKey]
+    medium: str
+    removed: bool
+
+
+class OffloadingManager(ABC):
+    """Scheduler-side bookkeeping of one offloading tier.
+
+    Block states: absent; *pending* (prepared for store, being written, not readable, never
+    evicted); *ready* (readable); ready blocks may additionally be *pinned* by one or more readers
+    between :meth:`prepare_load` and :meth:`complete_load` (never evicted while pinned).
+
+    Every method takes the request's :class:`ReqContext`. Methods are not thread-safe: the
+    scheduler calls them from its one thread. Keys passed in one call for a request are in prefix
+    order within each KV-cache group (head first).
+    """
+
+    #: The medium name used in events and load/store specs (``"CPU"``, ``"STORAGE"``, ...).
+    medium: str
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """Say whether ``key`` is held, readable or being written. Changes no recency."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+        """Pin ``keys`` for reading and return where they are, co-indexed with ``keys``.
+
+        Every key must be :attr:`LookupResult.HIT`; otherwise :class:`~kvoffload.errors.ContractError`
+        is raised and nothing is pinned. A key listed twice is pinned twice. Each pin is released by
+        one :meth:`complete_load` of the same key.
+        """
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027
+        """Mark ``keys`` (prefix order) as just used: the first key ends up most valuable.
+
+        Keys the tier does not hold are ignored. Default: no-op.
+        """
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Release one pin per key taken by :meth:`prepare_load`.
+
+        A key that is not pinned raises :class:`~kvoffload.errors.ContractError`, before any pin
+        is released.
+        """
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve room for the keys of ``keys`` the tier does not hold yet.
+
+        Keys already held (in any state) are skipped; an eviction policy may decline to admit
+        others. Every key of ``keys`` is protected from eviction during this call. Only as many
+        blocks as needed are evicted. Returns ``None``, with no state change at all, when there
+        is not enough evictable space; an output with empty ``keys_to_store`` means "nothing to
+        do". Prepared keys are pending until :meth:`complete_store`.
+        """
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        """Finish the stores of pending ``keys``: readable on success, removed on failure.
+
+        Keys that are not pending (unknown, already ready) are ignored, so repeats are harmless.
+        """
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Return and clear the events gathered since the last call (always empty when disabled)."""
+        return []
+
+    def request_finished(self, ctx: ReqContext) -> None:  # noqa: B027
+        """Called once when the request ends, after its last call. Default: no-op."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every block, pinned or pending too, and emit removals for the readable ones.
+
+        The caller must discard completions of transfers started before the reset.
+        """
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Return monotonic counters and current gauges (names documented per manager)."""
+

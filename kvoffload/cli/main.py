@@ -1,0 +1,36 @@
+"""``kvoffload`` entry point: one subcommand module per command group, imported on use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command group -> module defining add_parser(subparsers); imported only when needed so that
+# `kvoffload events listen` never imports torch.
+_COMMAND_GROUPS = {
+    "bench": "kvoffload.cli.bench",
+    "events": "kvoffload.cli.events",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offloading for LLM inference.")
+    sub = parser.add_subparsers(dest="group", required=True, metavar="{" + ",".join(_COMMAND_GROUPS) + "}")
+    wanted = [a for a in argv if a in _COMMAND_GROUPS][:1] or list(_COMMAND_GROUPS)
+    for name in _COMMAND_GROUPS:
+        if name in wanted:
+            importlib.import_module(_COMMAND_GROUPS[name]).add_parser(sub)
+        else:
+            sub.add_parser(name, help=f"({name} commands)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

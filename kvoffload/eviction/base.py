@@ -1,0 +1,149 @@
+"""The eviction-policy interface, the block record it orders, and the policy registry.
+
+The manager owns accounting (capacity, slots, pins, events); a policy owns only *order*: which
+evictable block goes next. Policies are small classes over :class:`EvictionPolicy`, registered by
+name with :func:`register_eviction_policy`; out-of-tree policies register through the
+``kvoffload.eviction_policies`` entry-point group (``name = "package.module:Class"``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Iterator, Sequence
+from importlib.metadata import entry_points
+from typing import ClassVar, TypeVar
+
+from kvoffload.base import ReqContext
+from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "EvictionPolicy",
+    "OffloadedBlock",
+    "available_eviction_policies",
+    "create_eviction_policy",
+    "register_eviction_policy",
+]
+
+ENTRY_POINT_GROUP = "kvoffload.eviction_policies"
+
+#: ``ref_cnt`` of a block that is being written (prepared, store not completed).
+PENDING = -1
+
+
+class OffloadedBlock:
+    """One offloaded block: its slot in the tier and its pin count.
+
+    ``ref_cnt``: ``-1`` pending (being written: unreadable, not evictable); ``0`` ready and
+    evictable; ``n > 0`` ready and pinned by ``n`` in-flight loads. Only the manager mutates it.
+    """
+
+    __slots__ = ("ref_cnt", "slot")
+
+    def __init__(self, slot: int, ref_cnt: int = PENDING) -> None:
+        self.slot = slot
+        self.ref_cnt = ref_cnt
+
+    def __repr__(self) -> str:
+        return f"OffloadedBlock(slot={self.slot}, ref_cnt={self.ref_cnt})"
+
+
+class EvictionPolicy(ABC):
+    """Orders the blocks of one tier for eviction.
+
+    Subclasses must implement :meth:`get`, :meth:`insert`, :meth:`remove`, :meth:`touch`,
+    :meth:`evict`, :meth:`clear`, :meth:`__len__` and :meth:`__iter__`; they may override
+    :meth:`admit` (admission control) and :meth:`check_invariants`.
+
+    A block is *evictable* when its ``ref_cnt == 0`` and its key is not in the ``protected``
+    container passed to :meth:`evict`. Not thread-safe.
+    """
+
+    #: The registry name (``--eviction-policy``).
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> OffloadedBlock | None:
+        """Return the block of ``key`` or ``None``. Must not change any order."""
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+        """Add a block the policy does not hold (just prepared for store)."""
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Forget a held block (its store failed). Not an eviction."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Record a use of ``keys`` (prefix order, head first). Unknown keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+        """Remove and return exactly ``n`` evictable blocks, or return ``None`` and change nothing."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every block."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """The number of blocks held."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[OffloadKey]:
+        """Iterate over held keys (any order)."""
+
+    def admit(self, keys: list[OffloadKey], chain: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """Return the subset of ``keys`` (absent, to be stored) worth storing, in order.
+
+        ``chain`` is everything the caller offered (prefix order), ``keys`` the absent part of it.
+        Default: admit all. The manager skips the call entirely for policies that don't override it.
+        """
+        return keys
+
+    def check_invariants(self) -> None:  # noqa: B027 - optional hook
+        """Raise ``AssertionError`` if internal structures disagree (tests only)."""
+
+
+_P = TypeVar("_P", bound=type[EvictionPolicy])
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_eviction_policy(cls: _P) -> _P:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"eviction policy name {cls.name!r} is already registered by {_REGISTRY[cls.name]!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_entry_points() -> None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _REGISTRY:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+                raise ConfigError("eviction_policy", f"entry point {ep.value!r} is not an EvictionPolicy subclass")
+            _REGISTRY[ep.name] = cls
+
+
+def available_eviction_policies() -> list[str]:
+    """Names of every registered policy, entry points included."""
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def create_eviction_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Instantiate the policy registered as ``name`` for a tier of ``capacity`` blocks."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        _load_entry_points()
+        cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ConfigError("eviction_policy", f"unknown policy {name!r}; choose from {available_eviction_policies()}")
+    return cls(capacity)
+

@@ -1,0 +1,6 @@
+"""Offloading managers: the tiers' scheduler-side bookkeeping."""
+
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.managers.reuse import FilterReusedOffloadingManager
+
+__all__ = ["CPUOffloadingManager", "FilterReusedOffloadingManager"]

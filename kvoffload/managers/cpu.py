@@ -1,0 +1,218 @@
+"""The host-memory tier's manager: a fixed pool of slots ordered by a pluggable eviction policy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvoffload.base import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput, ReqContext
+from kvoffload.errors import ConfigError, ContractError
+from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
+from kvoffload.keys import OffloadKey
+from kvoffload.mediums import CPULoadStoreSpec
+
+__all__ = ["CPUOffloadingManager"]
+
+# Bound once: enum attribute lookups cost more than the dict lookup they report on.
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Bookkeeping of ``num_blocks`` host slots, each holding one offloaded block.
+
+    Slots: never-used ids are handed out in ascending order first (a bump pointer), then freed
+    ids last-in first-out. Invariants (checked by :meth:`check_invariants`): every slot below the
+    bump pointer is either free or owned by exactly one key; the pool never holds more than
+    ``num_blocks`` blocks; pending and pinned blocks are never evicted.
+
+    Events (only when ``enable_events``): one removal event per ``prepare_store`` that evicted,
+    one stored event per ``complete_store(success=True)`` that made blocks readable, removals of
+    every readable block on :meth:`reset`; failed stores emit nothing (they were never announced).
+
+    Counters from :meth:`stats`: ``capacity_blocks``, ``used_blocks`` (gauges); ``stored_blocks``,
+    ``failed_store_blocks``, ``loaded_blocks``, ``evicted_blocks``, ``rejected_stores`` (prepare_store
+    answered ``None``), ``not_admitted_blocks`` (declined by the policy).
+    """
+
+    medium = "CPU"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        eviction_policy: str | EvictionPolicy = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError("num_blocks", f"the tier needs at least one block, got {num_blocks!r}")
+        policy = (
+            create_eviction_policy(eviction_policy, num_blocks)
+            if isinstance(eviction_policy, str)
+            else eviction_policy
+        )
+        self._policy = policy
+        self._get = policy.get
+        # Admission is skipped entirely (not called as a no-op) for policies that admit everything.
+        self._admit = policy.admit if type(policy).admit is not EvictionPolicy.admit else None
+        self._num_blocks = num_blocks
+        self._num_allocated = 0  # bump pointer over never-used slot ids
+        self._free_slots: list[int] = []  # freed ids, reused LIFO
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._stored = self._failed = self._loaded = self._evicted = 0
+        self._rejected = self._not_admitted = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """The capacity of the tier, in blocks."""
+        return self._num_blocks
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy ordering this tier."""
+        return self._policy
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        block = self._get(key)
+        if block is None:
+            return _MISS
+        return _HIT if block.ref_cnt >= 0 else _HIT_PENDING
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        get = self._get
+        slots: list[int] = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt < 0:
+                self._unpin(keys[: len(slots)])
+                state = "absent" if block is None else "still being written"
+                raise ContractError(f"prepare_load: block {key.hex()} is {state}; only HIT blocks can be loaded")
+            block.ref_cnt += 1
+            slots.append(block.slot)
+        self._loaded += len(slots)
+        return CPULoadStoreSpec(slots)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._policy.touch(keys, ctx)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        get = self._get
+        for i, key in enumerate(keys):
+            block = get(key)
+            if block is None or block.ref_cnt <= 0:
+                for done in keys[:i]:
+                    get(done).ref_cnt += 1  # type: ignore[union-attr]
+                raise ContractError(f"complete_load: block {key.hex()} is not pinned by a prepare_load")
+            block.ref_cnt -= 1
+
+    def _unpin(self, keys: Sequence[OffloadKey]) -> None:
+        get = self._get
+        for key in keys:
+            get(key).ref_cnt -= 1  # type: ignore[union-attr]
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        get = self._get
+        # dict.fromkeys: drop absent keys listed twice, keeping order.
+        to_store = list(dict.fromkeys(k for k in keys if get(k) is None))
+        if self._admit is not None and to_store:
+            admitted = self._admit(to_store, keys, ctx)
+            self._not_admitted += len(to_store) - len(admitted)
+            to_store = admitted
+        if not to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+
+        free_slots = self._free_slots
+        need = len(to_store) - (self._num_blocks - self._num_allocated + len(free_slots))
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            victims = self._policy.evict(need, set(keys))
+            if victims is None:
+                self._rejected += 1
+                return None
+            for key, block in victims:
+                evicted.append(key)
+                free_slots.append(block.slot)
+            self._evicted += need
+            if self._events is not None:
+                self._events.append(OffloadingEvent(evicted, self.medium, True))
+
+        insert = self._policy.insert
+        slots: list[int] = []
+        for key in to_store:
+            if self._num_allocated < self._num_blocks:
+                slot = self._num_allocated
+                self._num_allocated += 1
+            else:
+                slot = free_slots.pop()
+            insert(key, OffloadedBlock(slot))
+            slots.append(slot)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted)
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        get = self._get
+        if success:
+            stored: list[OffloadKey] = []
+            for key in keys:
+                block = get(key)
+                if block is not None and block.ref_cnt < 0:
+                    block.ref_cnt = 0
+                    stored.append(key)
+            self._stored += len(stored)
+            if stored and self._events is not None:
+                self._events.append(OffloadingEvent(stored, self.medium, False))
+        else:
+            remove = self._policy.remove
+            for key in keys:
+                block = get(key)
+                if block is not None and block.ref_cnt < 0:
+                    remove(key)
+                    self._free_slots.append(block.slot)
+                    self._failed += 1
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def reset(self) -> None:
+        get = self._get
+        readable = [k for k in self._policy if get(k).ref_cnt >= 0]  # type: ignore[union-attr]
+        self._policy.clear()
+        self._free_slots.clear()
+        self._num_allocated = 0
+        if readable and self._events is not None:
+            self._events.append(OffloadingEvent(readable, self.medium, True))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "capacity_blocks": self._num_blocks,
+            "used_blocks": len(self._policy),
+            "stored_blocks": self._stored,
+            "failed_store_blocks": self._failed,
+            "loaded_blocks": self._loaded,
+            "evicted_blocks": self._evicted,
+            "rejected_stores": self._rejected,
+            "not_admitted_blocks": self._not_admitted,
+        }
+
+    def items(self) -> Iterator[tuple[OffloadKey, OffloadedBlock]]:
+        """Iterate over ``(key, block)`` of every held block. O(blocks held): tooling and tests."""
+        get = self._get
+        for key in list(self._policy):
+            yield key, get(key)  # type: ignore[misc]
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if slot accounting or the policy is inconsistent."""
+        owners: dict[int, OffloadKey] = {}
+        for key, block in self.items():
+            assert block is not None, f"policy iterates {key.hex()} but get() misses it"
+            assert block.ref_cnt >= -1, f"{key.hex()}: ref_cnt {block.ref_cnt}"
+            assert 0 <= block.slot < self._num_allocated, f"{key.hex()}: slot {block.slot} never allocated"
+            assert block.slot not in owners, f"slot {block.slot} owned by two keys"
+            owners[block.slot] = key
+        free = set(self._free_slots)
+        assert len(free) == len(self._free_slots), "a slot is on the free list twice"
+        assert not free & owners.keys(), "a slot is both free and owned"
+        assert len(owners) + len(free) == self._num_allocated <= self._num_blocks, "slots leaked"
+        self._policy.check_invariants()
