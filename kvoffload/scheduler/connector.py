@@ -1,0 +1,464 @@
+"""The scheduler-side offloading connector: hits, load jobs, store jobs and completions.
+
+Engine protocol, per request (modelled on vLLM's KV connector):
+
+1. ``get_num_new_matched_tokens(request, num_computed_tokens)`` before allocating: how many
+   tokens beyond the engine's own prefix-cache hit can be loaded.
+2. ``update_state_after_alloc(request, block_ids, num_external_tokens)`` once blocks are
+   allocated: plans the load (the request waits until its load completes).
+3. Every step ``build_connector_meta(scheduler_output)``: this step's loads and stores, for the
+   worker side; after the step ``update_connector_output(results)``.
+4. ``request_finished(request)`` once: says whether the engine must keep the request's blocks
+   (transfers still read or write them) until ``update_connector_output`` lists it as freed.
+
+Design choices where vLLM has known problems:
+
+* **No convoy** (vLLM #44294). A request never waits for another request's transfer: blocks
+  being loaded for another request are ready in the tier, so it loads them too (the tier counts
+  concurrent readers); blocks still being written (``HIT_PENDING``) end the hit, and the rest is
+  recomputed. ``get_num_new_matched_tokens`` therefore always answers at once.
+* **Failures degrade** (vLLM #52838). A failed load is reported in ``ConnectorUpdate.failed_loads``
+  and the engine recomputes; a failed store frees what it prepared. Nothing asserts on a result.
+* **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
+  blocks while any of the request's jobs is in flight, and a preempted request's in-flight jobs
+  are flushed (``jobs_to_flush``) before the next forward pass may overwrite its blocks.
+* A ``None`` from ``prepare_store`` re-offers the blocks next step (the policy rewinds).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvoffload.base import LookupResult, OffloadingManager, ReqContext
+from kvoffload.errors import ConfigError, ContractError
+from kvoffload.keys import OffloadKey, offload_key_group
+from kvoffload.mediums import GPULoadStoreSpec
+from kvoffload.scheduler.interface import ConnectorUpdate, SchedulerOutput
+from kvoffload.scheduler.policy import STORE_POLICIES, OffloadPolicy
+from kvoffload.scheduler.state import OffloadRequest, RequestKVState, SchedulerOffloadConfig
+from kvoffload.transfer import ConnectorMetadata, TransferJob, TransferResult
+
+__all__ = ["OffloadingConnectorScheduler", "parse_kv_transfer_params"]
+
+logger = logging.getLogger(__name__)
+
+_HIT = LookupResult.HIT
+
+
+def parse_kv_transfer_params(
+    params: Mapping[str, Any] | None, default_policy: str
+) -> tuple[str, int | None, int | None]:
+    """Validate a request's offloading parameters: ``(store_policy, max_offload_tokens, max_load_tokens)``.
+
+    Recognised keys: ``store_policy`` (a name from ``STORE_POLICIES``), ``max_offload_tokens`` and
+    ``max_load_tokens`` (non-negative ints: store / load at most the first that many tokens).
+    Other keys are left for other components. Bad values raise :class:`ConfigError`.
+    """
+    if not params:
+        return default_policy, None, None
+    policy = params.get("store_policy", default_policy)
+    if policy not in STORE_POLICIES:
+        raise ConfigError(
+            "kv_transfer_params.store_policy", f"unknown store policy {policy!r}; choose from {sorted(STORE_POLICIES)}"
+        )
+    caps: list[int | None] = []
+    for name in ("max_offload_tokens", "max_load_tokens"):
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"kv_transfer_params.{name}", f"must be a non-negative integer, got {value!r}")
+        caps.append(value)
+    return policy, caps[0], caps[1]
+
+
+class _Job:
+    """A planned transfer until every worker has reported it."""
+
+    __slots__ = ("ctx", "failed", "is_store", "job_id", "keys", "pending", "req_id", "stale")
+
+    def __init__(self, job_id: int, req_id: str, ctx: ReqContext, keys: list[OffloadKey], is_store: bool, pending: int):
+        self.job_id = job_id
+        self.req_id = req_id
+        self.ctx = ctx
+        self.keys = keys
+        self.is_store = is_store
+        self.pending = pending  # workers yet to report
+        self.failed = False
+        self.stale = False  # started before a reset: the manager no longer knows its keys
+
+
+class OffloadingConnectorScheduler:
+    """Scheduler-side half of the offloading connector (see the module docstring)."""
+
+    def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager) -> None:
+        if config.store_policy not in STORE_POLICIES:
+            raise ConfigError("store_policy", f"unknown store policy {config.store_policy!r}; choose from {sorted(STORE_POLICIES)}")
+        self.config = config
+        self.manager = manager
+        self._policies: dict[str, OffloadPolicy] = {name: cls(config) for name, cls in STORE_POLICIES.items()}
+        self._requests: dict[str, RequestKVState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        # Accumulated until the next build_connector_meta:
+        self._load_jobs: list[TransferJob] = []
+        self._store_jobs: list[TransferJob] = []
+        self._jobs_to_flush: list[int] = []
+        self._failed_before_submit: list[str] = []
+        self._full_groups = [g for g, c in enumerate(config.groups) if c.sliding_window_blocks is None]
+        self._window_groups = [g for g, c in enumerate(config.groups) if c.sliding_window_blocks is not None]
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "hit_tokens",
+                "load_jobs",
+                "loaded_blocks",
+                "failed_loads",
+                "store_jobs",
+                "stored_blocks",
+                "failed_stores",
+                "rejected_stores",
+                "load_bytes",
+                "store_bytes",
+            ),
+            0,
+        )
+        self._transfer_seconds = {"load": 0.0, "store": 0.0}
+
+    # ------------------------------------------------------------------ requests
+
+    def _new_state(self, request: OffloadRequest) -> RequestKVState:
+        params = request.kv_transfer_params
+        policy, max_offload, max_load = parse_kv_transfer_params(params, self.config.store_policy)
+        ctx = ReqContext(request.request_id, dict(params) if params else {})
+        state = RequestKVState(self.config, request, ctx, policy, max_offload, max_load)
+        self._requests[request.request_id] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: OffloadRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` loadable from the tier, and whether to load async.
+
+        Whole offloaded blocks only; never the last prompt token (the engine needs its logits).
+        Always known at once with tiers that answer synchronously (``None`` is reserved for tiers
+        whose lookups are asynchronous). Touches the request's blocks in the tier.
+        """
+        state = self._requests.get(request.request_id)
+        first_call = state is None
+        if state is None:
+            state = self._new_state(request)
+        else:  # re-admitted: its engine blocks will be allocated anew
+            for group_state in state.group_states:
+                group_state.block_ids.clear()
+        state.update_offload_keys()
+        state.num_locally_computed_tokens = num_computed_tokens
+        hit_end = self._lookup(state, num_computed_tokens)
+        if first_call:
+            for group, group_state in zip(self.config.groups, state.group_states, strict=True):
+                group_state.num_hit_blocks = max(hit_end, num_computed_tokens) // group.offloaded_block_size
+        self._touch(state)
+        num_hit = max(0, hit_end - num_computed_tokens)
+        self._counters["lookups"] += 1
+        self._counters["hit_tokens"] += num_hit
+        return num_hit, num_hit > 0
+
+    def _lookup(self, state: RequestKVState, num_computed: int) -> int:
+        """The token index up to which the request can be served from engine + tier."""
+        bound = state.request.num_tokens - 1
+        if state.max_load_tokens is not None:
+            bound = min(bound, num_computed + state.max_load_tokens)
+        align = self.config.load_alignment
+        end = bound // align * align
+        if end <= num_computed:
+            return num_computed
+        lookup, ctx, groups = self.manager.lookup, state.req_context, self.config.groups
+        for g in self._full_groups:
+            obs = groups[g].offloaded_block_size
+            keys = state.group_states[g].offload_keys
+            i = num_computed // obs
+            last = min(end // obs, len(keys))
+            while i < last and lookup(keys[i], ctx) is _HIT:
+                i += 1
+            end = min(end, i * obs) // align * align
+            if end <= num_computed:
+                return num_computed
+        changed = bool(self._window_groups)
+        while changed:  # a window group's answer lowers the bound; re-check all window groups
+            changed = False
+            for g in self._window_groups:
+                group = groups[g]
+                obs = group.offloaded_block_size
+                hit_blocks = self._window_hit(state, g, num_computed // obs, end // obs, group.sliding_window_blocks or 0)
+                if hit_blocks * obs < end:
+                    end = hit_blocks * obs // align * align
+                    changed = True
+                    if end <= num_computed:
+                        return num_computed
+        return end
+
+    def _window_hit(self, state: RequestKVState, g: int, first: int, last: int, window: int) -> int:
+        """Largest ``L <= last`` whose needed blocks ``[max(first, L - window), L)`` are all HIT."""
+        keys = state.group_states[g].offload_keys
+        last = min(last, len(keys))
+        lookup, ctx = self.manager.lookup, state.req_context
+        candidate = last
+        i = last - 1
+        while i >= first:
+            if lookup(keys[i], ctx) is _HIT:
+                if candidate - i >= window or i == first:
+                    return candidate
+            else:
+                candidate = i
+            i -= 1
+        return first
+
+    def _touch(self, state: RequestKVState) -> None:
+        touch, ctx = self.manager.touch, state.req_context
+        for group, group_state in zip(self.config.groups, state.group_states, strict=True):
+            keys = group_state.offload_keys
+            if not keys:
+                continue
+            if group.sliding_window_blocks is None:
+                touch(keys, ctx)
+            else:
+                touch(keys[max(0, group_state.num_hit_blocks - group.sliding_window_blocks) :], ctx)
+
+    def update_state_after_alloc(
+        self, request: OffloadRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """Record the request's engine block table and plan the load of its external tokens.
+
+        ``block_ids[g]`` is the request's whole block table in group ``g`` after allocation.
+        Block tables are recorded even when nothing is loaded (stores need them).
+        """
+        state = self._requests.get(request.request_id)
+        if state is None:
+            raise ContractError(f"update_state_after_alloc({request.request_id!r}) before get_num_new_matched_tokens")
+        for group_state, ids in zip(state.group_states, block_ids, strict=True):
+            group_state.block_ids[:] = ids
+        if num_external_tokens <= 0:
+            return
+        start = state.num_locally_computed_tokens
+        end = start + num_external_tokens
+        keys: list[OffloadKey] = []
+        engine_ids: list[int] = []
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        for group, group_state in zip(self.config.groups, state.group_states, strict=True):
+            obs, factor = group.offloaded_block_size, group.block_size_factor
+            first_block, last_block = start // obs, end // obs
+            if group.sliding_window_blocks is not None:
+                first_block = max(first_block, last_block - group.sliding_window_blocks)
+            first_engine = max(start // group.engine_block_size, first_block * factor)
+            ids = group_state.block_ids[first_engine : last_block * factor]
+            keys.extend(group_state.offload_keys[first_block:last_block])
+            engine_ids.extend(ids)
+            group_sizes.append(len(ids))
+            block_indices.append(first_engine)
+        try:
+            src = self.manager.prepare_load(keys, state.req_context)
+        except ContractError:
+            # The hit vanished between lookup and allocation: recompute instead of loading.
+            logger.warning("request %s: offloaded blocks vanished before their load; recomputing", request.request_id)
+            self._failed_before_submit.append(request.request_id)
+            return
+        job_id = self._new_job(state, keys, is_store=False)
+        self._load_jobs.append(TransferJob(job_id, request.request_id, src, GPULoadStoreSpec(engine_ids, group_sizes, block_indices)))
+        self._policies[state.store_policy].on_blocks_loaded(request.request_id, end)
+        self._counters["load_jobs"] += 1
+        self._counters["loaded_blocks"] += len(keys)
+
+    def _new_job(self, state: RequestKVState, keys: list[OffloadKey], is_store: bool) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = _Job(job_id, state.req_context.req_id, state.req_context, keys, is_store, self.config.num_workers)
+        state.transfer_jobs.add(job_id)
+        return job_id
+
+    # ------------------------------------------------------------------ stores
+
+    def _plan_store(self, state: RequestKVState, num_offloadable_tokens: int, finished: bool = False) -> TransferJob | None:
+        if state.max_offload_tokens is not None:
+            num_offloadable_tokens = min(num_offloadable_tokens, state.max_offload_tokens)
+        policy = self._policies[state.store_policy]
+        keys, starts = policy.get_blocks_to_store(state, num_offloadable_tokens, finished)
+        if not keys:
+            return None
+        req_id = state.req_context.req_id
+        groups = self.config.groups
+        # Locate each offered key: (group, offloaded block index); keys are grouped in order.
+        located: list[tuple[int, int]] = []
+        offset = [0] * len(groups)
+        for key in keys:
+            g = offload_key_group(key) if len(groups) > 1 else 0
+            located.append((g, starts[g] + offset[g]))
+            offset[g] += 1
+        for g, (group, group_state) in enumerate(zip(groups, state.group_states, strict=True)):
+            if offset[g] and len(group_state.block_ids) < (starts[g] + offset[g]) * group.block_size_factor:
+                # The engine has not reported these blocks yet: try again next step.
+                policy.on_store_rejected(req_id, starts)
+                return None
+        out = self.manager.prepare_store(keys, state.req_context)
+        if out is None:
+            policy.on_store_rejected(req_id, starts)
+            self._counters["rejected_stores"] += 1
+            return None
+        if not out.keys_to_store:
+            return None
+        stored = out.keys_to_store
+        if len(stored) != len(keys):
+            wanted = set(stored)
+            located = [loc for key, loc in zip(keys, located, strict=True) if key in wanted]
+        engine_ids: list[int] = []
+        group_sizes = [0] * len(groups)
+        block_indices = [-1] * len(groups)
+        for g, block in located:
+            factor = groups[g].block_size_factor
+            engine_ids.extend(state.group_states[g].block_ids[block * factor : (block + 1) * factor])
+            group_sizes[g] += factor
+            if block_indices[g] < 0:
+                block_indices[g] = block * factor
+        block_indices = [max(0, i) for i in block_indices]
+        job_id = self._new_job(state, stored, is_store=True)
+        self._counters["store_jobs"] += 1
+        self._counters["stored_blocks"] += len(stored)
+        return TransferJob(job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        """Plan this step's stores and hand over every job planned since the last call."""
+        requests = self._requests
+        store_jobs = self._store_jobs
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            state = requests.get(request.request_id)
+            if state is None:
+                continue
+            if scheduled.new_block_ids:
+                for group_state, ids in zip(state.group_states, scheduled.new_block_ids, strict=True):
+                    if scheduled.resumed:
+                        group_state.block_ids[:] = ids
+                    elif ids:
+                        group_state.block_ids.extend(ids)
+            state.update_offload_keys()
+            job = self._plan_store(
+                state, min(request.num_computed_tokens + scheduled.num_scheduled_tokens, request.num_tokens)
+            )
+            if job is not None:
+                store_jobs.append(job)
+        flush = self._jobs_to_flush
+        for req_id in scheduler_output.preempted_req_ids:
+            state = requests.get(req_id)
+            if state is not None and state.transfer_jobs:
+                flush.extend(state.transfer_jobs)
+        meta = ConnectorMetadata(self._load_jobs, store_jobs, flush)
+        self._load_jobs, self._store_jobs, self._jobs_to_flush = [], [], []
+        return meta
+
+    # ------------------------------------------------------------------ completions
+
+    def update_connector_output(self, results: Iterable[TransferResult]) -> ConnectorUpdate:
+        """Apply worker results; a job completes when all ``num_workers`` workers reported it."""
+        update = ConnectorUpdate()
+        if self._failed_before_submit:
+            update.failed_loads.extend(self._failed_before_submit)
+            self._failed_before_submit = []
+        jobs, counters = self._jobs, self._counters
+        for result in results:
+            job = jobs.get(result.job_id)
+            if job is None:
+                logger.debug("ignoring result of unknown job %d", result.job_id)
+                continue
+            if job.is_store:
+                counters["store_bytes"] += result.num_bytes
+                self._transfer_seconds["store"] += result.seconds
+            else:
+                counters["load_bytes"] += result.num_bytes
+                self._transfer_seconds["load"] += result.seconds
+            if not result.success:
+                job.failed = True
+            job.pending -= 1
+            if job.pending > 0:
+                continue
+            del jobs[result.job_id]
+            self._complete(job, update)
+        return update
+
+    def _complete(self, job: _Job, update: ConnectorUpdate) -> None:
+        failed = job.failed or job.stale
+        if not job.stale:
+            if job.is_store:
+                self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
+            else:
+                self.manager.complete_load(job.keys, job.ctx)
+        if job.failed:
+            self._counters["failed_stores" if job.is_store else "failed_loads"] += 1
+            logger.warning(
+                "request %s: %s of %d blocks failed; %s",
+                job.req_id,
+                "store" if job.is_store else "load",
+                len(job.keys),
+                "blocks not offloaded" if job.is_store else "recomputing",
+            )
+        state = self._requests.get(job.req_id)
+        if state is None:
+            return
+        state.transfer_jobs.discard(job.job_id)
+        if not job.is_store:
+            (update.failed_loads if failed else update.loaded).append(job.req_id)
+        if state.finished and not state.transfer_jobs:
+            del self._requests[job.req_id]
+            update.freed.append(job.req_id)
+
+    def request_finished(self, request: OffloadRequest) -> tuple[bool, dict[str, Any] | None]:
+        """The request ended (finished or aborted). Returns ``(delay_free, params)``.
+
+        Plans the request's final stores (``on_finish`` policies store everything now), then tells
+        the policy and the manager; nothing is submitted for the request afterwards. ``delay_free``
+        is True while any of its jobs is in flight: the engine must keep its blocks until a later
+        ``update_connector_output`` lists the request in ``freed``.
+        """
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is None:
+            return False, None
+        state.finished = True
+        job = self._plan_store(state, request.num_computed_tokens, finished=True)
+        if job is not None:
+            self._store_jobs.append(job)
+        self._policies[state.store_policy].request_finished(req_id)
+        self.manager.request_finished(state.req_context)
+        if state.transfer_jobs:
+            return True, None
+        del self._requests[req_id]
+        return False, None
+
+    # ------------------------------------------------------------------ misc
+
+    def has_pending_jobs(self) -> bool:
+        """True while any job is planned or in flight (the engine must keep stepping)."""
+        return bool(self._jobs or self._store_jobs or self._load_jobs or self._failed_before_submit)
+
+    def reset(self) -> None:
+        """Empty the tier. Jobs in flight are flushed next step and their results ignored by the
+        manager (their loads count as failed: those requests recompute)."""
+        for job_id, job in self._jobs.items():
+            job.stale = True
+            self._jobs_to_flush.append(job_id)
+        self.manager.reset()
+        for policy in self._policies.values():
+            policy.reset()
+
+    def take_events(self) -> list[Any]:
+        """The manager's events since the last call (see ``kvoffload.events`` for conversion)."""
+        return self.manager.take_events()
+
+    def stats(self) -> dict[str, float]:
+        """Connector counters (``lookups``, ``hit_tokens``, jobs, blocks, bytes, seconds) plus the
+        manager's, the latter prefixed ``tier_``."""
+        out: dict[str, float] = dict(self._counters)
+        out["load_seconds"] = self._transfer_seconds["load"]
+        out["store_seconds"] = self._transfer_seconds["store"]
+        out["live_requests"] = len(self._requests)
+        out["jobs_in_flight"] = len(self._jobs)
+        for name, value in self.manager.stats().items():
+            out[f"tier_{name}"] = value
+        return out

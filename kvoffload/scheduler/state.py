@@ -1,0 +1,168 @@
+"""Scheduler-side data types: the offloading configuration and per-request KV state.
+
+Data only. Store progress is not here: it belongs to the store policy (``policy.py``), which
+imports this module (never the reverse), as does the connector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvoffload.base import ReqContext
+from kvoffload.errors import ConfigError
+from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "GroupOffloadConfig",
+    "OffloadRequest",
+    "RequestGroupState",
+    "RequestKVState",
+    "SchedulerOffloadConfig",
+]
+
+#: Engine block id of a position whose KV the engine does not hold (outside a sliding window).
+NULL_BLOCK_ID = -1
+
+
+class OffloadRequest(Protocol):
+    """What the connector reads from an engine request (vLLM's ``Request`` has all of it)."""
+
+    request_id: str
+    #: Prompt tokens plus tokens generated so far.
+    num_tokens: int
+    num_prompt_tokens: int
+    #: Tokens whose KV the engine has computed (or loaded).
+    num_computed_tokens: int
+    #: Chained hashes of every full block of ``hash_block_size`` tokens so far.
+    block_hashes: Sequence[BlockHash]
+    all_token_ids: Sequence[int]
+    kv_transfer_params: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOffloadConfig:
+    """One KV-cache group: how its engine blocks map onto offloaded blocks.
+
+    ``sliding_window_blocks`` is the window size in offloaded blocks (a request needs only the
+    last window's blocks), or ``None`` for full attention (it needs every block before).
+    """
+
+    engine_block_size: int
+    block_size_factor: int
+    sliding_window_blocks: int | None = None
+
+    @property
+    def offloaded_block_size(self) -> int:
+        """Tokens per offloaded block: ``engine_block_size * block_size_factor``."""
+        return self.engine_block_size * self.block_size_factor
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOffloadConfig:
+    """Static offloading configuration of one engine.
+
+    ``hash_block_size`` is the granularity of ``OffloadRequest.block_hashes``; every group's
+    offloaded block size must be a multiple of it (the key of an offloaded block is the hash of
+    the last hash-block inside it, plus the group index). ``num_workers`` worker processes each
+    move their own shard: a job completes when all of them have reported it.
+    ``store_policy`` names the default :class:`~kvoffload.scheduler.policy.OffloadPolicy`.
+    """
+
+    groups: tuple[GroupOffloadConfig, ...]
+    hash_block_size: int
+    num_workers: int = 1
+    store_policy: str = "on_compute"
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("groups", "at least one KV-cache group is required")
+        if self.hash_block_size <= 0:
+            raise ConfigError("hash_block_size", f"must be positive, got {self.hash_block_size}")
+        if self.num_workers <= 0:
+            raise ConfigError("num_workers", f"must be positive, got {self.num_workers}")
+        for g, group in enumerate(self.groups):
+            if group.engine_block_size <= 0 or group.block_size_factor <= 0:
+                raise ConfigError(
+                    f"groups[{g}]", f"block sizes must be positive, got {group.engine_block_size}x{group.block_size_factor}"
+                )
+            if group.offloaded_block_size % self.hash_block_size:
+                raise ConfigError(
+                    f"groups[{g}].offloaded_block_size",
+                    f"{group.offloaded_block_size} is not a multiple of hash_block_size {self.hash_block_size}",
+                )
+            if group.sliding_window_blocks is not None and group.sliding_window_blocks <= 0:
+                raise ConfigError(f"groups[{g}].sliding_window_blocks", "must be positive or None")
+
+    @property
+    def load_alignment(self) -> int:
+        """Loads cover a multiple of this many tokens: whole offloaded blocks of every group."""
+        return math.lcm(*(g.offloaded_block_size for g in self.groups))
+
+    @classmethod
+    def single_group(
+        cls, engine_block_size: int, block_size_factor: int = 1, num_workers: int = 1, store_policy: str = "on_compute"
+    ) -> SchedulerOffloadConfig:
+        """One full-attention group, hashed at the engine block size (the reference engine's case)."""
+        return cls((GroupOffloadConfig(engine_block_size, block_size_factor),), engine_block_size, num_workers, store_policy)
+
+
+@dataclass(slots=True)
+class RequestGroupState:
+    """One request in one KV-cache group.
+
+    ``offload_keys[i]`` names offloaded block ``i`` (grows as the request's full blocks appear);
+    ``block_ids[j]`` is the engine block holding the request's ``j``-th engine block of this group
+    (``NULL_BLOCK_ID`` where the engine holds nothing). ``num_hit_blocks``: offloaded blocks
+    covered by hits (engine prefix cache plus offloaded tier) when the request was admitted.
+    """
+
+    offload_keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_hit_blocks: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class RequestKVState:
+    """Everything the scheduler side tracks for one live request.
+
+    ``transfer_jobs`` holds the ids of this request's jobs in flight (loads and stores); the
+    engine must not free the request's engine blocks while it is non-empty.
+    ``store_policy`` is the policy name this request uses (validated at creation).
+    """
+
+    config: SchedulerOffloadConfig
+    request: OffloadRequest
+    req_context: ReqContext
+    store_policy: str
+    max_offload_tokens: int | None = None
+    max_load_tokens: int | None = None
+    group_states: list[RequestGroupState] = field(default_factory=list)
+    num_locally_computed_tokens: int = 0
+    transfer_jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+    num_hashes_seen: int = 0  # len(request.block_hashes) at the last update_offload_keys
+
+
+    def __post_init__(self) -> None:
+        if not self.group_states:
+            self.group_states = [RequestGroupState() for _ in self.config.groups]
+
+    def update_offload_keys(self) -> None:
+        """Extend every group's ``offload_keys`` to cover the request's current full blocks."""
+        hashes = self.request.block_hashes
+        num_hashes = len(hashes)
+        if num_hashes == self.num_hashes_seen:
+            return
+        self.num_hashes_seen = num_hashes
+        hbs = self.config.hash_block_size
+        for g, (group, state) in enumerate(zip(self.config.groups, self.group_states, strict=True)):
+            per_block = group.offloaded_block_size // hbs
+            keys = state.offload_keys
+            i = len(keys)
+            while (i + 1) * per_block <= num_hashes:
+                keys.append(make_offload_key(hashes[(i + 1) * per_block - 1], g))
+                i += 1
