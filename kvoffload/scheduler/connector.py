@@ -33,8 +33,10 @@ from typing import Any
 
 from kvoffload.base import LookupResult, OffloadingManager, ReqContext
 from kvoffload.errors import ConfigError, ContractError
-from kvoffload.keys import OffloadKey, offload_key_group
+from kvoffload.events.messages import KVCacheEvent
+from kvoffload.keys import OffloadKey, offload_key_group, offload_key_hash
 from kvoffload.mediums import GPULoadStoreSpec
+from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.interface import ConnectorUpdate, SchedulerOutput
 from kvoffload.scheduler.policy import STORE_POLICIES, OffloadPolicy
 from kvoffload.scheduler.state import OffloadRequest, RequestKVState, SchedulerOffloadConfig
@@ -89,13 +91,23 @@ class _Job:
 
 
 class OffloadingConnectorScheduler:
-    """Scheduler-side half of the offloading connector (see the module docstring)."""
+    """Scheduler-side half of the offloading connector (see the module docstring).
 
-    def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager) -> None:
+    ``events``: when given (and the manager collects events), :meth:`take_events` returns
+    self-describing ``BlockStored``/``BlockRemoved`` events for the tier.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerOffloadConfig,
+        manager: OffloadingManager,
+        events: OffloadEventDescriber | None = None,
+    ) -> None:
         if config.store_policy not in STORE_POLICIES:
             raise ConfigError("store_policy", f"unknown store policy {config.store_policy!r}; choose from {sorted(STORE_POLICIES)}")
         self.config = config
         self.manager = manager
+        self._events = events
         self._policies: dict[str, OffloadPolicy] = {name: cls(config) for name, cls in STORE_POLICIES.items()}
         self._requests: dict[str, RequestKVState] = {}
         self._jobs: dict[int, _Job] = {}
@@ -318,10 +330,21 @@ class OffloadingConnectorScheduler:
             if block_indices[g] < 0:
                 block_indices[g] = block * factor
         block_indices = [max(0, i) for i in block_indices]
+        if self._events is not None:
+            self._describe(state, stored, located)
         job_id = self._new_job(state, stored, is_store=True)
         self._counters["store_jobs"] += 1
         self._counters["stored_blocks"] += len(stored)
         return TransferJob(job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec)
+
+    def _describe(self, state: RequestKVState, keys: list[OffloadKey], located: list[tuple[int, int]]) -> None:
+        assert self._events is not None
+        tokens = state.request.all_token_ids
+        for key, (g, block) in zip(keys, located, strict=True):
+            obs = self.config.groups[g].offloaded_block_size
+            group_keys = state.group_states[g].offload_keys
+            parent = offload_key_hash(group_keys[block - 1]) if block else None
+            self._events.record(key, parent, list(tokens[block * obs : (block + 1) * obs]), obs)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         """Plan this step's stores and hand over every job planned since the last call."""
@@ -389,6 +412,8 @@ class OffloadingConnectorScheduler:
                 self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
             else:
                 self.manager.complete_load(job.keys, job.ctx)
+        if job.is_store and failed and self._events is not None:
+            self._events.forget(job.keys)
         if job.failed:
             self._counters["failed_stores" if job.is_store else "failed_loads"] += 1
             logger.warning(
@@ -443,13 +468,18 @@ class OffloadingConnectorScheduler:
         for job_id, job in self._jobs.items():
             job.stale = True
             self._jobs_to_flush.append(job_id)
+            if job.is_store and self._events is not None:
+                self._events.forget(job.keys)
         self.manager.reset()
         for policy in self._policies.values():
             policy.reset()
 
-    def take_events(self) -> list[Any]:
-        """The manager's events since the last call (see ``kvoffload.events`` for conversion)."""
-        return self.manager.take_events()
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tier's KV events since the last call (empty unless ``events`` was given)."""
+        events = self.manager.take_events()
+        if self._events is None or not events:
+            return []
+        return self._events.convert(events)
 
     def stats(self) -> dict[str, float]:
         """Connector counters (``lookups``, ``hit_tokens``, jobs, blocks, bytes, seconds) plus the

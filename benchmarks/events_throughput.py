@@ -1,0 +1,165 @@
+"""KV event throughput: end to end through ZMQ PUB -> SUB on loopback, and encode-only cost.
+
+Each batch holds 100 self-describing ``BlockStored`` events (one 32-byte hash, a parent hash,
+16 token ids each), the shape of an engine step that offloads 100 blocks. Measured in one run:
+
+* encode only: msgpack bytes of one batch, map form (default) and legacy array form;
+* decode only: what a subscriber pays per batch;
+* ``publish()``: what the engine step pays per batch (queueing only; sending is on a thread);
+* end to end: batches published back to back in this process, received and decoded by a
+  :class:`~kvoffload.events.KVEventSubscriber` in a child process; events per second from the
+  first publish to the last batch decoded, with the batches lost (0 expected) reported.
+
+Run: ``.venv/bin/python benchmarks/events_throughput.py [--batches N]``. Asserts nothing.
+
+Engine step time with events on vs off is not measured here: the engine author adds it next to
+this file (it needs the engine's step loop), reusing :func:`make_batch` for the event payload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+
+from kvoffload.events import (
+    MEDIUM_CPU,
+    BlockStored,
+    EventDecoder,
+    EventEncoder,
+    KVEventBatch,
+    KVEventSubscriber,
+    ZmqEventPublisher,
+)
+
+EVENTS_PER_BATCH = 100
+TOKENS_PER_EVENT = 16
+
+
+def make_batch(step: int) -> KVEventBatch:
+    """One engine step's events: 100 stored blocks of 16 tokens, chained by parent hash."""
+    events = []
+    for i in range(EVENTS_PER_BATCH):
+        block = step * EVENTS_PER_BATCH + i
+        events.append(
+            BlockStored(
+                block_hashes=[block.to_bytes(32, "big")],
+                parent_block_hash=(block - 1).to_bytes(32, "big") if i else None,
+                token_ids=list(range(block, block + TOKENS_PER_EVENT)),
+                block_size=TOKENS_PER_EVENT,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+                group_idx=0,
+            )
+        )
+    return KVEventBatch(ts=time.time(), events=events)
+
+
+def _per_call_us(fn, n: int, repeat: int = 5) -> float:
+    """Best of ``repeat`` runs of ``n`` calls, in microseconds per call."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best / n * 1e6
+
+
+def _subscriber(endpoint: str, conn: Connection) -> None:
+    """Child process: acknowledge a probe, then receive the announced range of batches."""
+    with KVEventSubscriber(endpoint) as sub:
+        while (probe := sub.receive(5.0)) is None:
+            pass
+        conn.send(("ready", probe.seq))
+        first_seq, count = conn.recv()
+        events = received = 0
+        last_at = time.monotonic()
+        deadline = last_at + 120
+        while received < count and time.monotonic() < deadline:
+            got = sub.receive(1.0)
+            if got is None or got.seq < first_seq:
+                continue
+            received += 1
+            events += len(got.batch.events)
+            last_at = time.monotonic()
+            if got.seq == first_seq + count - 1:
+                break
+        conn.send((last_at, received, events, sub.stats()["lost"]))
+
+
+def end_to_end(num_batches: int, legacy: bool) -> tuple[float, int, int, int, float]:
+    """Return (events/s, batches received, events received, batches lost, publish seconds)."""
+    batches = [make_batch(step) for step in range(num_batches)]
+    ctx = mp.get_context("spawn")
+    with ZmqEventPublisher("tcp://127.0.0.1:*", legacy_array_events=legacy) as pub:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_subscriber, args=(pub.endpoint, child), daemon=True)
+        proc.start()
+        for _ in range(3000):  # probes until the subscription is live (slow-joiner)
+            pub.publish(KVEventBatch(time.time(), []))
+            if parent.poll(0.01):
+                break
+        parent.recv()
+        time.sleep(0.2)  # let the remaining probes drain
+        first_seq = pub.stats()["published"]
+        parent.send((first_seq, num_batches))
+        start = time.monotonic()
+        for batch in batches:
+            pub.publish(batch)
+        publish_s = time.monotonic() - start
+        last_at, received, events, lost = parent.recv()
+        proc.join(10)
+    return events / (last_at - start), received, events, lost, publish_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=2000, help="batches per end-to-end run")
+    args = parser.parse_args()
+
+    batch = make_batch(0)
+    map_encoder, legacy_encoder, decoder = EventEncoder(), EventEncoder(True), EventDecoder()
+    map_bytes, legacy_bytes = map_encoder.encode(batch), legacy_encoder.encode(batch)
+    enc_map = _per_call_us(lambda: map_encoder.encode(batch), 2000)
+    enc_legacy = _per_call_us(lambda: legacy_encoder.encode(batch), 2000)
+    dec_map = _per_call_us(lambda: decoder.decode(map_bytes), 2000)
+    dec_legacy = _per_call_us(lambda: decoder.decode(legacy_bytes), 2000)
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*")
+    publish_us = _per_call_us(lambda: pub.publish(batch), 3000, repeat=3)
+    pub.shutdown(timeout_s=30.0)  # let the sender drain what was queued
+
+    print(f"batch: {EVENTS_PER_BATCH} BlockStored events x {TOKENS_PER_EVENT} token ids")
+    print(f"{'':32}{'map form':>14}{'legacy array':>14}")
+    print(f"{'msgpack bytes per batch':32}{len(map_bytes):>14}{len(legacy_bytes):>14}")
+    print(f"{'encode us/batch':32}{enc_map:>14.1f}{enc_legacy:>14.1f}")
+    print(f"{'decode us/batch':32}{dec_map:>14.1f}{dec_legacy:>14.1f}")
+    map_rate, legacy_rate = (EVENTS_PER_BATCH / us * 1e6 for us in (enc_map, enc_legacy))
+    print(f"{'encode-only events/s':32}{map_rate:>14,.0f}{legacy_rate:>14,.0f}")
+    print(f"publish() us/batch (engine side, queueing only): {publish_us:.2f}")
+    print()
+    print(
+        "end to end, PUB -> SUB on 127.0.0.1, subscriber decoding in a child process, "
+        f"{args.batches} batches:"
+    )
+    rates = {}
+    for legacy in (False, True):
+        rate, received, events, lost, publish_s = end_to_end(args.batches, legacy)
+        form = "legacy array" if legacy else "map form"
+        rates[form] = rate
+        print(
+            f"  {form:<13}{rate:>12,.0f} events/s  ({received} batches, {events} events received,"
+            f" {lost} lost; publish() calls took {publish_s * 1e3:.1f} ms in all)"
+        )
+    print(
+        "end-to-end / encode-only events/s: "
+        f"map form {rates['map form'] / map_rate:.3f}, "
+        f"legacy {rates['legacy array'] / legacy_rate:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

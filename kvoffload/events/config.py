@@ -1,0 +1,129 @@
+"""``KVEventsConfig``: vLLM's ``--kv-events-config`` fields, plus two of ours.
+
+Built from the JSON given on the command line (:meth:`KVEventsConfig.from_json`) or a dict
+(:meth:`KVEventsConfig.from_dict`). Values are checked and normalised on construction; a bad
+value or an unknown field raises :class:`~kvoffload.errors.ConfigError` naming the field. Like
+vLLM (pydantic), booleans may be given as strings (``"True"``, ``"false"``, ``"1"``, ``"no"``...)
+and integers as decimal strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.errors import ConfigError
+
+__all__ = ["PUBLISHERS", "KVEventsConfig"]
+
+#: Publisher kinds: ``"zmq"`` (:class:`~kvoffload.events.publisher.ZmqEventPublisher`) and
+#: ``"null"`` (publishes nothing).
+PUBLISHERS = ("zmq", "null")
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+def _as_bool(field: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise ConfigError(field, f"expected a boolean (true/false), got {value!r}")
+
+
+def _as_int(field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(field, f"expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(field, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_endpoint(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(_SCHEMES) or value.endswith("//"):
+        raise ConfigError(
+            field, f"expected a ZMQ address (tcp://, ipc:// or inproc://), got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """Where and how KV cache events are published. Defaults are vLLM's."""
+
+    #: Publish events at all.
+    enable_kv_cache_events: bool = False
+    #: ``"zmq"`` or ``"null"``; unset means ``"zmq"`` when events are enabled, else ``"null"``.
+    publisher: str | None = None
+    #: PUB address: bound when a wildcard (``tcp://*:5557``) or ipc/inproc, else connected.
+    endpoint: str = "tcp://*:5557"
+    #: ROUTER address serving replays of the last ``buffer_steps`` batches (always bound).
+    replay_endpoint: str | None = None
+    #: Batches kept for replay.
+    buffer_steps: int = 10_000
+    #: ZMQ send high-water mark of the PUB socket, in messages (0: unlimited).
+    hwm: int = 100_000
+    #: Batches waiting for the sender thread; when full, the oldest is dropped and counted.
+    max_queue_size: int = 100_000
+    #: Topic frame of every message (subscribers filter by prefix).
+    topic: str = ""
+    #: Ours: write events as legacy positional arrays (pre-vLLM #42892 consumers).
+    legacy_array_events: bool = False
+    #: Ours: publish block hashes as 64-bit ints instead of raw bytes.
+    int_block_hashes: bool = False
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__  # frozen: normalised values are set once, here
+        enabled = _as_bool("enable_kv_cache_events", self.enable_kv_cache_events)
+        put(self, "enable_kv_cache_events", enabled)
+        publisher = self.publisher
+        if publisher is None:
+            publisher = "zmq" if enabled else "null"
+        if publisher not in PUBLISHERS:
+            raise ConfigError("publisher", f"expected one of {list(PUBLISHERS)}, got {publisher!r}")
+        put(self, "publisher", publisher)
+        put(self, "endpoint", _as_endpoint("endpoint", self.endpoint))
+        if self.replay_endpoint is not None:
+            put(self, "replay_endpoint", _as_endpoint("replay_endpoint", self.replay_endpoint))
+        put(self, "buffer_steps", _as_int("buffer_steps", self.buffer_steps, 0))
+        put(self, "hwm", _as_int("hwm", self.hwm, 0))
+        put(self, "max_queue_size", _as_int("max_queue_size", self.max_queue_size, 1))
+        if not isinstance(self.topic, str):
+            raise ConfigError("topic", f"expected a string, got {self.topic!r}")
+        put(self, "legacy_array_events", _as_bool("legacy_array_events", self.legacy_array_events))
+        put(self, "int_block_hashes", _as_bool("int_block_hashes", self.int_block_hashes))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:
+        """Build a config from ``values``; an unknown key raises ``ConfigError`` naming it."""
+        if not isinstance(values, dict):
+            raise ConfigError("kv_events_config", f"expected a JSON object, got {values!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in values:
+            if name not in known:
+                raise ConfigError(str(name), f"unknown field; known fields: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Build a config from a JSON object, e.g. ``'{"enable_kv_cache_events": "True"}'``."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("kv_events_config", f"invalid JSON: {exc}") from exc
+        return cls.from_dict(values)
+
+    def to_json(self) -> str:
+        """Return the JSON that :meth:`from_json` turns back into this config."""
+        return json.dumps(dataclasses.asdict(self))

@@ -1,0 +1,101 @@
+"""Turning a tier's :class:`~kvoffload.base.OffloadingEvent` into self-describing KV events.
+
+A manager's events carry keys only. Routers need more: a ``BlockStored`` for an offloaded block
+carries its real token ids, block size, parent hash and group (vLLM sent empty token lists for
+years, and consumers such as Dynamo dropped those events). The connector records that
+description when it plans a store and this module attaches it when the store's event comes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.base import OffloadingEvent
+from kvoffload.events.messages import BlockRemoved, BlockStored, KVCacheEvent, external_block_hash
+from kvoffload.keys import BlockHash, OffloadKey, offload_key_group, offload_key_hash
+
+__all__ = ["OffloadEventDescriber"]
+
+
+class _BlockDescription:
+    __slots__ = ("block_size", "parent", "token_ids")
+
+    def __init__(self, parent: BlockHash | None, token_ids: list[int], block_size: int) -> None:
+        self.parent = parent
+        self.token_ids = token_ids
+        self.block_size = block_size
+
+
+class OffloadEventDescriber:
+    """Remembers what each block being stored holds, and converts tier events into KV events.
+
+    Descriptions are recorded when a store is planned and dropped when its stored event is
+    converted or the store fails, so memory stays bounded by the blocks in flight.
+    ``locality`` is set on events of ``STORAGE`` tiers.
+    """
+
+    def __init__(self, int_block_hashes: bool = False, locality: str | None = None) -> None:
+        self._as_int = int_block_hashes
+        self._locality = locality
+        self._pending: dict[OffloadKey, _BlockDescription] = {}
+
+    def record(self, key: OffloadKey, parent: BlockHash | None, token_ids: list[int], block_size: int) -> None:
+        """Describe block ``key`` (its tokens and its parent's hash) before it is stored."""
+        self._pending[key] = _BlockDescription(parent, token_ids, block_size)
+
+    def forget(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop descriptions of blocks whose store will never be announced."""
+        pending = self._pending
+        for key in keys:
+            pending.pop(key, None)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def convert(self, events: Sequence[OffloadingEvent]) -> list[KVCacheEvent]:
+        """One ``BlockRemoved`` per group per removal event; one ``BlockStored`` per run of
+        consecutive blocks (each block's parent is the previous block) per stored event."""
+        out: list[KVCacheEvent] = []
+        ext, as_int, locality = external_block_hash, self._as_int, self._locality
+        for event in events:
+            if event.removed:
+                by_group: dict[int, list[bytes | int]] = {}
+                for key in event.keys:
+                    by_group.setdefault(offload_key_group(key), []).append(ext(offload_key_hash(key), as_int))
+                for group, hashes in by_group.items():
+                    out.append(BlockRemoved(hashes, event.medium, group_idx=group, locality=locality))
+                continue
+            run: BlockStored | None = None
+            run_last: BlockHash | None = None
+            run_group = -1
+            for key in event.keys:
+                desc = self._pending.pop(key, None)
+                h, group = offload_key_hash(key), offload_key_group(key)
+                if desc is None:  # not planned by this connector: announce what we know
+                    desc = _BlockDescription(None, [], 0)
+                extends = (
+                    run is not None
+                    and group == run_group
+                    and desc.parent == run_last
+                    and desc.block_size == run.block_size
+                    and desc.token_ids
+                )
+                if extends:
+                    assert run is not None
+                    run.block_hashes.append(ext(h, as_int))
+                    run.token_ids.extend(desc.token_ids)
+                else:
+                    run = BlockStored(
+                        block_hashes=[ext(h, as_int)],
+                        parent_block_hash=None if desc.parent is None else ext(desc.parent, as_int),
+                        token_ids=list(desc.token_ids),
+                        block_size=desc.block_size,
+                        lora_id=None,
+                        medium=event.medium,
+                        lora_name=None,
+                        group_idx=group,
+                        locality=locality,
+                    )
+                    out.append(run)
+                run_last, run_group = h, group
+        return out

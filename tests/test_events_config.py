@@ -1,0 +1,123 @@
+"""KVEventsConfig: vLLM's fields and defaults, JSON from the command line, errors naming fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvoffload.errors import ConfigError
+from kvoffload.events import (
+    KVEventsConfig,
+    NullEventPublisher,
+    create_event_publisher,
+    offset_endpoint,
+)
+
+
+def test_defaults_are_vllms() -> None:
+    config = KVEventsConfig()
+    assert dataclasses.asdict(config) == {
+        "enable_kv_cache_events": False,
+        "publisher": "null",
+        "endpoint": "tcp://*:5557",
+        "replay_endpoint": None,
+        "buffer_steps": 10_000,
+        "hwm": 100_000,
+        "max_queue_size": 100_000,
+        "topic": "",
+        "legacy_array_events": False,
+        "int_block_hashes": False,
+    }
+
+
+def test_enabled_without_publisher_means_zmq() -> None:
+    assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
+    assert KVEventsConfig(enable_kv_cache_events=True, publisher="null").publisher == "null"
+
+
+def test_from_json_with_vllm_string_booleans() -> None:
+    config = KVEventsConfig.from_json(
+        '{"enable_kv_cache_events": "True", "publisher": "zmq", "topic": "kv-events",'
+        ' "replay_endpoint": "tcp://*:5558", "buffer_steps": "500", "int_block_hashes": "false",'
+        ' "legacy_array_events": 1}'
+    )
+    assert config.enable_kv_cache_events is True
+    assert config.topic == "kv-events"
+    assert config.replay_endpoint == "tcp://*:5558"
+    assert config.buffer_steps == 500
+    assert config.int_block_hashes is False
+    assert config.legacy_array_events is True
+    assert KVEventsConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize("text", ["true", "TRUE", "1", "yes", "on", " True "])
+def test_truthy_strings(text: str) -> None:
+    assert KVEventsConfig.from_dict({"enable_kv_cache_events": text}).enable_kv_cache_events is True
+
+
+@pytest.mark.parametrize("text", ["false", "False", "0", "no", "off"])
+def test_falsy_strings(text: str) -> None:
+    assert KVEventsConfig.from_dict({"int_block_hashes": text}).int_block_hashes is False
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"enable_kv_cache_events": "maybe"}, "enable_kv_cache_events"),
+        ({"enable_kv_cache_events": 2}, "enable_kv_cache_events"),
+        ({"legacy_array_events": None}, "legacy_array_events"),
+        ({"int_block_hashes": []}, "int_block_hashes"),
+        ({"publisher": "kafka"}, "publisher"),
+        ({"endpoint": "http://localhost:5557"}, "endpoint"),
+        ({"endpoint": 5557}, "endpoint"),
+        ({"endpoint": "tcp://"}, "endpoint"),
+        ({"replay_endpoint": "localhost:5558"}, "replay_endpoint"),
+        ({"buffer_steps": -1}, "buffer_steps"),
+        ({"buffer_steps": 1.5}, "buffer_steps"),
+        ({"hwm": True}, "hwm"),
+        ({"hwm": "lots"}, "hwm"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+        ({"topic": 3}, "topic"),
+        ({"enable_kv_cache_event": True}, "enable_kv_cache_event"),  # a typo: unknown field
+    ],
+)
+def test_bad_values_name_the_field(values: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVEventsConfig.from_dict(values)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '"zmq"'])
+def test_from_json_rejects_what_is_not_an_object(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVEventsConfig.from_json(text)
+    assert info.value.field == "kv_events_config"
+
+
+def test_config_is_immutable() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KVEventsConfig().topic = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        KVEventsConfig(),
+        KVEventsConfig(publisher="zmq"),
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    ],
+)
+def test_factory_returns_a_null_publisher_unless_zmq_is_enabled(config: KVEventsConfig) -> None:
+    with create_event_publisher(config) as publisher:
+        assert isinstance(publisher, NullEventPublisher)
+
+
+def test_endpoints_are_offset_by_data_parallel_rank() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert offset_endpoint("tcp://127.0.0.1:*", 2) == "tcp://127.0.0.1:*"  # ephemeral: no offset
+    assert offset_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"

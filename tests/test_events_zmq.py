@@ -1,0 +1,361 @@
+"""Publisher and subscriber over real ZMQ sockets (127.0.0.1, ipc in a tmp dir, inproc)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvoffload.errors import ConfigError, ContractError
+from kvoffload.events import (
+    REPLAY_END,
+    BlockRemoved,
+    BlockStored,
+    EventDecoder,
+    KVEventBatch,
+    KVEventsConfig,
+    KVEventSubscriber,
+    NullEventPublisher,
+    PublisherState,
+    ReceivedBatch,
+    ZmqEventPublisher,
+    create_event_publisher,
+    decode_seq,
+)
+
+LOOPBACK = "tcp://127.0.0.1:*"  # bound on an ephemeral loopback port
+
+
+def _batch(i: int) -> KVEventBatch:
+    stored = BlockStored(
+        [i.to_bytes(8, "big")], None, list(range(16)), 16, None, "CPU", None, group_idx=0
+    )
+    return KVEventBatch(float(i), [stored, BlockRemoved([i], "GPU")])
+
+
+def _sync(pub: ZmqEventPublisher, sub: KVEventSubscriber) -> int:
+    """Publish probes until one arrives (slow-joiner); return the seq the next batch will get."""
+    for _ in range(200):
+        pub.publish(KVEventBatch(0.0, []))
+        received = sub.receive(0.05)
+        if received is not None:
+            while sub.receive(0.05) is not None:  # probes still in flight
+                pass
+            return pub.stats()["published"]
+    raise AssertionError("subscriber never received a probe")
+
+
+def _receive(sub: KVEventSubscriber, n: int, timeout_s: float = 10.0) -> list[ReceivedBatch]:
+    return list(sub.iter_batches(max_batches=n, timeout_s=timeout_s))
+
+
+def _wait_sent(pub: ZmqEventPublisher, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while pub.stats()["sent"] < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pub.stats()["sent"] == n
+
+
+def _check_stream(pub: ZmqEventPublisher, sub: KVEventSubscriber, n: int = 50) -> None:
+    first = _sync(pub, sub)
+    for i in range(n):
+        pub.publish(_batch(i))
+    got = _receive(sub, n)
+    assert [r.seq for r in got] == list(range(first, first + n))
+    assert [r.batch.events for r in got] == [_batch(i).events for i in range(n)]
+    assert all(r.batch.data_parallel_rank == 0 and not r.replayed for r in got)
+    assert sub.stats()["gaps"] == 0
+
+
+def test_tcp_stream_is_contiguous() -> None:
+    with ZmqEventPublisher(LOOPBACK) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:")
+        _check_stream(pub, sub)
+
+
+def test_ipc_stream_is_contiguous(tmp_path: Path) -> None:
+    with ZmqEventPublisher(f"ipc://{tmp_path}/ev") as pub, KVEventSubscriber(pub.endpoint) as sub:
+        _check_stream(pub, sub)
+
+
+def test_inproc_stream_with_a_shared_context() -> None:
+    ctx = zmq.Context()
+    try:
+        with (
+            ZmqEventPublisher("inproc://kv-ev", context=ctx) as pub,
+            KVEventSubscriber("inproc://kv-ev", context=ctx) as sub,
+        ):
+            _check_stream(pub, sub, n=10)
+    finally:
+        ctx.term()
+
+
+def test_publisher_connects_to_a_subscriber_that_binds() -> None:
+    with KVEventSubscriber(LOOPBACK) as sub, ZmqEventPublisher(sub.endpoint) as pub:
+        # The publisher's address has no wildcard: vLLM's rule says connect.
+        _check_stream(pub, sub, n=10)
+
+
+def test_topic_filters() -> None:
+    with (
+        ZmqEventPublisher(LOOPBACK, topic="kv@pod-1") as pub,
+        KVEventSubscriber(pub.endpoint, topic="kv@pod-1") as sub,
+        KVEventSubscriber(pub.endpoint, topic="kv@pod-2") as other,
+    ):
+        _sync(pub, sub)
+        pub.publish(_batch(1))
+        assert sub.receive(5.0) is not None
+        assert other.receive(0.3) is None
+
+
+def test_late_subscriber_recovers_missed_batches_through_replay() -> None:
+    with ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+        for i in range(20):  # nobody is listening yet
+            pub.publish(_batch(i))
+        _wait_sent(pub, 20)
+        with KVEventSubscriber(
+            pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0
+        ) as sub:
+            got: list[ReceivedBatch] = []
+            for i in range(20, 220):  # live batches until one arrives and triggers the gap fill
+                pub.publish(_batch(i))
+                received = sub.receive(0.05)
+                if received is not None:
+                    got.append(received)
+                    break
+            last = pub.stats()["published"]
+            got += _receive(sub, last - 1 - got[0].seq)
+            assert [r.seq for r in got] == list(range(last))
+            assert [r.batch.events for r in got] == [_batch(i).events for i in range(last)]
+            assert all(r.replayed for r in got[:20])
+            assert not got[-1].replayed
+            gaps = sub.take_gaps()
+            assert len(gaps) == 1 and gaps[0].first_seq == 0 and gaps[0].lost == 0
+            assert gaps[0].recovered == gaps[0].end_seq >= 20
+            assert sub.take_gaps() == []
+
+
+def test_catch_up_fetches_history_without_waiting_for_a_live_batch() -> None:
+    with ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=8) as pub:
+        for i in range(12):
+            pub.publish(_batch(i))
+        _wait_sent(pub, 12)
+        with KVEventSubscriber(
+            pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0
+        ) as sub:
+            assert sub.catch_up() == 8  # the buffer keeps the last 8
+            got = _receive(sub, 8, timeout_s=2.0)
+            assert [r.seq for r in got] == list(range(4, 12))
+            assert [g.lost for g in sub.take_gaps()] == [4]  # 0..3 fell out of the buffer
+            assert sub.next_seq == 12
+
+
+def test_replay_wire_protocol_with_a_raw_dealer() -> None:
+    decoder = EventDecoder()
+    with ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+        for i in range(6):
+            pub.publish(_batch(i))
+        _wait_sent(pub, 6)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        try:
+            dealer.connect(pub.replay_endpoint)
+            dealer.send_multipart([b"", b"bad"])  # not an 8-byte seq: ignored and counted
+            dealer.send_multipart([b"", (3).to_bytes(8, "big")])
+            frames = []
+            for _ in range(10):
+                assert dealer.poll(5000)
+                frames.append(dealer.recv_multipart())
+                if frames[-1][1] == REPLAY_END:
+                    break
+            assert frames[-1] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
+            assert [decode_seq(f[1]) for f in frames[:-1]] == [3, 4, 5]
+            assert all(f[0] == b"" for f in frames)
+            assert [decoder.decode(f[2]).events for f in frames[:-1]] == [
+                _batch(i).events for i in (3, 4, 5)
+            ]
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+        stats = pub.stats()
+        assert stats["replay_requests"] == 1 and stats["bad_replay_requests"] == 1
+
+
+def test_shutdown_flushes_what_is_queued() -> None:
+    with KVEventSubscriber(LOOPBACK) as sub:
+        pub = ZmqEventPublisher(sub.endpoint)
+        first = _sync(pub, sub)
+        for i in range(500):
+            pub.publish(_batch(i))
+        pub.shutdown(timeout_s=5.0)
+        assert pub.state is PublisherState.CLOSED
+        stats = pub.stats()
+        assert stats["sent"] == stats["published"] == first + 500
+        assert stats["dropped"] == 0 and stats["queued"] == 0
+        got = _receive(sub, 500)
+        assert [r.seq for r in got] == list(range(first, first + 500))
+
+
+def test_publish_never_blocks_without_a_subscriber_and_counts_drops() -> None:
+    n = 20_000
+    big = KVEventBatch(0.0, [_batch(0).events[0]] * 100)
+    with ZmqEventPublisher(LOOPBACK, max_queue_size=2, hwm=1) as pub:
+        for _ in range(n):
+            pub.publish(big)  # the same object every time: publish only queues a reference
+        assert pub.stats()["published"] == n
+        assert pub.dropped > 0
+    stats = pub.stats()
+    assert stats["sent"] + stats["dropped"] + stats["encode_errors"] == n
+
+
+def test_publish_never_blocks_with_a_subscriber_that_never_reads() -> None:
+    n = 5_000
+    with ZmqEventPublisher(LOOPBACK, max_queue_size=2, hwm=1) as pub:
+        stalled = zmq.Context()
+        sock = stalled.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(pub.endpoint)
+        try:
+            for i in range(n):
+                pub.publish(_batch(i))
+            assert pub.stats()["published"] == n
+            pub.shutdown(timeout_s=0.5)  # bounded even though the subscriber holds messages
+            assert pub.state is PublisherState.CLOSED
+        finally:
+            sock.close(linger=0)
+            stalled.term()
+    stats = pub.stats()
+    assert stats["sent"] + stats["dropped"] + stats["encode_errors"] == n
+
+
+def test_queue_drops_show_up_as_lost_batches_at_the_subscriber() -> None:
+    with KVEventSubscriber(LOOPBACK) as sub:
+        pub = ZmqEventPublisher(sub.endpoint, max_queue_size=1)
+        first = _sync(pub, sub)
+        for i in range(3000):
+            pub.publish(_batch(i))
+        pub.shutdown(timeout_s=5.0)
+        # The last batch is never dropped (drops take the oldest), so every gap gets closed.
+        received: set[int] = set()
+        for r in sub.iter_batches(timeout_s=10.0):
+            received.add(r.seq)
+            if r.seq == first + 2999:
+                break
+        assert first + 2999 in received
+        lost = sum(g.lost for g in sub.take_gaps())
+        assert len(received) + lost == 3000
+        assert pub.dropped > 0  # the engine thread holds the GIL: the sender falls behind
+        assert lost == pub.dropped  # nothing else went missing on loopback
+
+
+def test_lifecycle_and_misuse() -> None:
+    pub = ZmqEventPublisher(LOOPBACK)
+    assert pub.state is PublisherState.RUNNING
+    with pytest.raises(ContractError, match="KVEventBatch"):
+        pub.publish([1.0, []])  # type: ignore[arg-type]
+    pub.shutdown()
+    pub.shutdown()  # idempotent
+    assert pub.state is PublisherState.CLOSED
+    with pytest.raises(ContractError, match="CLOSED"):
+        pub.publish(_batch(0))
+    null = NullEventPublisher()
+    null.publish(_batch(0))
+    assert null.stats() == {"published": 1}
+    null.shutdown()
+    with pytest.raises(ContractError, match="CLOSED"):
+        null.publish(_batch(0))
+    sub = KVEventSubscriber("tcp://127.0.0.1:1")
+    sub.close()
+    with pytest.raises(ContractError, match="closed"):
+        sub.receive(0.0)
+
+
+def test_bind_and_connect_failures_name_the_field() -> None:
+    ctx = zmq.Context()
+    try:
+        with ZmqEventPublisher("inproc://taken", context=ctx):
+            with pytest.raises(ConfigError) as info:
+                ZmqEventPublisher("inproc://taken", context=ctx)
+            assert info.value.field == "endpoint"
+            with pytest.raises(ConfigError) as info:
+                ZmqEventPublisher(LOOPBACK, replay_endpoint="inproc://taken", context=ctx)
+            assert info.value.field == "replay_endpoint"
+    finally:
+        ctx.term()
+    with pytest.raises(ConfigError) as info:
+        ZmqEventPublisher("tcp://127.0.0.1:not-a-port")
+    assert info.value.field == "endpoint"
+
+
+def test_factory_applies_rank_topic_and_legacy_form(tmp_path: Path) -> None:
+    config = KVEventsConfig.from_json(
+        f'{{"enable_kv_cache_events": "True", "endpoint": "ipc://{tmp_path}/ev", "topic": "t",'
+        f' "replay_endpoint": "ipc://{tmp_path}/replay", "legacy_array_events": true}}'
+    )
+    pub = create_event_publisher(config, data_parallel_rank=2)
+    with pub:
+        assert isinstance(pub, ZmqEventPublisher)
+        assert pub.endpoint == f"ipc://{tmp_path}/ev_dp2"
+        assert pub.replay_endpoint == f"ipc://{tmp_path}/replay_dp2"
+        raw_ctx = zmq.Context()
+        raw = raw_ctx.socket(zmq.SUB)
+        raw.setsockopt(zmq.SUBSCRIBE, b"t")
+        raw.connect(pub.endpoint)
+        try:
+            for _ in range(200):
+                pub.publish(_batch(7))
+                if raw.poll(50):
+                    break
+            topic, seq, payload = raw.recv_multipart()
+            assert topic == b"t" and len(seq) == 8
+            assert payload[10] == 0x92  # events is [[...], [...]]: first event is an array (legacy)
+            batch = EventDecoder().decode(payload)
+            assert batch.data_parallel_rank == 2 and batch.events == _batch(7).events
+        finally:
+            raw.close(linger=0)
+            raw_ctx.term()
+
+
+def test_subscriber_notices_a_publisher_restart(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/ev"
+    with KVEventSubscriber(endpoint) as sub:
+        with ZmqEventPublisher(endpoint) as pub:
+            _sync(pub, sub)
+            for i in range(5):
+                pub.publish(_batch(i))
+            assert len(_receive(sub, 5)) == 5
+        with ZmqEventPublisher(endpoint) as pub:  # numbers start again at 0
+            assert _sync(pub, sub) < 10
+        assert sub.stats()["publisher_restarts"] == 1
+        assert sub.next_seq == pub.stats()["published"]
+
+
+def test_subscriber_address_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        KVEventSubscriber("tcp://127.0.0.1:not-a-port")
+    assert info.value.field == "endpoint"
+    with pytest.raises(ConfigError) as info:
+        KVEventSubscriber("tcp://127.0.0.1:1", replay_endpoint="tcp://nowhere:x")
+    assert info.value.field == "replay_endpoint"
+
+
+def test_replay_timeout_counts_the_gap_as_lost() -> None:
+    # A replay endpoint nobody serves: the gap fill times out and the live batch still arrives.
+    with ZmqEventPublisher(LOOPBACK) as pub:
+        for i in range(5):  # before anyone listens
+            pub.publish(_batch(i))
+        _wait_sent(pub, 5)
+        with KVEventSubscriber(
+            pub.endpoint, replay_endpoint="tcp://127.0.0.1:1", start_seq=0, replay_timeout_s=0.2
+        ) as sub:
+            first = _sync(pub, sub)
+            gaps = sub.take_gaps()
+            assert len(gaps) == 1 and gaps[0].first_seq == 0 and gaps[0].recovered == 0
+            assert gaps[0].lost == gaps[0].end_seq >= 5
+            assert sub.stats()["replay_timeouts"] == 1
+            pub.publish(_batch(1))
+            received = sub.receive(5.0)
+            assert received is not None and received.seq == first
