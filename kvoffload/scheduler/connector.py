@@ -54,14 +54,16 @@ def parse_kv_transfer_params(
 ) -> tuple[str, int | None, int | None]:
     """Validate a request's offloading parameters: ``(store_policy, max_offload_tokens, max_load_tokens)``.
 
-    Recognised keys: ``store_policy`` (a name from ``STORE_POLICIES``), ``max_offload_tokens`` and
-    ``max_load_tokens`` (non-negative ints: store / load at most the first that many tokens).
+    Recognised keys: ``store_policy`` (a name from ``STORE_POLICIES``), ``max_offload_tokens``
+    (store at most the request's first that many tokens) and ``max_load_tokens`` (load at most
+    that many tokens beyond the engine's own prefix-cache hit); non-negative ints.
     Other keys are left for other components. Bad values raise :class:`ConfigError`.
     """
     if not params:
         return default_policy, None, None
     policy = params.get("store_policy", default_policy)
-    if policy not in STORE_POLICIES:
+    # Not a str (a JSON list, say) would be unhashable: a TypeError instead of a ConfigError.
+    if not isinstance(policy, str) or policy not in STORE_POLICIES:
         raise ConfigError(
             "kv_transfer_params.store_policy", f"unknown store policy {policy!r}; choose from {sorted(STORE_POLICIES)}"
         )
@@ -77,7 +79,7 @@ def parse_kv_transfer_params(
 class _Job:
     """A planned transfer until every worker has reported it."""
 
-    __slots__ = ("ctx", "failed", "is_store", "job_id", "keys", "pending", "req_id", "stale")
+    __slots__ = ("ctx", "failed", "fenced", "is_store", "job_id", "keys", "pending", "req_id", "stale")
 
     def __init__(self, job_id: int, req_id: str, ctx: ReqContext, keys: list[OffloadKey], is_store: bool, pending: int):
         self.job_id = job_id
@@ -88,6 +90,7 @@ class _Job:
         self.pending = pending  # workers yet to report
         self.failed = False
         self.stale = False  # started before a reset: the manager no longer knows its keys
+        self.fenced: list[int] = []  # engine block ids registered in the reuse fence
 
 
 class OffloadingConnectorScheduler:
@@ -117,6 +120,10 @@ class OffloadingConnectorScheduler:
         self._store_jobs: list[TransferJob] = []
         self._jobs_to_flush: list[int] = []
         self._failed_before_submit: list[str] = []
+        self._dropped_jobs: list[int] = []  # made stale by reset() before being handed over
+        # Reuse fence: engine block id -> store jobs still reading it, for sliding-window groups,
+        # whose blocks the engine may free while the request runs. Reallocating one flushes them.
+        self._fence: dict[int, set[int]] = {}
         self._full_groups = [g for g, c in enumerate(config.groups) if c.sliding_window_blocks is None]
         self._window_groups = [g for g, c in enumerate(config.groups) if c.sliding_window_blocks is not None]
         self._counters = dict.fromkeys(
@@ -247,6 +254,8 @@ class OffloadingConnectorScheduler:
             raise ContractError(f"update_state_after_alloc({request.request_id!r}) before get_num_new_matched_tokens")
         for group_state, ids in zip(state.group_states, block_ids, strict=True):
             group_state.block_ids[:] = ids
+            if self._fence:
+                self._check_fence(ids)
         if num_external_tokens <= 0:
             return
         start = state.num_locally_computed_tokens
@@ -333,9 +342,29 @@ class OffloadingConnectorScheduler:
         if self._events is not None:
             self._describe(state, stored, located)
         job_id = self._new_job(state, stored, is_store=True)
+        if self._window_groups:
+            self._fence_sources(job_id, engine_ids, group_sizes)
         self._counters["store_jobs"] += 1
         self._counters["stored_blocks"] += len(stored)
         return TransferJob(job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec)
+
+    def _fence_sources(self, job_id: int, engine_ids: list[int], group_sizes: list[int]) -> None:
+        job = self._jobs[job_id]
+        offset = 0
+        for g, size in enumerate(group_sizes):
+            if self.config.groups[g].sliding_window_blocks is not None:
+                for block_id in engine_ids[offset : offset + size]:
+                    self._fence.setdefault(block_id, set()).add(job_id)
+                    job.fenced.append(block_id)
+            offset += size
+
+    def _check_fence(self, block_ids: Iterable[int]) -> None:
+        """Flush store jobs still reading any of ``block_ids`` (just reallocated by the engine)."""
+        fence = self._fence
+        for block_id in block_ids:
+            jobs = fence.pop(block_id, None)
+            if jobs:
+                self._jobs_to_flush.extend(j for j in jobs if j not in self._jobs_to_flush)
 
     def _describe(self, state: RequestKVState, keys: list[OffloadKey], located: list[tuple[int, int]]) -> None:
         assert self._events is not None
@@ -361,6 +390,8 @@ class OffloadingConnectorScheduler:
                         group_state.block_ids[:] = ids
                     elif ids:
                         group_state.block_ids.extend(ids)
+                    if self._fence and ids:
+                        self._check_fence(ids)
             state.update_offload_keys()
             job = self._plan_store(
                 state, min(request.num_computed_tokens + scheduled.num_scheduled_tokens, request.num_tokens)
@@ -385,6 +416,10 @@ class OffloadingConnectorScheduler:
             update.failed_loads.extend(self._failed_before_submit)
             self._failed_before_submit = []
         jobs, counters = self._jobs, self._counters
+        if self._dropped_jobs:
+            for job_id in self._dropped_jobs:
+                self._complete(jobs.pop(job_id), update)
+            self._dropped_jobs = []
         for result in results:
             job = jobs.get(result.job_id)
             if job is None:
@@ -407,6 +442,12 @@ class OffloadingConnectorScheduler:
 
     def _complete(self, job: _Job, update: ConnectorUpdate) -> None:
         failed = job.failed or job.stale
+        for block_id in job.fenced:
+            jobs = self._fence.get(block_id)
+            if jobs is not None:
+                jobs.discard(job.job_id)
+                if not jobs:
+                    del self._fence[block_id]
         if not job.stale:
             if job.is_store:
                 self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
@@ -427,7 +468,7 @@ class OffloadingConnectorScheduler:
         if state is None:
             return
         state.transfer_jobs.discard(job.job_id)
-        if not job.is_store:
+        if not job.is_store and not state.finished:
             (update.failed_loads if failed else update.loaded).append(job.req_id)
         if state.finished and not state.transfer_jobs:
             del self._requests[job.req_id]
@@ -464,10 +505,16 @@ class OffloadingConnectorScheduler:
 
     def reset(self) -> None:
         """Empty the tier. Jobs in flight are flushed next step and their results ignored by the
-        manager (their loads count as failed: those requests recompute)."""
+        manager (their loads count as failed: those requests recompute). Jobs planned but not yet
+        handed to the worker are dropped (their host slots belong to the emptied tier now) and
+        complete as failed at the next :meth:`update_connector_output`."""
+        unsent = {job.job_id for job in (*self._load_jobs, *self._store_jobs)}
+        self._load_jobs, self._store_jobs = [], []
         for job_id, job in self._jobs.items():
+            if job.stale:  # an earlier reset already dropped it or queued its flush
+                continue
             job.stale = True
-            self._jobs_to_flush.append(job_id)
+            (self._dropped_jobs if job_id in unsent else self._jobs_to_flush).append(job_id)
             if job.is_store and self._events is not None:
                 self._events.forget(job.keys)
         self.manager.reset()

@@ -14,10 +14,12 @@ __all__ = ["ConnectorUpdate", "ScheduledRequest", "SchedulerOutput"]
 class ScheduledRequest:
     """One request the engine runs this step.
 
-    ``new_block_ids[g]``: engine blocks of group ``g`` allocated to the request this step, in
-    order (appended to its block table). When ``resumed`` (re-admitted after preemption), they
-    are its whole new block table. ``request.num_computed_tokens`` must still be the count
-    *before* this step; ``num_scheduled_tokens`` are computed by this step's forward pass.
+    ``new_block_ids[g]``: engine blocks of group ``g`` allocated to the request since the connector
+    last saw its block table, in order (appended to it). ``update_state_after_alloc`` already
+    received the whole table of a newly admitted request, so its first ``ScheduledRequest``
+    carries no ids (unlike vLLM's ``NewRequestData``, which repeats them); when ``resumed`` is
+    set, the ids replace the table instead. ``request.num_computed_tokens`` must still be the
+    count *before* this step; ``num_scheduled_tokens`` are computed by this step's forward pass.
     """
 
     request: OffloadRequest

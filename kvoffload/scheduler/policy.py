@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
-from kvoffload.scheduler.state import NULL_BLOCK_ID, RequestKVState, SchedulerOffloadConfig
+from kvoffload.scheduler.state import NULL_BLOCK_ID, GroupOffloadConfig, RequestKVState, SchedulerOffloadConfig
 
 __all__ = [
     "STORE_POLICIES",
@@ -95,7 +95,7 @@ class StoreOnComputePolicy(OffloadPolicy):
             if end <= start:
                 continue
             if group.sliding_window_blocks is not None:
-                start = _first_held_block(state.block_ids, group.block_size_factor, start, end)
+                start = _first_held_block(req_kv_state, group, state.block_ids, start, end)
             if keys is None:
                 keys, starts = [], list(progress)
             starts[g] = start
@@ -121,17 +121,24 @@ class StoreOnComputePolicy(OffloadPolicy):
         self._next.clear()
 
 
-def _first_held_block(block_ids: list[int], factor: int, start: int, end: int) -> int:
-    """First offloaded block in ``[start, end)`` whose engine blocks are all still held.
+def _first_held_block(
+    req_kv_state: RequestKVState, group: GroupOffloadConfig, block_ids: list[int], start: int, end: int
+) -> int:
+    """First offloaded block in ``[start, end)`` of a sliding-window group the engine still holds.
 
-    Sliding-window engines drop blocks that fell out of the window (``NULL_BLOCK_ID``); those can
-    no longer be stored. Drops only happen at the front, so the held blocks form a suffix.
+    The engine may drop blocks that no longer serve the window of its next token (position
+    ``num_computed_tokens``, reading ``window`` tokens back), without telling us; a block is
+    only offered when all its tokens are inside that window, and when its engine blocks are not
+    ``NULL_BLOCK_ID`` in the recorded table. Drops only happen at the front.
     """
-    for i in range(end - 1, start - 1, -1):
-        first = i * factor
-        if first >= len(block_ids) or block_ids[first] == NULL_BLOCK_ID:
+    obs, factor = group.offloaded_block_size, group.block_size_factor
+    window_tokens = (group.sliding_window_blocks or 0) * obs
+    first = max(start, -(-(req_kv_state.request.num_computed_tokens - window_tokens) // obs))
+    for i in range(end - 1, first - 1, -1):
+        head = i * factor
+        if head >= len(block_ids) or block_ids[head] == NULL_BLOCK_ID:
             return i + 1
-    return start
+    return min(first, end)
 
 
 class StoreOnFinishPolicy(StoreOnComputePolicy):
