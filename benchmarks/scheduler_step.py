@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 
 from kvoffload import CPUOffloadingManager
 from kvoffload.keys import BlockHash
-from kvoffload.scheduler import OffloadingConnectorScheduler, ScheduledRequest, SchedulerOffloadConfig, SchedulerOutput
+from kvoffload.scheduler import (
+    OffloadingConnectorScheduler,
+    ScheduledRequest,
+    SchedulerOffloadConfig,
+    SchedulerOutput,
+)
 from kvoffload.transfer import TransferResult
 
 BLOCK_SIZE = 16
@@ -48,10 +53,14 @@ def run(num_requests: int, context_tokens: int, steps: int) -> tuple[float, int]
         # Stagger: request i is (i % BLOCK_SIZE) tokens into its current block.
         n = context_tokens + i % BLOCK_SIZE
         req = _Request(f"r{i}", n, context_tokens, 0)
-        req.block_hashes = [BlockHash(i.to_bytes(4, "big") + b.to_bytes(4, "big")) for b in range(n // BLOCK_SIZE)]
+        req.block_hashes = [
+            BlockHash(i.to_bytes(4, "big") + b.to_bytes(4, "big")) for b in range(n // BLOCK_SIZE)
+        ]
         connector.get_num_new_matched_tokens(req, 0)
         num_blocks = -(-n // BLOCK_SIZE)
-        connector.update_state_after_alloc(req, [list(range(next_block, next_block + num_blocks))], 0)
+        connector.update_state_after_alloc(
+            req, [list(range(next_block, next_block + num_blocks))], 0
+        )
         next_block += num_blocks
         requests.append(req)
         scheduled.append(ScheduledRequest(req, n))
@@ -90,8 +99,12 @@ def run(num_requests: int, context_tokens: int, steps: int) -> tuple[float, int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", default="100,1000,10000", help="comma-separated running request counts")
-    parser.add_argument("--steps", type=int, default=64, help="decode steps measured per configuration")
+    parser.add_argument(
+        "--requests", default="100,1000,10000", help="comma-separated running request counts"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=64, help="decode steps measured per configuration"
+    )
     args = parser.parse_args()
     print(f"{'requests':>9} {'context':>8} {'blocks held':>12} {'us/request-step':>16}")
     for n in (int(x) for x in args.requests.split(",")):

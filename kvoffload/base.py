@@ -138,7 +138,9 @@ class OffloadingManager(ABC):
         """
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
         """Reserve room for the keys of ``keys`` the tier does not hold yet.
 
         Keys already held (in any state) are skipped; an eviction policy may decline to admit
@@ -149,7 +151,9 @@ class OffloadingManager(ABC):
         """
 
     @abstractmethod
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
         """Finish the stores of pending ``keys``: readable on success, removed on failure.
 
         Keys that are not pending (unknown, already ready) are ignored, so repeats are harmless.
@@ -172,4 +176,3 @@ class OffloadingManager(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Return monotonic counters and current gauges (names documented per manager)."""
-

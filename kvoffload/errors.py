@@ -51,5 +51,7 @@ class HostAllocationError(KVOffloadError, MemoryError):
 
     def __init__(self, num_bytes: int, detail: str) -> None:
         gib = num_bytes / 2**30
-        super().__init__(f"could not allocate {num_bytes} bytes ({gib:.2f} GiB) of host memory: {detail}")
+        super().__init__(
+            f"could not allocate {num_bytes} bytes ({gib:.2f} GiB) of host memory: {detail}"
+        )
         self.num_bytes = num_bytes

@@ -45,7 +45,9 @@ class GPULoadStoreSpec(LoadStoreSpec):
     block_indices: list[int]
 
     def __post_init__(self) -> None:
-        if sum(self.group_sizes) != len(self.block_ids) or len(self.group_sizes) != len(self.block_indices):
+        if sum(self.group_sizes) != len(self.block_ids) or len(self.group_sizes) != len(
+            self.block_indices
+        ):
             raise ValueError(
                 f"GPULoadStoreSpec: group_sizes {self.group_sizes} must sum to len(block_ids)="
                 f"{len(self.block_ids)} and match block_indices {self.block_indices} in length"

@@ -15,8 +15,12 @@ _COMMAND_GROUPS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offloading for LLM inference.")
-    sub = parser.add_subparsers(dest="group", required=True, metavar="{" + ",".join(_COMMAND_GROUPS) + "}")
+    parser = argparse.ArgumentParser(
+        prog="kvoffload", description="Tiered KV-cache offloading for LLM inference."
+    )
+    sub = parser.add_subparsers(
+        dest="group", required=True, metavar="{" + ",".join(_COMMAND_GROUPS) + "}"
+    )
     wanted = [a for a in argv if a in _COMMAND_GROUPS][:1] or list(_COMMAND_GROUPS)
     for name in _COMMAND_GROUPS:
         if name in wanted:

@@ -2,8 +2,10 @@
 
 from kvoffload.engine.attention import AttentionMetadata, slot_mapping
 from kvoffload.engine.config import PRESETS, ModelConfig, RopeScaling, config_from_hf, preset_config
+from kvoffload.engine.engine import Engine, EngineConfig
 from kvoffload.engine.loader import load_model
 from kvoffload.engine.model import DecoderModel
+from kvoffload.engine.request import RequestOutput, RequestStatus
 from kvoffload.engine.sampling import SamplingParams, make_generator, sample
 from kvoffload.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -12,8 +14,12 @@ __all__ = [
     "AttentionMetadata",
     "ByteTokenizer",
     "DecoderModel",
+    "Engine",
+    "EngineConfig",
     "HFTokenizer",
     "ModelConfig",
+    "RequestOutput",
+    "RequestStatus",
     "RopeScaling",
     "SamplingParams",
     "Tokenizer",

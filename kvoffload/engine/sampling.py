@@ -29,7 +29,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy (argmax; ``top_p``, ``top_k`` and ``seed`` are then unused).
     ``top_k == 0`` and ``top_p == 1`` disable those filters. Generation stops after ``max_tokens``
     tokens, at EOS unless ``ignore_eos``, or at any of ``stop_token_ids`` (the stop token is
-    part of the output). Invalid values raise :class:`ConfigError` naming the field.
+    part of the output). ``logprobs``: return, per generated token, the log-probabilities of
+    the ``logprobs`` most likely tokens plus the sampled one (``-1``: the whole vocabulary;
+    ``None``: none). Invalid values raise :class:`ConfigError` naming the field.
     """
 
     max_tokens: int = 16
@@ -39,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -68,6 +71,10 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in stop):
             raise ConfigError("stop_token_ids", f"must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
+            raise ConfigError(
+                "logprobs", f"must be None, -1 (all) or an integer >= 0, got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -65,13 +65,18 @@ def parse_kv_transfer_params(
     # Not a str (a JSON list, say) would be unhashable: a TypeError instead of a ConfigError.
     if not isinstance(policy, str) or policy not in STORE_POLICIES:
         raise ConfigError(
-            "kv_transfer_params.store_policy", f"unknown store policy {policy!r}; choose from {sorted(STORE_POLICIES)}"
+            "kv_transfer_params.store_policy",
+            f"unknown store policy {policy!r}; choose from {sorted(STORE_POLICIES)}",
         )
     caps: list[int | None] = []
     for name in ("max_offload_tokens", "max_load_tokens"):
         value = params.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ConfigError(f"kv_transfer_params.{name}", f"must be a non-negative integer, got {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ConfigError(
+                f"kv_transfer_params.{name}", f"must be a non-negative integer, got {value!r}"
+            )
         caps.append(value)
     return policy, caps[0], caps[1]
 
@@ -79,9 +84,27 @@ def parse_kv_transfer_params(
 class _Job:
     """A planned transfer until every worker has reported it."""
 
-    __slots__ = ("ctx", "failed", "fenced", "is_store", "job_id", "keys", "pending", "req_id", "stale")
+    __slots__ = (
+        "ctx",
+        "failed",
+        "fenced",
+        "is_store",
+        "job_id",
+        "keys",
+        "pending",
+        "req_id",
+        "stale",
+    )
 
-    def __init__(self, job_id: int, req_id: str, ctx: ReqContext, keys: list[OffloadKey], is_store: bool, pending: int):
+    def __init__(
+        self,
+        job_id: int,
+        req_id: str,
+        ctx: ReqContext,
+        keys: list[OffloadKey],
+        is_store: bool,
+        pending: int,
+    ):
         self.job_id = job_id
         self.req_id = req_id
         self.ctx = ctx
@@ -107,11 +130,16 @@ class OffloadingConnectorScheduler:
         events: OffloadEventDescriber | None = None,
     ) -> None:
         if config.store_policy not in STORE_POLICIES:
-            raise ConfigError("store_policy", f"unknown store policy {config.store_policy!r}; choose from {sorted(STORE_POLICIES)}")
+            raise ConfigError(
+                "store_policy",
+                f"unknown store policy {config.store_policy!r}; choose from {sorted(STORE_POLICIES)}",
+            )
         self.config = config
         self.manager = manager
         self._events = events
-        self._policies: dict[str, OffloadPolicy] = {name: cls(config) for name, cls in STORE_POLICIES.items()}
+        self._policies: dict[str, OffloadPolicy] = {
+            name: cls(config) for name, cls in STORE_POLICIES.items()
+        }
         self._requests: dict[str, RequestKVState] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
@@ -124,8 +152,12 @@ class OffloadingConnectorScheduler:
         # Reuse fence: engine block id -> store jobs still reading it, for sliding-window groups,
         # whose blocks the engine may free while the request runs. Reallocating one flushes them.
         self._fence: dict[int, set[int]] = {}
-        self._full_groups = [g for g, c in enumerate(config.groups) if c.sliding_window_blocks is None]
-        self._window_groups = [g for g, c in enumerate(config.groups) if c.sliding_window_blocks is not None]
+        self._full_groups = [
+            g for g, c in enumerate(config.groups) if c.sliding_window_blocks is None
+        ]
+        self._window_groups = [
+            g for g, c in enumerate(config.groups) if c.sliding_window_blocks is not None
+        ]
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -154,7 +186,9 @@ class OffloadingConnectorScheduler:
         self._requests[request.request_id] = state
         return state
 
-    def get_num_new_matched_tokens(self, request: OffloadRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: OffloadRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` loadable from the tier, and whether to load async.
 
         Whole offloaded blocks only; never the last prompt token (the engine needs its logits).
@@ -173,7 +207,9 @@ class OffloadingConnectorScheduler:
         hit_end = self._lookup(state, num_computed_tokens)
         if first_call:
             for group, group_state in zip(self.config.groups, state.group_states, strict=True):
-                group_state.num_hit_blocks = max(hit_end, num_computed_tokens) // group.offloaded_block_size
+                group_state.num_hit_blocks = (
+                    max(hit_end, num_computed_tokens) // group.offloaded_block_size
+                )
         self._touch(state)
         num_hit = max(0, hit_end - num_computed_tokens)
         self._counters["lookups"] += 1
@@ -206,7 +242,9 @@ class OffloadingConnectorScheduler:
             for g in self._window_groups:
                 group = groups[g]
                 obs = group.offloaded_block_size
-                hit_blocks = self._window_hit(state, g, num_computed // obs, end // obs, group.sliding_window_blocks or 0)
+                hit_blocks = self._window_hit(
+                    state, g, num_computed // obs, end // obs, group.sliding_window_blocks or 0
+                )
                 if hit_blocks * obs < end:
                     end = hit_blocks * obs // align * align
                     changed = True
@@ -251,7 +289,9 @@ class OffloadingConnectorScheduler:
         """
         state = self._requests.get(request.request_id)
         if state is None:
-            raise ContractError(f"update_state_after_alloc({request.request_id!r}) before get_num_new_matched_tokens")
+            raise ContractError(
+                f"update_state_after_alloc({request.request_id!r}) before get_num_new_matched_tokens"
+            )
         for group_state, ids in zip(state.group_states, block_ids, strict=True):
             group_state.block_ids[:] = ids
             if self._fence:
@@ -279,11 +319,21 @@ class OffloadingConnectorScheduler:
             src = self.manager.prepare_load(keys, state.req_context)
         except ContractError:
             # The hit vanished between lookup and allocation: recompute instead of loading.
-            logger.warning("request %s: offloaded blocks vanished before their load; recomputing", request.request_id)
+            logger.warning(
+                "request %s: offloaded blocks vanished before their load; recomputing",
+                request.request_id,
+            )
             self._failed_before_submit.append(request.request_id)
             return
         job_id = self._new_job(state, keys, is_store=False)
-        self._load_jobs.append(TransferJob(job_id, request.request_id, src, GPULoadStoreSpec(engine_ids, group_sizes, block_indices)))
+        self._load_jobs.append(
+            TransferJob(
+                job_id,
+                request.request_id,
+                src,
+                GPULoadStoreSpec(engine_ids, group_sizes, block_indices),
+            )
+        )
         self._policies[state.store_policy].on_blocks_loaded(request.request_id, end)
         self._counters["load_jobs"] += 1
         self._counters["loaded_blocks"] += len(keys)
@@ -291,13 +341,22 @@ class OffloadingConnectorScheduler:
     def _new_job(self, state: RequestKVState, keys: list[OffloadKey], is_store: bool) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = _Job(job_id, state.req_context.req_id, state.req_context, keys, is_store, self.config.num_workers)
+        self._jobs[job_id] = _Job(
+            job_id,
+            state.req_context.req_id,
+            state.req_context,
+            keys,
+            is_store,
+            self.config.num_workers,
+        )
         state.transfer_jobs.add(job_id)
         return job_id
 
     # ------------------------------------------------------------------ stores
 
-    def _plan_store(self, state: RequestKVState, num_offloadable_tokens: int, finished: bool = False) -> TransferJob | None:
+    def _plan_store(
+        self, state: RequestKVState, num_offloadable_tokens: int, finished: bool = False
+    ) -> TransferJob | None:
         if state.max_offload_tokens is not None:
             num_offloadable_tokens = min(num_offloadable_tokens, state.max_offload_tokens)
         policy = self._policies[state.store_policy]
@@ -314,7 +373,10 @@ class OffloadingConnectorScheduler:
             located.append((g, starts[g] + offset[g]))
             offset[g] += 1
         for g, (group, group_state) in enumerate(zip(groups, state.group_states, strict=True)):
-            if offset[g] and len(group_state.block_ids) < (starts[g] + offset[g]) * group.block_size_factor:
+            if (
+                offset[g]
+                and len(group_state.block_ids) < (starts[g] + offset[g]) * group.block_size_factor
+            ):
                 # The engine has not reported these blocks yet: try again next step.
                 policy.on_store_rejected(req_id, starts)
                 return None
@@ -334,7 +396,9 @@ class OffloadingConnectorScheduler:
         block_indices = [-1] * len(groups)
         for g, block in located:
             factor = groups[g].block_size_factor
-            engine_ids.extend(state.group_states[g].block_ids[block * factor : (block + 1) * factor])
+            engine_ids.extend(
+                state.group_states[g].block_ids[block * factor : (block + 1) * factor]
+            )
             group_sizes[g] += factor
             if block_indices[g] < 0:
                 block_indices[g] = block * factor
@@ -346,7 +410,9 @@ class OffloadingConnectorScheduler:
             self._fence_sources(job_id, engine_ids, group_sizes)
         self._counters["store_jobs"] += 1
         self._counters["stored_blocks"] += len(stored)
-        return TransferJob(job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec)
+        return TransferJob(
+            job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec
+        )
 
     def _fence_sources(self, job_id: int, engine_ids: list[int], group_sizes: list[int]) -> None:
         job = self._jobs[job_id]
@@ -366,7 +432,9 @@ class OffloadingConnectorScheduler:
             if jobs:
                 self._jobs_to_flush.extend(j for j in jobs if j not in self._jobs_to_flush)
 
-    def _describe(self, state: RequestKVState, keys: list[OffloadKey], located: list[tuple[int, int]]) -> None:
+    def _describe(
+        self, state: RequestKVState, keys: list[OffloadKey], located: list[tuple[int, int]]
+    ) -> None:
         assert self._events is not None
         tokens = state.request.all_token_ids
         for key, (g, block) in zip(keys, located, strict=True):
@@ -385,7 +453,9 @@ class OffloadingConnectorScheduler:
             if state is None:
                 continue
             if scheduled.new_block_ids:
-                for group_state, ids in zip(state.group_states, scheduled.new_block_ids, strict=True):
+                for group_state, ids in zip(
+                    state.group_states, scheduled.new_block_ids, strict=True
+                ):
                     if scheduled.resumed:
                         group_state.block_ids[:] = ids
                     elif ids:
@@ -394,7 +464,10 @@ class OffloadingConnectorScheduler:
                         self._check_fence(ids)
             state.update_offload_keys()
             job = self._plan_store(
-                state, min(request.num_computed_tokens + scheduled.num_scheduled_tokens, request.num_tokens)
+                state,
+                min(
+                    request.num_computed_tokens + scheduled.num_scheduled_tokens, request.num_tokens
+                ),
             )
             if job is not None:
                 store_jobs.append(job)

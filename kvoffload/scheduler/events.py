@@ -39,7 +39,9 @@ class OffloadEventDescriber:
         self._locality = locality
         self._pending: dict[OffloadKey, _BlockDescription] = {}
 
-    def record(self, key: OffloadKey, parent: BlockHash | None, token_ids: list[int], block_size: int) -> None:
+    def record(
+        self, key: OffloadKey, parent: BlockHash | None, token_ids: list[int], block_size: int
+    ) -> None:
         """Describe block ``key`` (its tokens and its parent's hash) before it is stored."""
         self._pending[key] = _BlockDescription(parent, token_ids, block_size)
 
@@ -61,9 +63,13 @@ class OffloadEventDescriber:
             if event.removed:
                 by_group: dict[int, list[bytes | int]] = {}
                 for key in event.keys:
-                    by_group.setdefault(offload_key_group(key), []).append(ext(offload_key_hash(key), as_int))
+                    by_group.setdefault(offload_key_group(key), []).append(
+                        ext(offload_key_hash(key), as_int)
+                    )
                 for group, hashes in by_group.items():
-                    out.append(BlockRemoved(hashes, event.medium, group_idx=group, locality=locality))
+                    out.append(
+                        BlockRemoved(hashes, event.medium, group_idx=group, locality=locality)
+                    )
                 continue
             run: BlockStored | None = None
             run_last: BlockHash | None = None

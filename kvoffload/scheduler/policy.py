@@ -13,7 +13,12 @@ from typing import ClassVar
 
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
-from kvoffload.scheduler.state import NULL_BLOCK_ID, GroupOffloadConfig, RequestKVState, SchedulerOffloadConfig
+from kvoffload.scheduler.state import (
+    NULL_BLOCK_ID,
+    GroupOffloadConfig,
+    RequestKVState,
+    SchedulerOffloadConfig,
+)
 
 __all__ = [
     "STORE_POLICIES",
@@ -89,7 +94,9 @@ class StoreOnComputePolicy(OffloadPolicy):
             progress = self._next[req_id] = [0] * len(req_kv_state.group_states)
         keys: list[OffloadKey] | None = None
         starts: list[int] = progress  # replaced by a copy before the first mutation
-        for g, (group, state) in enumerate(zip(req_kv_state.config.groups, req_kv_state.group_states, strict=True)):
+        for g, (group, state) in enumerate(
+            zip(req_kv_state.config.groups, req_kv_state.group_states, strict=True)
+        ):
             start = progress[g]
             end = min(num_offloadable_tokens // group.offloaded_block_size, len(state.offload_keys))
             if end <= start:
@@ -122,7 +129,11 @@ class StoreOnComputePolicy(OffloadPolicy):
 
 
 def _first_held_block(
-    req_kv_state: RequestKVState, group: GroupOffloadConfig, block_ids: list[int], start: int, end: int
+    req_kv_state: RequestKVState,
+    group: GroupOffloadConfig,
+    block_ids: list[int],
+    start: int,
+    end: int,
 ) -> int:
     """First offloaded block in ``[start, end)`` of a sliding-window group the engine still holds.
 
@@ -173,5 +184,7 @@ def create_store_policy(name: str, config: SchedulerOffloadConfig) -> OffloadPol
     """Instantiate the store policy registered as ``name``."""
     cls = STORE_POLICIES.get(name)
     if cls is None:
-        raise ConfigError("store_policy", f"unknown store policy {name!r}; choose from {sorted(STORE_POLICIES)}")
+        raise ConfigError(
+            "store_policy", f"unknown store policy {name!r}; choose from {sorted(STORE_POLICIES)}"
+        )
     return cls(config)

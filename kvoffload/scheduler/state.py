@@ -87,7 +87,8 @@ class SchedulerOffloadConfig:
         for g, group in enumerate(self.groups):
             if group.engine_block_size <= 0 or group.block_size_factor <= 0:
                 raise ConfigError(
-                    f"groups[{g}]", f"block sizes must be positive, got {group.engine_block_size}x{group.block_size_factor}"
+                    f"groups[{g}]",
+                    f"block sizes must be positive, got {group.engine_block_size}x{group.block_size_factor}",
                 )
             if group.offloaded_block_size % self.hash_block_size:
                 raise ConfigError(
@@ -104,10 +105,19 @@ class SchedulerOffloadConfig:
 
     @classmethod
     def single_group(
-        cls, engine_block_size: int, block_size_factor: int = 1, num_workers: int = 1, store_policy: str = "on_compute"
+        cls,
+        engine_block_size: int,
+        block_size_factor: int = 1,
+        num_workers: int = 1,
+        store_policy: str = "on_compute",
     ) -> SchedulerOffloadConfig:
         """One full-attention group, hashed at the engine block size (the reference engine's case)."""
-        return cls((GroupOffloadConfig(engine_block_size, block_size_factor),), engine_block_size, num_workers, store_policy)
+        return cls(
+            (GroupOffloadConfig(engine_block_size, block_size_factor),),
+            engine_block_size,
+            num_workers,
+            store_policy,
+        )
 
 
 @dataclass(slots=True)
@@ -145,7 +155,6 @@ class RequestKVState:
     transfer_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     num_hashes_seen: int = 0  # len(request.block_hashes) at the last update_offload_keys
-
 
     def __post_init__(self) -> None:
         if not self.group_states:

@@ -1,0 +1,170 @@
+"""Workloads for ``kvoffload bench throughput``: token-id prompts with controlled reuse.
+
+Every dataset is deterministic for a given seed. Token ids are drawn from ``[1, vocab_size)``
+minus the EOS id, so a prompt never contains an early stop token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvoffload.errors import ConfigError
+
+__all__ = [
+    "DATASETS",
+    "BenchRequest",
+    "multi_turn",
+    "prefix_repetition",
+    "random_prompts",
+    "trace_prompts",
+]
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One benchmark request: its prompt token ids and how many tokens to generate."""
+
+    prompt: list[int]
+    output_len: int
+
+
+class _Tokens:
+    def __init__(self, vocab_size: int, eos_token_id: int, seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._vocab = vocab_size
+        self._eos = eos_token_id
+
+    def draw(self, n: int, rng: random.Random | None = None) -> list[int]:
+        rng = rng or self._rng
+        out = []
+        while len(out) < n:
+            t = rng.randrange(1, self._vocab)
+            if t != self._eos:
+                out.append(t)
+        return out
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(name, f"must be positive, got {value}")
+
+
+def random_prompts(
+    num_prompts: int, input_len: int, output_len: int, vocab_size: int, eos_token_id: int, seed: int
+) -> list[BenchRequest]:
+    """Independent random prompts: no reuse at all (the offloading-overhead case)."""
+    _positive("num_prompts", num_prompts)
+    _positive("random_input_len", input_len)
+    tokens = _Tokens(vocab_size, eos_token_id, seed)
+    return [BenchRequest(tokens.draw(input_len), output_len) for _ in range(num_prompts)]
+
+
+def prefix_repetition(
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    vocab_size: int,
+    eos_token_id: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """``num_prefixes`` shared prefixes, each followed by a random suffix; requests shuffled so
+    that consecutive requests rarely share a prefix (as vLLM's ``prefix_repetition``)."""
+    _positive("num_prompts", num_prompts)
+    _positive("prefix_repetition_prefix_len", prefix_len)
+    _positive("prefix_repetition_num_prefixes", num_prefixes)
+    tokens = _Tokens(vocab_size, eos_token_id, seed)
+    prefixes = [tokens.draw(prefix_len) for _ in range(num_prefixes)]
+    out = [
+        BenchRequest(prefixes[i % num_prefixes] + tokens.draw(suffix_len), output_len)
+        for i in range(num_prompts)
+    ]
+    random.Random(seed + 1).shuffle(out)
+    return out
+
+
+def multi_turn(
+    num_prompts: int,
+    num_sessions: int,
+    system_len: int,
+    turn_len: int,
+    output_len: int,
+    vocab_size: int,
+    eos_token_id: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """Chat sessions sharing one system prompt; turn ``k`` of a session re-sends every earlier
+    turn (user tokens and a fixed stand-in for the assistant's reply) plus a new user turn.
+    Sessions are interleaved round-robin, so a session's context ages between its turns."""
+    _positive("num_prompts", num_prompts)
+    _positive("multi_turn_num_sessions", num_sessions)
+    tokens = _Tokens(vocab_size, eos_token_id, seed)
+    system = tokens.draw(system_len)
+    contexts = [list(system) for _ in range(num_sessions)]
+    out = []
+    for i in range(num_prompts):
+        ctx = contexts[i % num_sessions]
+        ctx.extend(tokens.draw(turn_len))
+        out.append(BenchRequest(list(ctx), output_len))
+        ctx.extend(
+            tokens.draw(output_len)
+        )  # the assistant's reply, as the next turn will re-send it
+    return out
+
+
+def trace_prompts(
+    path: str | Path,
+    num_prompts: int | None,
+    trace_block_size: int,
+    output_len: int | None,
+    vocab_size: int,
+    eos_token_id: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """Requests of a Mooncake-format JSONL trace (``hash_ids``: 512-token blocks; equal ids are a
+    shared prefix). Each hash id becomes a deterministic block of ``trace_block_size`` token ids,
+    so the trace's real reuse pattern drives a real engine at a scale the machine can run; the
+    last block is shortened in proportion to ``input_length``. ``output_len`` caps the trace's
+    ``output_length``."""
+    _positive("trace_block_size", trace_block_size)
+    trace = Path(path)
+    if not trace.is_file():
+        raise ConfigError("dataset_path", f"{str(path)!r} is not a file")
+    tokens = _Tokens(vocab_size, eos_token_id, seed)
+    out: list[BenchRequest] = []
+    with trace.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if num_prompts is not None and len(out) >= num_prompts:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                hash_ids = [int(h) for h in record["hash_ids"]]
+                input_length = int(record.get("input_length", len(hash_ids) * 512))
+                trace_output = int(record.get("output_length", 16))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(
+                    "dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({exc})"
+                ) from exc
+            if not hash_ids:
+                continue
+            prompt: list[int] = []
+            for h in hash_ids:
+                prompt.extend(tokens.draw(trace_block_size, random.Random(f"{seed}:{h}")))
+            tail_tokens = input_length - (len(hash_ids) - 1) * 512
+            if 0 < tail_tokens < 512:
+                keep = max(1, -(-tail_tokens * trace_block_size // 512))
+                del prompt[len(prompt) - trace_block_size + keep :]
+            n_out = max(1, trace_output if output_len is None else min(trace_output, output_len))
+            out.append(BenchRequest(prompt, n_out))
+    if not out:
+        raise ConfigError("dataset_path", f"{trace} holds no requests")
+    return out
+
+
+DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")

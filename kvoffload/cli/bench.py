@@ -1,0 +1,235 @@
+"""``kvoffload bench throughput``: flags modelled on ``vllm bench throughput``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser"]
+
+# The main job's workload (`make bench`): long shared prefixes that do not fit the device cache
+# but fit the host tier, requests shuffled so that the device cache alone keeps missing.
+DEFAULTS: dict[str, Any] = {
+    "model": "small",
+    "num_prompts": 48,
+    "dataset_name": "prefix_repetition",
+    "prefix_repetition_prefix_len": 2048,
+    "prefix_repetition_suffix_len": 32,
+    "prefix_repetition_num_prefixes": 6,
+    "output_len": 16,
+    "num_device_blocks": 384,
+    "kv_offloading_size": 1.0,
+}
+
+
+def add_parser(subparsers: Any) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks of the reference engine")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser(
+        "throughput",
+        help="offline throughput with and without KV offloading",
+        description="Offline throughput of the reference engine. --compare runs the same workload without "
+        "offloading, with offloading, and with an unlimited device cache, side by side.",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULTS["model"],
+        help="preset (tiny, small) or a local HF checkpoint dir",
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
+    p.add_argument(
+        "--dataset-name",
+        choices=("random", "prefix_repetition", "multi_turn", "trace"),
+        default=DEFAULTS["dataset_name"],
+    )
+    p.add_argument(
+        "--dataset-path", default=None, help="Mooncake-format JSONL trace (--dataset-name trace)"
+    )
+    p.add_argument("--trace-block-size", type=int, default=16, help="tokens per trace hash id")
+    p.add_argument("--output-len", type=int, default=DEFAULTS["output_len"])
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument(
+        "--prefix-repetition-prefix-len", type=int, default=DEFAULTS["prefix_repetition_prefix_len"]
+    )
+    p.add_argument(
+        "--prefix-repetition-suffix-len", type=int, default=DEFAULTS["prefix_repetition_suffix_len"]
+    )
+    p.add_argument(
+        "--prefix-repetition-num-prefixes",
+        type=int,
+        default=DEFAULTS["prefix_repetition_num_prefixes"],
+    )
+    p.add_argument("--multi-turn-num-sessions", type=int, default=8)
+    p.add_argument("--multi-turn-system-len", type=int, default=512)
+    p.add_argument("--multi-turn-turn-len", type=int, default=256)
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--num-device-blocks",
+        type=int,
+        default=None,
+        help=f"engine KV blocks (default {DEFAULTS['num_device_blocks']})",
+    )
+    cache.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="engine KV cache size in GiB"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per engine block")
+    p.add_argument(
+        "--block-size-factor", type=int, default=1, help="engine blocks per offloaded block"
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=DEFAULTS["kv_offloading_size"],
+        help="host tier in GiB (0 = off)",
+    )
+    p.add_argument("--kv-offloading-backend", default="native")
+    p.add_argument("--eviction-policy", default="lru")
+    p.add_argument("--store-policy", default="on_compute")
+    p.add_argument(
+        "--store-threshold",
+        type=int,
+        default=0,
+        help="store a block once this many requests wanted it (>= 2)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq"}',
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run without offloading and with an unlimited device cache",
+    )
+    p.add_argument("--output-json", default=None, help="write the results here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+
+def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
+    from kvoffload.benchmark import datasets
+
+    common = {"vocab_size": vocab_size, "eos_token_id": eos, "seed": args.seed}
+    name = args.dataset_name
+    if name == "random":
+        return datasets.random_prompts(
+            args.num_prompts, args.random_input_len, args.output_len, **common
+        )
+    if name == "prefix_repetition":
+        return datasets.prefix_repetition(
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.output_len,
+            **common,
+        )
+    if name == "multi_turn":
+        return datasets.multi_turn(
+            args.num_prompts,
+            args.multi_turn_num_sessions,
+            args.multi_turn_system_len,
+            args.multi_turn_turn_len,
+            args.output_len,
+            **common,
+        )
+    if args.dataset_path is None:
+        from kvoffload.errors import ConfigError
+
+        raise ConfigError("dataset_path", "--dataset-name trace needs --dataset-path")
+    return datasets.trace_prompts(
+        args.dataset_path, args.num_prompts, args.trace_block_size, args.output_len, **common
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvoffload.benchmark.throughput import (
+        format_comparison,
+        format_result,
+        run_throughput,
+        unlimited_device_blocks,
+    )
+    from kvoffload.engine.config import preset_config
+    from kvoffload.engine.loader import PRESETS
+    from kvoffload.errors import KVOffloadError
+
+    try:
+        if args.model in PRESETS:
+            cfg = preset_config(args.model)
+            vocab, eos = cfg.vocab_size, cfg.eos_token_id
+        else:
+            from kvoffload.engine.config import config_from_hf
+
+            cfg = config_from_hf(json.loads((Path(args.model) / "config.json").read_text()))
+            vocab, eos = cfg.vocab_size, cfg.eos_token_id
+        requests = _requests(args, vocab, eos)
+        engine_kwargs: dict[str, Any] = {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "block_size": args.block_size,
+            "block_size_factor": args.block_size_factor,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "kv_offloading_backend": args.kv_offloading_backend,
+            "eviction_policy": args.eviction_policy,
+            "store_policy": args.store_policy,
+            "store_threshold": args.store_threshold,
+            "kv_events_config": args.kv_events_config,
+        }
+        if args.kv_cache_memory is not None:
+            engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
+        else:
+            engine_kwargs["num_device_blocks"] = (
+                args.num_device_blocks or DEFAULTS["num_device_blocks"]
+            )
+        runs: list[tuple[str, dict[str, Any]]] = []
+        if args.compare:
+            runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
+        runs.append(
+            ("offloading", {**engine_kwargs, "kv_offloading_size": args.kv_offloading_size})
+        )
+        if args.compare:
+            ideal = {**engine_kwargs, "kv_offloading_size": 0.0}
+            ideal["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
+            runs.append(("unlimited device cache", ideal))
+
+        def bar(total: int, label: str) -> Any:
+            return (
+                None
+                if args.no_progress
+                else tqdm(total=total, desc=label, unit="req", file=sys.stderr)
+            )
+
+        results = []
+        for label, kwargs in runs:
+            result = run_throughput(requests, label, kwargs, bar)
+            results.append(result)
+            print(f"== {label} ==")
+            print(format_result(result), flush=True)
+        if args.compare:
+            print("\n== comparison ==")
+            print(format_comparison(results))
+        if args.output_json:
+            payload = {
+                "args": vars(args) | {"func": None},
+                "results": [r.to_dict() for r in results],
+            }
+            Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str))
+    except KVOffloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
