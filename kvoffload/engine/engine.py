@@ -194,7 +194,7 @@ class Engine:
         worker = OffloadingConnectorWorker(
             config.block_size_factor, int(config.kv_offloading_size * _GIB)
         )
-        worker.register_kv_caches([self.runner.kv_cache])
+        worker.register_kv_caches([self.runner.kv_cache], num_blocks=self.num_device_blocks)
         manager: OffloadingManager = CPUOffloadingManager(
             worker.num_host_blocks, config.eviction_policy, enable_events=self._events_on
         )
@@ -270,7 +270,9 @@ class Engine:
         worker, connector = self.worker, self.connector
         if worker is not None and connector is not None:
             update = connector.update_connector_output(worker.get_finished())
-            self.scheduler.apply_connector_update(update)
+            for req, new_cached in self.scheduler.apply_connector_update(update):
+                if new_cached and self._events_on:
+                    self._device_stored(req, new_cached)  # loaded blocks now in the device cache
         plan = self.scheduler.schedule()
         self._counters["preemptions"] += len(plan.connector_output.preempted_req_ids)
         if worker is not None and connector is not None:
@@ -296,7 +298,9 @@ class Engine:
         self._counters["forward_tokens"] += plan.num_tokens
         if self._events_on:
             self._publish()
-        if not plan.scheduled and self.scheduler.loading and worker is not None:
+        if not plan.scheduled and worker is not None:
+            # Nothing to compute: wait for a transfer (a load to resume, a store whose blocks are
+            # held) instead of spinning; returns at once when none is in flight.
             worker.wait_for_any(timeout=0.05)
         finished, self._finished = self._finished, []
         return finished
