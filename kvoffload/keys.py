@@ -105,8 +105,11 @@ class BlockHasher:
     def __init__(self, block_size: int, scheme: str = "sha256_cbor", seed: str = "0") -> None:
         if scheme not in HASH_SCHEMES:
             raise ConfigError("hash_scheme", f"unknown scheme {scheme!r}; choose from {sorted(HASH_SCHEMES)}")
-        if block_size <= 0:
-            raise ConfigError("block_size", f"must be positive, got {block_size}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError("block_size", f"must be a positive integer, got {block_size!r}")
+        if not isinstance(seed, str):
+            # vLLM hashes the PYTHONHASHSEED *string*; any other type would silently change the root.
+            raise ConfigError("hash_seed", f"must be a string, got {seed!r}")
         self.block_size = block_size
         self.scheme = scheme
         self.seed = seed

@@ -1,5 +1,6 @@
 """Eviction policies for offloading tiers, registered by name (``--eviction-policy``)."""
 
+from kvoffload.eviction.arc import ARCPolicy
 from kvoffload.eviction.base import (
     ENTRY_POINT_GROUP,
     EvictionPolicy,
@@ -9,12 +10,17 @@ from kvoffload.eviction.base import (
     register_eviction_policy,
 )
 from kvoffload.eviction.lru import LRUPolicy
+from kvoffload.eviction.prefix import PrefixPolicy
+from kvoffload.eviction.s3fifo import S3FIFOPolicy
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "ARCPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "OffloadedBlock",
+    "PrefixPolicy",
+    "S3FIFOPolicy",
     "available_eviction_policies",
     "create_eviction_policy",
     "register_eviction_policy",

@@ -40,12 +40,11 @@ class LRUPolicy(EvictionPolicy):
         del self._blocks[key]
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        move = self._blocks.move_to_end
+        blocks = self._blocks
+        move = blocks.move_to_end
         for key in reversed(keys):
-            try:
+            if key in blocks:  # a membership test: cheaper than catching KeyError for absent keys
                 move(key)
-            except KeyError:
-                pass
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         victims: list[tuple[OffloadKey, OffloadedBlock]] = []

@@ -20,12 +20,14 @@ __all__ = ["FilterReusedOffloadingManager"]
 
 
 class _KeysSeenByRequest:
-    """Per-request scratch state (on the ReqContext): keys this request was already counted for."""
+    """Per-request scratch state (on the ReqContext): per filter, the keys this request was already
+    counted for. Keyed by filter so that filters sharing a context (one per tier, or stacked) count
+    independently."""
 
-    __slots__ = ("keys",)
+    __slots__ = ("by_filter",)
 
     def __init__(self) -> None:
-        self.keys: set[OffloadKey] = set()
+        self.by_filter: dict[FilterReusedOffloadingManager, set[OffloadKey]] = {}
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
@@ -43,10 +45,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
     """
 
     def __init__(self, backing: OffloadingManager, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
-        if store_threshold < 1:
-            raise ConfigError("store_threshold", f"must be >= 1, got {store_threshold}")
-        if max_tracker_size < 1:
-            raise ConfigError("max_tracker_size", f"must be >= 1, got {max_tracker_size}")
+        if not isinstance(store_threshold, int) or store_threshold < 1:
+            raise ConfigError("store_threshold", f"must be an integer >= 1, got {store_threshold!r}")
+        if not isinstance(max_tracker_size, int) or max_tracker_size < 1:
+            raise ConfigError("max_tracker_size", f"must be an integer >= 1, got {max_tracker_size!r}")
         self._backing = backing
         self.medium = backing.medium
         self._threshold = store_threshold
@@ -68,7 +70,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
         if seen_state is None:
             seen_state = _KeysSeenByRequest()
             ctx.set_state(seen_state)
-        seen = seen_state.keys
+        seen = seen_state.by_filter.get(self)
+        if seen is None:
+            seen = seen_state.by_filter[self] = set()
         counts = self._counts
         for key in keys:
             if key in seen:
@@ -112,7 +116,11 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.take_events()
 
     def request_finished(self, ctx: ReqContext) -> None:
-        ctx.pop_state(_KeysSeenByRequest)
+        seen_state = ctx.get_state(_KeysSeenByRequest)
+        if seen_state is not None:
+            seen_state.by_filter.pop(self, None)
+            if not seen_state.by_filter:
+                ctx.pop_state(_KeysSeenByRequest)
         self._backing.request_finished(ctx)
 
     def reset(self) -> None:

@@ -1,0 +1,53 @@
+"""Per-request scratch state that eviction policies keep on the ``ReqContext``.
+
+One context is shared by every tier a request goes through, and context state is keyed by type,
+so a policy must not keep instance-specific data in a state object of its own type alone: two
+instances (two tiers, or a manager and its twin) would read each other's. These helpers key by
+policy instance, or hand out request numbers that are unique across instances.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kvoffload.base import ReqContext
+from kvoffload.keys import OffloadKey
+
+__all__ = ["keys_seen_by", "request_serial"]
+
+_serials = itertools.count(1)  # process-wide: serials never repeat, whichever policy asks
+
+
+class _KeysSeen:
+    __slots__ = ("by_owner",)
+
+    def __init__(self) -> None:
+        self.by_owner: dict[object, set[OffloadKey]] = {}
+
+
+class _Serial:
+    __slots__ = ("serial",)
+
+    def __init__(self) -> None:
+        self.serial = next(_serials)
+
+
+def keys_seen_by(ctx: ReqContext, owner: object) -> set[OffloadKey]:
+    """The (mutable) set of keys ``owner`` has already counted for this request."""
+    state = ctx.get_state(_KeysSeen)
+    if state is None:
+        state = _KeysSeen()
+        ctx.set_state(state)
+    seen = state.by_owner.get(owner)
+    if seen is None:
+        seen = state.by_owner[owner] = set()
+    return seen
+
+
+def request_serial(ctx: ReqContext) -> int:
+    """A number identifying this request, unique in the process (any policy may share it)."""
+    state = ctx.get_state(_Serial)
+    if state is None:
+        state = _Serial()
+        ctx.set_state(state)
+    return state.serial

@@ -1,0 +1,185 @@
+"""S3-FIFO eviction: a small probation FIFO, a main FIFO with reinsertion, and a ghost FIFO."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Container, Iterator, Sequence
+
+from kvoffload.base import ReqContext
+from kvoffload.eviction._request_state import keys_seen_by
+from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.keys import OffloadKey
+
+__all__ = ["S3FIFOPolicy"]
+
+_MAX_FREQ = 3  # two bits
+# Operations evict() records during its dry run and replays on success.
+_TO_MAIN, _REINSERT, _EVICT_SMALL, _EVICT_MAIN = range(4)
+
+
+@register_eviction_policy
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP 2023) over request-level uses.
+
+    Three FIFOs, oldest first: ``small`` (new blocks; its target size is ``small_ratio`` of the
+    capacity, at least 1), ``main`` (blocks used again), ``ghost`` (keys that left ``small``
+    unused, at most ``capacity`` of them). Each held block has a frequency 0..3.
+
+    * ``insert``: a key remembered by ``ghost`` leaves it and enters ``main``; any other key
+      enters ``small``. Frequency 0.
+    * ``touch``: each key once per request (so a block's own store-and-touch is one use):
+      frequency ``+1``, capped at 3. No reordering: FIFOs move only on eviction.
+    * Eviction rule, per victim: if ``small`` holds at least its target, pop ``small``'s oldest
+      block: used again (frequency >= 1) -> move it to the new end of ``main`` with frequency 0
+      and continue; else, if evictable, it is the victim and its key enters ``ghost`` (a one-hit
+      wonder); a pinned/pending/protected unused block is passed over and stays. Otherwise pop
+      ``main``'s oldest: frequency >= 1 -> reinsert at the new end with frequency ``-1`` and
+      continue; else, if evictable, it is the victim (no ghost); else passed over. When the
+      preferred FIFO has no victim left, the other one is used.
+
+    Atomic: the moves are simulated on scratch copies of the order and replayed only when ``n``
+    victims were found; otherwise nothing changes. Each block is reinserted at most 3 times per
+    call, so ``evict`` is O(n + blocks moved or passed over); ``touch``/``insert`` are O(1) per key.
+    """
+
+    name = "s3fifo"
+
+    def __init__(self, capacity: int, small_ratio: float = 0.1) -> None:
+        super().__init__(capacity)
+        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
+        # Bound C method: get() runs once per block per lookup.
+        self.get = self._blocks.get  # type: ignore[method-assign]
+        self._small: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> frequency
+        self._main: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> frequency
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.small_target = max(1, int(capacity * small_ratio))
+
+    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
+        return self._blocks.get(key)
+
+    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+        self._blocks[key] = block
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = 0
+        else:
+            self._small[key] = 0
+
+    def remove(self, key: OffloadKey) -> None:
+        del self._blocks[key]
+        if self._small.pop(key, None) is None:
+            del self._main[key]
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        seen = keys_seen_by(ctx, self)
+        small, main = self._small, self._main
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            freq = small.get(key)
+            if freq is not None:
+                if freq < _MAX_FREQ:
+                    small[key] = freq + 1
+            else:
+                freq = main.get(key)
+                if freq is not None and freq < _MAX_FREQ:
+                    main[key] = freq + 1
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+        if n <= 0:
+            return []
+        blocks = self._blocks
+        small_scan = iter(self._small.items())
+        main_scan = iter(self._main.items())
+        # Scratch view of main's tail: blocks moved or reinserted during this call, in order.
+        appended: deque[tuple[OffloadKey, int]] = deque()
+        ops: list[tuple[int, OffloadKey]] = []  # what to replay on success
+        victims: list[tuple[OffloadKey, OffloadedBlock]] = []
+        small_left = len(self._small)
+        small_done = main_done = False
+
+        def from_small() -> bool:
+            nonlocal small_left, small_done
+            for key, freq in small_scan:
+                if freq >= 1:
+                    ops.append((_TO_MAIN, key))
+                    appended.append((key, 0))
+                    small_left -= 1
+                    continue
+                block = blocks[key]
+                if block.ref_cnt == 0 and key not in protected:
+                    ops.append((_EVICT_SMALL, key))
+                    victims.append((key, block))
+                    small_left -= 1
+                    return True
+            small_done = True
+            return False
+
+        def from_main() -> bool:
+            nonlocal main_done
+            while True:
+                item = next(main_scan, None)
+                if item is None:
+                    if not appended:
+                        main_done = True
+                        return False
+                    item = appended.popleft()
+                key, freq = item
+                if freq >= 1:
+                    ops.append((_REINSERT, key))
+                    appended.append((key, freq - 1))
+                    continue
+                block = blocks[key]
+                if block.ref_cnt == 0 and key not in protected:
+                    ops.append((_EVICT_MAIN, key))
+                    victims.append((key, block))
+                    return True
+
+        while len(victims) < n:
+            prefer_small = small_left >= self.small_target
+            if prefer_small:
+                found = (not small_done and from_small()) or (not main_done and from_main())
+            else:
+                found = (not main_done and from_main()) or (not small_done and from_small())
+            if not found:
+                return None
+        self._replay(ops)
+        return victims
+
+    def _replay(self, ops: list[tuple[int, OffloadKey]]) -> None:
+        blocks, small, main, ghost = self._blocks, self._small, self._main, self._ghost
+        for op, key in ops:
+            if op == _TO_MAIN:
+                del small[key]
+                main[key] = 0
+            elif op == _REINSERT:
+                main[key] -= 1
+                main.move_to_end(key)
+            elif op == _EVICT_SMALL:
+                del small[key], blocks[key]
+                ghost[key] = None
+            else:
+                del main[key], blocks[key]
+        for _ in range(len(ghost) - self.capacity):
+            ghost.popitem(last=False)
+
+    def clear(self) -> None:
+        for d in (self._blocks, self._small, self._main, self._ghost):
+            d.clear()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self._blocks)
+
+    def check_invariants(self) -> None:
+        small, main, ghost = self._small, self._main, self._ghost
+        assert not small.keys() & main.keys(), "a block is in both small and main"
+        assert self._blocks.keys() == small.keys() | main.keys(), "get() and the FIFOs disagree"
+        assert not ghost.keys() & self._blocks.keys(), "a held block is also a ghost"
+        assert len(ghost) <= self.capacity, "ghost FIFO over capacity"
+        for fifo in (small, main):
+            for key, freq in fifo.items():
+                assert 0 <= freq <= _MAX_FREQ, f"{key.hex()}: frequency {freq}"

@@ -1,0 +1,495 @@
+"""Eviction policies: one contract suite every registered policy passes, then each policy's order.
+
+``PolicyContract`` is the mixin (cachetools style): a subclass per policy sets ``name`` and runs
+every contract test. The policy-specific classes below it pin the exact eviction rule of each.
+Blocks are made ready (``ref_cnt = 0``) by hand, as the manager would on ``complete_store``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvoffload import ReqContext
+from kvoffload.eviction import (
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    OffloadedBlock,
+    PrefixPolicy,
+    S3FIFOPolicy,
+    available_eviction_policies,
+    create_eviction_policy,
+    register_eviction_policy,
+)
+from kvoffload.keys import OffloadKey, make_offload_key
+
+K = [make_offload_key(i.to_bytes(8, "big")) for i in range(64)]
+
+
+def ctx(name: str = "r") -> ReqContext:
+    return ReqContext(name)
+
+
+def fill(
+    policy: EvictionPolicy, keys: Sequence[OffloadKey], ref_cnt: int = 0
+) -> dict[OffloadKey, OffloadedBlock]:
+    """Insert ``keys`` with fresh slots, all in state ``ref_cnt``; return the blocks."""
+    blocks = {}
+    for key in keys:
+        block = OffloadedBlock(len(policy) + len(blocks) + 1000)
+        policy.insert(key, block)
+        block.ref_cnt = ref_cnt
+        blocks[key] = block
+    return blocks
+
+
+def state(policy: EvictionPolicy) -> dict[OffloadKey, tuple[int, int]]:
+    return {key: (policy.get(key).slot, policy.get(key).ref_cnt) for key in policy}  # type: ignore[union-attr]
+
+
+def drain(policy: EvictionPolicy) -> list[OffloadKey]:
+    """Evict one block at a time until nothing is evictable: the full eviction order."""
+    order = []
+    while (victims := policy.evict(1, ())) is not None:
+        order += [key for key, _ in victims]
+    return order
+
+
+class PolicyContract:
+    """What every policy promises (kvoffload/eviction/base.py)."""
+
+    name: str
+
+    def make(self, capacity: int = 8) -> EvictionPolicy:
+        return create_eviction_policy(self.name, capacity)
+
+    def test_registered_under_its_name(self) -> None:
+        assert self.name in available_eviction_policies()
+        assert type(self.make()).name == self.name
+
+    def test_insert_get_len_iter(self) -> None:
+        p = self.make()
+        blocks = fill(p, K[:3])
+        assert len(p) == 3 and set(p) == set(K[:3])
+        for key, block in blocks.items():
+            assert p.get(key) is block
+        assert p.get(K[9]) is None
+        p.check_invariants()
+
+    def test_remove_forgets_the_block(self) -> None:
+        p = self.make()
+        fill(p, K[:3], ref_cnt=-1)
+        p.remove(K[1])
+        assert p.get(K[1]) is None and len(p) == 2 and set(p) == {K[0], K[2]}
+        p.check_invariants()
+
+    def test_touch_ignores_unknown_keys(self) -> None:
+        p = self.make()
+        fill(p, K[:2])
+        p.touch([K[5], K[0], K[6]], ctx())
+        assert set(p) == {K[0], K[1]}
+        p.check_invariants()
+
+    def test_get_changes_no_order(self) -> None:
+        p, twin = self.make(), self.make()
+        for policy in (p, twin):
+            fill(policy, K[:4])
+            policy.touch(K[2:4], ctx())
+        for key in K[:4]:
+            p.get(key)
+        assert drain(p) == drain(twin)
+
+    def test_evict_returns_exactly_n_and_removes_them(self) -> None:
+        p = self.make()
+        blocks = fill(p, K[:5])
+        victims = p.evict(3, ())
+        assert victims is not None and len(victims) == 3
+        assert len({key for key, _ in victims}) == 3
+        for key, block in victims:
+            assert blocks[key] is block and p.get(key) is None
+        assert len(p) == 2
+        assert p.evict(0, ()) == []
+        p.check_invariants()
+
+    def test_evict_skips_pinned_pending_and_protected_blocks(self) -> None:
+        p = self.make()
+        fill(p, K[:2], ref_cnt=1)  # pinned by a load
+        fill(p, K[2:4], ref_cnt=-1)  # being written
+        fill(p, K[4:7])
+        victims = p.evict(2, {K[4]})
+        assert victims is not None
+        assert {key for key, _ in victims} == {K[5], K[6]}
+        assert p.evict(1, {K[4]}) is None
+
+    def test_evict_is_atomic(self) -> None:
+        """Asking for more than is evictable returns None and leaves no trace: a twin that never
+        saw the call evicts in exactly the same order afterwards."""
+        p, twin = self.make(), self.make()
+        for policy in (p, twin):
+            fill(policy, K[:2], ref_cnt=1)
+            fill(policy, K[2:6])
+            policy.touch([K[3], K[4]], ctx("a"))
+            policy.touch([K[4]], ctx("b"))
+        before = state(p)
+        assert p.evict(5, {K[5]}) is None
+        assert state(p) == before
+        p.check_invariants()
+        assert drain(p) == drain(twin)
+
+    def test_clear_forgets_everything(self) -> None:
+        p = self.make()
+        fill(p, K[:4])
+        p.clear()
+        assert len(p) == 0 and list(p) == [] and p.get(K[0]) is None
+        p.check_invariants()
+        fill(p, K[:2])
+        assert set(p) == {K[0], K[1]}
+
+
+class TestLRUContract(PolicyContract):
+    name = "lru"
+
+
+class TestARCContract(PolicyContract):
+    name = "arc"
+
+
+class TestS3FIFOContract(PolicyContract):
+    name = "s3fifo"
+
+
+class TestPrefixContract(PolicyContract):
+    name = "prefix"
+
+
+@pytest.mark.parametrize("name", available_eviction_policies())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 5), st.lists(st.integers(0, 15), max_size=6)), max_size=40
+    )
+)
+def test_random_operations_keep_invariants(name: str, ops: list[tuple[int, list[int]]]) -> None:
+    """insert / remove / touch / pin / evict in any order against a model of the held set."""
+    p = create_eviction_policy(name, 6)
+    model: dict[OffloadKey, OffloadedBlock] = {}
+    contexts = [ctx(f"r{i}") for i in range(3)]
+    for op, ids in ops:
+        keys = [K[i] for i in ids]
+        if op == 0:  # insert absent keys (a store being prepared)
+            for key in dict.fromkeys(keys):
+                if key not in model and len(model) < 6:
+                    model[key] = fill(p, [key], ref_cnt=-1)[key]
+        elif op == 1:  # complete or fail stores
+            for key in keys:
+                if key in model and model[key].ref_cnt < 0:
+                    if ids[0] % 2:
+                        model[key].ref_cnt = 0
+                    else:
+                        p.remove(key)
+                        del model[key]
+        elif op == 2:
+            p.touch(keys, contexts[len(ids) % 3])
+        elif op == 3:  # pin or unpin
+            for key in keys:
+                if key in model and model[key].ref_cnt >= 0:
+                    model[key].ref_cnt = 1 - min(model[key].ref_cnt, 1)
+        else:
+            n = len(ids) % 4
+            protected = set(keys[:2])
+            evictable = {k for k, b in model.items() if b.ref_cnt == 0 and k not in protected}
+            victims = p.evict(n, protected)
+            if victims is None:
+                assert len(evictable) < n
+            else:
+                assert len(victims) == n
+                for key, block in victims:
+                    assert key in evictable and model.pop(key) is block
+        assert {key: p.get(key) for key in p} == model
+        p.check_invariants()
+
+
+def test_every_registered_policy_has_a_contract_class() -> None:
+    tested = {cls.name for cls in PolicyContract.__subclasses__()}
+    assert set(available_eviction_policies()) <= tested
+
+
+def test_a_second_class_cannot_take_a_registered_name() -> None:
+    class Impostor(LRUPolicy):
+        name = "lru"
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_eviction_policy(Impostor)
+
+
+# ------------------------------------------------------------------------------------------ LRU
+
+
+class TestLRUOrder:
+    def test_touch_makes_the_first_key_most_recent(self) -> None:
+        """Stored 0 1 2 3; touch([0, 1, 2]) walks tail to head, so the order becomes 3 2 1 0."""
+        p = LRUPolicy(8)
+        fill(p, K[:4])
+        p.touch(K[:3], ctx())
+        assert drain(p) == [K[3], K[2], K[1], K[0]]
+
+    def test_oldest_evictable_goes_first(self) -> None:
+        p = LRUPolicy(8)
+        fill(p, K[:3])
+        p.get(K[0]).ref_cnt = 1  # type: ignore[union-attr]
+        victims = p.evict(1, ())
+        assert victims is not None and victims[0][0] == K[1]
+
+
+# ------------------------------------------------------------------------------------------ ARC
+
+
+class TestARCOrder:
+    def test_touch_promotes_only_ready_blocks(self) -> None:
+        """A pending block touched stays in T1 (its own store put it there); a ready one moves to T2."""
+        p = ARCPolicy(8)
+        fill(p, [K[0]], ref_cnt=-1)
+        fill(p, [K[1]])
+        p.touch([K[0], K[1]], ctx())
+        assert list(p._t1) == [K[0]] and list(p._t2) == [K[1]]
+
+    def test_a_request_counts_once(self) -> None:
+        """Touched twice by the request that stored it, a block is still seen once (T1); a second
+        request promotes it."""
+        p = ARCPolicy(8)
+        first = ctx("first")
+        p.touch([K[0]], first)
+        fill(p, [K[0]])
+        p.touch([K[0]], first)
+        assert list(p._t1) == [K[0]]
+        p.touch([K[0]], ctx("second"))
+        assert list(p._t2) == [K[0]]
+
+    def test_ghost_hits_move_the_target(self) -> None:
+        """T1 victims go to B1, T2 victims to B2; a B1 hit raises the target, a B2 hit lowers it."""
+        p = ARCPolicy(4)
+        fill(p, K[:4])
+        p.touch([K[2], K[3]], ctx("a"))  # tail to head: T1 = 0 1, T2 = 3 2
+        victims = p.evict(1, ())  # |T1| = 2 >= max(1, target 0): T1's oldest
+        assert victims is not None and victims[0][0] == K[0] and list(p._b1) == [K[0]]
+        p.touch([K[0]], ctx("b"))  # B1 hit: target += max(1, |B2| / |B1|) = 1
+        assert p.target == 1.0
+        victims = p.evict(2, ())  # T1 = 1 >= 1: key 1 to B1; T1 empty: T2's oldest, 3, to B2
+        assert victims is not None and [key for key, _ in victims] == [K[1], K[3]]
+        assert list(p._b1) == [K[0], K[1]] and list(p._b2) == [K[3]]
+        p.target = 3.0
+        p.touch([K[3]], ctx("c"))  # B2 hit: target -= max(1, |B1| / |B2|) = 2
+        assert p.target == 1.0
+        p.touch([K[1]], ctx("d"))  # B1 hit, clamped at the capacity
+        p.target = 4.0
+        p.touch([K[0]], ctx("e"))
+        assert p.target == 4.0
+
+    def test_a_remembered_key_comes_back_into_t2(self) -> None:
+        p = ARCPolicy(2)
+        fill(p, K[:2])
+        assert p.evict(1, ()) is not None
+        fill(p, [K[0]])
+        assert K[0] in p._t2 and K[0] not in p._b1
+
+    def test_ghost_lists_are_bounded_by_capacity(self) -> None:
+        p = ARCPolicy(3)
+        for i in range(0, 30, 3):
+            fill(p, K[i : i + 3])
+            assert p.evict(3, ()) is not None
+            assert len(p._b1) <= 3 and len(p._b2) <= 3
+            p.check_invariants()
+
+    def test_eviction_prefers_t1_while_it_exceeds_the_target(self) -> None:
+        p = ARCPolicy(8)
+        fill(p, K[:4])
+        p.touch([K[0], K[1]], ctx())  # T1 = 2 3, T2 = 1 0
+        p.target = 1.0
+        victims = p.evict(3, ())
+        # T1 has 2 >= 1: take 2; T1 has 1 >= 1: take 3; T1 empty: T2's oldest, 1.
+        assert victims is not None and [key for key, _ in victims] == [K[2], K[3], K[1]]
+
+
+# ------------------------------------------------------------------------------------- S3-FIFO
+
+
+class TestS3FIFOOrder:
+    def test_one_hit_wonders_leave_from_small_into_ghost(self) -> None:
+        p = S3FIFOPolicy(10)  # small target 1
+        fill(p, K[:3])
+        victims = p.evict(2, ())
+        assert victims is not None and [key for key, _ in victims] == [K[0], K[1]]
+        assert list(p._ghost) == [K[0], K[1]]
+
+    def test_a_block_used_again_moves_to_main_instead(self) -> None:
+        p = S3FIFOPolicy(10)
+        fill(p, K[:3])
+        p.touch([K[0]], ctx("second request"))
+        victims = p.evict(1, ())
+        assert victims is not None and victims[0][0] == K[1]
+        assert list(p._main) == [K[0]] and p._main[K[0]] == 0
+
+    def test_main_reinserts_used_blocks_with_one_less_frequency(self) -> None:
+        p = S3FIFOPolicy(10)
+        fill(p, K[:3])
+        p.touch(K[:3], ctx("a"))
+        p.touch([K[0]], ctx("b"))
+        # Small target 1: 0 1 2 move to main (all used), then main: 0 (freq 0) is the oldest.
+        assert p.evict(1, ()) is not None
+        assert list(p._small) == [] and list(p._main) == [K[1], K[2]]
+        # One more use of 1: it is reinserted behind 2, which then goes first.
+        p.touch([K[1]], ctx("c"))
+        victims = p.evict(1, ())
+        assert victims is not None and victims[0][0] == K[2]
+        assert p._main[K[1]] == 0
+
+    def test_a_remembered_key_enters_main(self) -> None:
+        p = S3FIFOPolicy(10)
+        fill(p, K[:2])
+        assert p.evict(1, ()) is not None
+        fill(p, [K[0]])
+        assert K[0] in p._main and K[0] not in p._ghost
+
+    def test_a_request_counts_once(self) -> None:
+        p = S3FIFOPolicy(10)
+        fill(p, [K[0]])
+        c = ctx()
+        p.touch([K[0]], c)
+        p.touch([K[0]], c)
+        assert p._small[K[0]] == 1
+
+    def test_ghost_is_bounded_by_capacity(self) -> None:
+        p = S3FIFOPolicy(3)
+        for i in range(0, 30, 3):
+            fill(p, K[i : i + 3])
+            assert p.evict(3, ()) is not None
+            assert len(p._ghost) <= 3
+
+
+# -------------------------------------------------------------------------------------- prefix
+
+
+def learned_admission(own_blocks_come_back: bool) -> list[OffloadKey]:
+    """A 2-block tier holding a hot chain is offered a new request's 2 blocks, after a history
+    in which either the hot chain is reused by every request and each request's own blocks never
+    again, or the other way round. Returns what the policy admits."""
+    hot = K[:2]
+    p = PrefixPolicy(2, history_size=64, num_ages=8)
+    next_id = 1000
+    for i in range(p.recompute_every // 4):
+        own = [make_offload_key(j.to_bytes(8, "big")) for j in (next_id, next_id + 1)]
+        next_id += 2
+        if own_blocks_come_back:
+            p.touch(own, ctx(f"a{i}"))
+            p.touch(own, ctx(f"b{i}"))
+        else:
+            p.touch([*hot, *own], ctx(f"a{i}"))
+    fill(p, hot)
+    new = [make_offload_key(j.to_bytes(8, "big")) for j in (9000, 9001)]
+    request = ctx("offer")
+    p.touch([*hot, *new], request)  # the hot chain is a hit; only the new blocks are offered
+    return p.admit(new, new, request)
+
+
+class TestPrefixOrder:
+    def test_only_leaves_are_evicted_and_a_chain_goes_tail_first(self) -> None:
+        p = PrefixPolicy(8)
+        p.touch(K[:4], ctx())  # teaches the chain 0 -> 1 -> 2 -> 3
+        fill(p, K[:4])
+        assert drain(p) == [K[3], K[2], K[1], K[0]]
+
+    def test_one_call_can_eat_a_whole_chain(self) -> None:
+        """Parents whose children were all chosen become candidates within the same call."""
+        p = PrefixPolicy(8)
+        p.touch(K[:3], ctx())
+        fill(p, K[:3])
+        victims = p.evict(3, ())
+        assert victims is not None and [key for key, _ in victims] == [K[2], K[1], K[0]]
+        p.check_invariants()
+
+    def test_interior_blocks_go_when_every_leaf_is_pinned(self) -> None:
+        p = PrefixPolicy(8)
+        p.touch(K[:2], ctx())
+        fill(p, K[:2])
+        p.get(K[1]).ref_cnt = 1  # type: ignore[union-attr]
+        victims = p.evict(1, ())
+        assert victims is not None and victims[0][0] == K[0]
+        assert p.density(K[1]) == -1.0  # its prefix is gone: it can never be hit
+        p.check_invariants()
+
+    def test_a_failed_store_leaves_an_orphan_that_goes_first(self) -> None:
+        p = PrefixPolicy(8)
+        p.touch(K[:3], ctx())
+        fill(p, K[:3])
+        p.get(K[1]).ref_cnt = -1  # type: ignore[union-attr]
+        p.remove(K[1])  # its store failed; 2 hangs from a missing block
+        p.check_invariants()
+        victims = p.evict(1, ())
+        assert victims is not None and victims[0][0] == K[2]
+
+    def test_admits_everything_while_there_is_room(self) -> None:
+        p = PrefixPolicy(8)
+        assert p.admit(K[:5], K[:5], ctx()) == K[:5]
+
+    def test_a_full_tier_admits_anything_before_it_has_learned(self) -> None:
+        p = PrefixPolicy(2)
+        fill(p, K[:2])
+        request = ctx()
+        p.touch([*K[:2], K[60]], request)
+        assert p.admit([K[60]], [K[60]], request) == [K[60]]  # every density is still 0
+
+    def test_admits_everything_when_nothing_could_be_displaced(self) -> None:
+        """The offered chain protects the held blocks: evict() will answer, not admit()."""
+        p = PrefixPolicy(2)
+        fill(p, K[:2])
+        assert p.admit([K[60]], [*K[:2], K[60]], ctx()) == [K[60]]
+
+    def test_a_full_tier_refuses_blocks_that_history_says_are_worth_less(self) -> None:
+        """Hot chain reused, first-seen blocks never: the new blocks would displace more value."""
+        assert learned_admission(own_blocks_come_back=False) == []
+
+    def test_the_admission_threshold_follows_the_data(self) -> None:
+        """Same tier, same offer, but first-seen blocks have been coming back: admitted."""
+        new = [make_offload_key(j.to_bytes(8, "big")) for j in (9000, 9001)]
+        assert learned_admission(own_blocks_come_back=True) == new
+
+    def test_a_chain_whose_prefix_is_not_held_is_not_admitted_when_full(self) -> None:
+        p = PrefixPolicy(1)
+        p.touch(K[:3], ctx())
+        fill(p, [K[5]])
+        assert p.admit([K[2]], [K[2]], ctx("b")) == []  # 2's parent, 1, is not held
+
+    def test_the_last_block_of_a_chain_has_its_own_class(self) -> None:
+        p = PrefixPolicy(8)
+        p.touch(K[:3], ctx())
+        held = p._history
+        assert [held[k].cls % 2 for k in K[:3]] == [0, 0, 1]
+
+    def test_history_is_bounded(self) -> None:
+        p = PrefixPolicy(2, history_size=16)
+        for i in range(10):
+            p.touch(K[i * 4 : i * 4 + 4], ctx(f"r{i}"))
+            assert len(p._history) <= 16
+        p.check_invariants()
+
+    def test_kv_cache_groups_are_separate_chains(self) -> None:
+        """Keys of two groups in one call: no parent link or chain tail crosses the groups."""
+        g0 = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(2)]
+        g1 = [make_offload_key(i.to_bytes(8, "big"), 1) for i in range(2)]
+        p = PrefixPolicy(8)
+        p.touch([*g0, *g1], ctx())
+        h = p._history
+        assert h[g1[0]].parent_key is None and h[g1[1]].parent_key == g1[0]
+        assert [h[k].cls % 2 for k in (*g0, *g1)] == [0, 1, 0, 1]
+
+    def test_two_policies_sharing_a_request_context_count_independently(self) -> None:
+        """Tiers share one ReqContext per request; each policy counts the request once."""
+        a, b = PrefixPolicy(8), PrefixPolicy(8)
+        c = ctx()
+        for policy in (a, b, a, b):
+            policy.touch(K[:2], c)
+        assert a._history[K[0]].count == b._history[K[0]].count == 1
