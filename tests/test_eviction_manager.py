@@ -170,11 +170,24 @@ def test_an_entry_point_policy_is_found_by_name(site: Path) -> None:
 
 def test_an_entry_point_that_is_not_a_policy_is_a_config_error(site: Path) -> None:
     install_dist(site, "not_a_policy = my_kv_policies:NOT_A_POLICY")
+    assert "not_a_policy" in available_eviction_policies()  # listed without being loaded
     with pytest.raises(ConfigError) as info:
-        available_eviction_policies()
+        create_eviction_policy("not_a_policy", 4)
     assert info.value.field == "eviction_policy" and "my_kv_policies:NOT_A_POLICY" in str(
         info.value
     )
+
+
+def test_a_broken_entry_point_does_not_hide_the_others(site: Path) -> None:
+    install_dist(
+        site,
+        "not_a_policy = my_kv_policies:NOT_A_POLICY\n"
+        "missing_module = no_such_module_anywhere:Policy\n"
+        "my_out_of_tree_lru = my_kv_policies:MyPolicy",
+    )
+    assert type(create_eviction_policy("my_out_of_tree_lru", 4)).__name__ == "MyPolicy"
+    with pytest.raises(ConfigError, match="missing_module"):
+        create_eviction_policy("missing_module", 4)
 
 
 def test_an_unknown_policy_name_lists_the_known_ones() -> None:

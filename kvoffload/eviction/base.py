@@ -122,28 +122,29 @@ def register_eviction_policy(cls: _P) -> _P:
     return cls
 
 
-def _load_entry_points() -> None:
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _REGISTRY:
+def _load_entry_point(name: str) -> type[EvictionPolicy] | None:
+    """Load (once) the out-of-tree policy registered under ``name``; other plugins stay unloaded,
+    so one broken plugin never hides the rest."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
+        try:
             cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-                raise ConfigError("eviction_policy", f"entry point {ep.value!r} is not an EvictionPolicy subclass")
-            _REGISTRY[ep.name] = cls
+        except Exception as exc:
+            raise ConfigError("eviction_policy", f"entry point {name!r} ({ep.value}) failed to load: {exc}") from exc
+        if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+            raise ConfigError("eviction_policy", f"entry point {ep.value!r} is not an EvictionPolicy subclass")
+        _REGISTRY[name] = cls
+        return cls
+    return None
 
 
 def available_eviction_policies() -> list[str]:
-    """Names of every registered policy, entry points included."""
-    _load_entry_points()
-    return sorted(_REGISTRY)
+    """Names of every registered policy, out-of-tree entry points included (not loaded)."""
+    return sorted({*_REGISTRY, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
 
 
 def create_eviction_policy(name: str, capacity: int) -> EvictionPolicy:
     """Instantiate the policy registered as ``name`` for a tier of ``capacity`` blocks."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        _load_entry_points()
-        cls = _REGISTRY.get(name)
+    cls = _REGISTRY.get(name) or _load_entry_point(name)
     if cls is None:
         raise ConfigError("eviction_policy", f"unknown policy {name!r}; choose from {available_eviction_policies()}")
     return cls(capacity)
-
