@@ -15,7 +15,8 @@ was made:
     ``sha256(cbor2.dumps((parent, tuple(token_ids), extra_keys), canonical=True))``: the scheme
     vLLM uses, so our hashes equal vLLM's for the same tokens and seed.
 ``xxh3_128``
-    xxh3-128 over ``parent || token ids as uint32 little-endian || cbor(extra_keys)``. About 10x
+    xxh3-128 over ``parent || token ids as uint32 little-endian || cbor(extra_keys)`` (token ids
+    must be below 2**32). About 10x
     faster; not collision resistant against an adversary.
 
 The seed (root) hash: the first block's parent is ``H(seed)``, where ``H`` is the scheme's hash of
@@ -27,6 +28,7 @@ that share offloaded blocks must use the same scheme and seed.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, NewType
@@ -50,6 +52,7 @@ BlockHash = NewType("BlockHash", bytes)
 OffloadKey = NewType("OffloadKey", bytes)
 
 _GROUP_BYTES = 4
+_BIG_ENDIAN_HOST = sys.byteorder == "big"
 
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
@@ -77,7 +80,10 @@ def _sha256_cbor_block(parent: bytes, token_ids: Sequence[int], extra_keys: Any)
 
 def _xxh3_block(parent: bytes, token_ids: Sequence[int], extra_keys: Any) -> bytes:
     h = xxhash.xxh3_128(parent)
-    h.update(array("I", token_ids).tobytes())
+    packed = array("I", token_ids)  # token ids must fit uint32
+    if _BIG_ENDIAN_HOST:
+        packed.byteswap()
+    h.update(packed.tobytes())
     if extra_keys is not None:
         h.update(cbor2.dumps(extra_keys, canonical=True))
     return h.digest()

@@ -132,7 +132,7 @@ class CPUOffloadingManager(OffloadingManager):
             free_slots.extend([block.slot for _, block in victims])
             self._evicted += need
             if self._events is not None:
-                self._events.append(OffloadingEvent(evicted, self.medium, True))
+                self._events.append(OffloadingEvent(list(evicted), self.medium, True))
 
         # Never-used slot ids first (ascending), then freed ids last-in first-out.
         n_fresh = min(n_fresh, len(to_store))

@@ -1,0 +1,32 @@
+"""Shared fixtures: a handful of keys and a request context. Tests marked ``cuda`` skip without one."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload import OffloadKey, ReqContext, make_offload_key
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
+        return
+    import torch  # only when a CUDA test was collected: the scheduler-side tests stay torch-free
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def keys() -> list[OffloadKey]:
+    """Ten distinct offload keys: ``keys[i]`` plays vLLM's test block ``i``."""
+    return [make_offload_key(i.to_bytes(32, "big")) for i in range(10)]
+
+
+@pytest.fixture
+def ctx() -> ReqContext:
+    """A fresh request context."""
+    return ReqContext("req-0")

@@ -1,0 +1,98 @@
+"""The public surface of ``kvoffload``: pinned, resolvable, and torch-free on the scheduler side."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+import kvoffload
+
+# Changing the public API is deliberate: update this list in the same change.
+EXPORTED = [
+    "BlockHash",
+    "BlockHasher",
+    "BlockIDsLoadStoreSpec",
+    "CPULoadStoreSpec",
+    "CPUOffloadingManager",
+    "ConfigError",
+    "ContractError",
+    "EvictionPolicy",
+    "FilterReusedOffloadingManager",
+    "GPULoadStoreSpec",
+    "HostAllocationError",
+    "KVOffloadError",
+    "LoadStoreSpec",
+    "LookupResult",
+    "OffloadKey",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "TransferError",
+    "__version__",
+    "available_eviction_policies",
+    "create_eviction_policy",
+    "make_offload_key",
+    "offload_key_group",
+    "offload_key_hash",
+]
+
+# The scheduler-side core and the KV-event layer: never torch. Modules not written yet are skipped.
+SCHEDULER_SIDE = [
+    "kvoffload",
+    "kvoffload.base",
+    "kvoffload.errors",
+    "kvoffload.events",
+    "kvoffload.eviction",
+    "kvoffload.keys",
+    "kvoffload.managers",
+    "kvoffload.mediums",
+    "kvoffload.scheduler",
+]
+
+
+def existing(modules: list[str]) -> list[str]:
+    return [name for name in modules if importlib.util.find_spec(name) is not None]
+
+
+def test_all_is_sorted_and_pinned() -> None:
+    assert kvoffload.__all__ == sorted(kvoffload.__all__)
+    assert kvoffload.__all__ == EXPORTED
+
+
+@pytest.mark.parametrize("module", existing(SCHEDULER_SIDE))
+def test_every_exported_name_resolves(module: str) -> None:
+    mod = importlib.import_module(module)
+    names = getattr(mod, "__all__", [])
+    assert len(names) == len(set(names)), f"{module}.__all__ lists a name twice"
+    missing = [name for name in names if not hasattr(mod, name)]
+    assert not missing, f"{module}.__all__ names {missing}, which it does not define"
+
+
+def test_package_exports_the_same_objects_as_their_modules() -> None:
+    from kvoffload import base, errors, keys, managers, mediums
+
+    for module in (base, errors, keys, managers, mediums):
+        for name in module.__all__:
+            if name in kvoffload.__all__:
+                assert getattr(kvoffload, name) is getattr(module, name)
+
+
+def test_scheduler_side_imports_no_torch() -> None:
+    modules = existing(SCHEDULER_SIDE)
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", f"importing {modules} pulled in torch"
+
+
+def test_version_is_a_string() -> None:
+    assert isinstance(kvoffload.__version__, str) and kvoffload.__version__
