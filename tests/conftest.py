@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Before torch starts its OpenMP pool: spinning worker threads on a shared 2-core machine turn a
+# millisecond forward pass into a second (tests of the model pin torch to one thread as well).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvoffload import OffloadKey, ReqContext, make_offload_key
 
