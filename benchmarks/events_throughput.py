@@ -10,16 +10,23 @@ Each batch holds 100 self-describing ``BlockStored`` events (one 32-byte hash, a
   :class:`~kvoffload.events.KVEventSubscriber` in a child process; events per second from the
   first publish to the last batch decoded, with the batches lost (0 expected) reported.
 
-Run: ``.venv/bin/python benchmarks/events_throughput.py [--batches N]``. Asserts nothing.
+* engine step time, events on vs off: two engines with offloading, identical but for
+  ``kv_events_config``, run the same rounds of requests (shared prefixes cycling through a small
+  device cache and host tier, so both tiers store, load and evict), alternating which goes
+  first each round; every ``step()`` is timed, drains included. The events engine publishes on
+  ZMQ with no subscriber (``publish()`` only queues; sending is on the publisher's thread).
 
-Engine step time with events on vs off is not measured here: the engine author adds it next to
-this file (it needs the engine's step loop), reusing :func:`make_batch` for the event payload.
+Run: ``.venv/bin/python benchmarks/events_throughput.py [--batches N] [--engine-rounds R]``
+(``--engine-only`` for the step-time part alone, ``--engine-model tiny`` for a worst case where
+a step costs about a millisecond). Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import random
+import statistics
 import time
 from multiprocessing.connection import Connection
 
@@ -115,10 +122,124 @@ def end_to_end(num_batches: int, legacy: bool) -> tuple[float, int, int, int, fl
     return events / (last_at - start), received, events, lost, publish_s
 
 
+def _timed_round(engine, prompts: list[list[int]], params) -> tuple[float, int, int]:
+    """Run ``prompts`` to completion and drain; return (seconds in step(), steps, batches published)."""
+    published = engine.publisher.stats()["published"]
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    spent, steps = 0.0, 0
+    while engine.has_unfinished() or engine.connector.has_pending_jobs() or engine.scheduler.held:
+        start = time.perf_counter()
+        engine.step()
+        spent += time.perf_counter() - start
+        steps += 1
+    return spent, steps, engine.publisher.stats()["published"] - published
+
+
+def _draw(rng: random.Random, n: int, vocab: int, eos: int) -> list[int]:
+    """``n`` random token ids, never EOS."""
+    out: list[int] = []
+    while len(out) < n:
+        t = rng.randrange(1, vocab)
+        if t != eos:
+            out.append(t)
+    return out
+
+
+def engine_step_overhead(model: str, rounds: int, threads: int) -> None:
+    """Print the engine's step time with KV events on and off, measured alternately in one run."""
+    # Imported here: the end-to-end part's spawned subscriber re-imports this module, and it
+    # should not pay for torch.
+    import torch
+
+    from kvoffload.engine import Engine, SamplingParams
+
+    torch.set_num_threads(threads)
+    block_size, prefix_blocks, num_prefixes = 16, 16, 6
+    request_blocks = prefix_blocks + 2  # prefix, suffix and output
+    probe = Engine(model, num_device_blocks=1)
+    block_bytes = probe.model.kv_bytes_per_token() * block_size
+    vocab, eos = probe.model_config.vocab_size, probe.model_config.eos_token_id
+    probe.close()
+    common = {
+        "block_size": block_size,
+        # The device holds three requests and the host tier four: of the six prefixes cycling
+        # through, some come back from the host tier and some are recomputed; both tiers evict.
+        "num_device_blocks": 3 * request_blocks,
+        "kv_offloading_size": 4 * request_blocks * block_bytes / 2**30,
+        "max_num_seqs": 4,
+    }
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+    }
+    rng = random.Random(0)
+    prefixes = [_draw(rng, prefix_blocks * block_size, vocab, eos) for _ in range(num_prefixes)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engines = {
+        "off": Engine(model, **common),
+        "on": Engine(model, **common, kv_events_config=events),
+    }
+    per_round: dict[str, list[float]] = {"off": [], "on": []}
+    steps = dict.fromkeys(per_round, 0)
+    published = 0
+    try:
+        for r in range(rounds + 1):  # round 0 warms up
+            prompts = [p + _draw(rng, 8, vocab, eos) for p in rng.sample(prefixes, len(prefixes))]
+            order = ("off", "on") if r % 2 == 0 else ("on", "off")
+            for name in order:
+                spent, n, batches = _timed_round(engines[name], prompts, params)
+                if r > 0:
+                    per_round[name].append(spent)
+                    steps[name] += n
+                    published += batches if name == "on" else 0
+        stats = engines["on"].stats()
+    finally:
+        for engine in engines.values():
+            engine.close()
+    med = {k: statistics.median(v) * 1e3 for k, v in per_round.items()}
+    mean_step = {k: sum(per_round[k]) / steps[k] * 1e3 for k in per_round}
+    print(
+        f"engine step time, events on vs off ({model} preset, {threads} torch thread(s), {rounds} "
+        f"rounds of {num_prefixes} requests, alternating; events engine published {published} batches, "
+        f"offloaded {int(stats['offload_stored_blocks'])} blocks, loaded {int(stats['offload_loaded_blocks'])}, "
+        f"evicted {int(stats['offload_tier_evicted_blocks'])} host / {int(stats['device_evicted_blocks'])} device):"
+    )
+    print(f"{'':34}{'events off':>12}{'events on':>12}{'difference':>12}")
+    print(
+        f"{'median step() time per round, ms':34}{med['off']:>12.1f}{med['on']:>12.1f}"
+        f"{100 * (med['on'] / med['off'] - 1):>+11.2f}%"
+    )
+    print(
+        f"{'mean time per step, ms':34}{mean_step['off']:>12.3f}{mean_step['on']:>12.3f}"
+        f"{100 * (mean_step['on'] / mean_step['off'] - 1):>+11.2f}%"
+    )
+    print(f"{'steps':34}{steps['off']:>12}{steps['on']:>12}")
+    paired = statistics.median(
+        on / off for on, off in zip(per_round["on"], per_round["off"], strict=True)
+    )
+    print(
+        f"median of per-round ratios on/off (paired, robust to drift): {100 * (paired - 1):+.2f}%"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2000, help="batches per end-to-end run")
+    parser.add_argument(
+        "--engine-model", default="small", help="engine preset for the step-time part"
+    )
+    parser.add_argument("--engine-rounds", type=int, default=12, help="measured rounds per engine")
+    parser.add_argument(
+        "--engine-threads", type=int, default=1, help="torch threads of the engines"
+    )
+    parser.add_argument("--engine-only", action="store_true", help="only the engine step-time part")
     args = parser.parse_args()
+    if args.engine_only:
+        engine_step_overhead(args.engine_model, args.engine_rounds, args.engine_threads)
+        return
 
     batch = make_batch(0)
     map_encoder, legacy_encoder, decoder = EventEncoder(), EventEncoder(True), EventDecoder()
@@ -159,6 +280,8 @@ def main() -> None:
         f"map form {rates['map form'] / map_rate:.3f}, "
         f"legacy {rates['legacy array'] / legacy_rate:.3f}"
     )
+    print()
+    engine_step_overhead(args.engine_model, args.engine_rounds, args.engine_threads)
 
 
 if __name__ == "__main__":

@@ -52,12 +52,18 @@ def _positive(name: str, value: int) -> None:
         raise ConfigError(name, f"must be positive, got {value}")
 
 
+def _non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise ConfigError(name, f"must be >= 0, got {value}")
+
+
 def random_prompts(
     num_prompts: int, input_len: int, output_len: int, vocab_size: int, eos_token_id: int, seed: int
 ) -> list[BenchRequest]:
     """Independent random prompts: no reuse at all (the offloading-overhead case)."""
     _positive("num_prompts", num_prompts)
     _positive("random_input_len", input_len)
+    _positive("output_len", output_len)
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     return [BenchRequest(tokens.draw(input_len), output_len) for _ in range(num_prompts)]
 
@@ -76,7 +82,9 @@ def prefix_repetition(
     that consecutive requests rarely share a prefix (as vLLM's ``prefix_repetition``)."""
     _positive("num_prompts", num_prompts)
     _positive("prefix_repetition_prefix_len", prefix_len)
+    _non_negative("prefix_repetition_suffix_len", suffix_len)
     _positive("prefix_repetition_num_prefixes", num_prefixes)
+    _positive("output_len", output_len)
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     prefixes = [tokens.draw(prefix_len) for _ in range(num_prefixes)]
     out = [
@@ -102,6 +110,9 @@ def multi_turn(
     Sessions are interleaved round-robin, so a session's context ages between its turns."""
     _positive("num_prompts", num_prompts)
     _positive("multi_turn_num_sessions", num_sessions)
+    _non_negative("multi_turn_system_len", system_len)
+    _positive("multi_turn_turn_len", turn_len)
+    _positive("output_len", output_len)
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     system = tokens.draw(system_len)
     contexts = [list(system) for _ in range(num_sessions)]
@@ -131,6 +142,8 @@ def trace_prompts(
     last block is shortened in proportion to ``input_length``. ``output_len`` caps the trace's
     ``output_length``."""
     _positive("trace_block_size", trace_block_size)
+    if output_len is not None:
+        _positive("output_len", output_len)
     trace = Path(path)
     if not trace.is_file():
         raise ConfigError("dataset_path", f"{str(path)!r} is not a file")

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.engine import Engine, SamplingParams
+from kvoffload.errors import ConfigError
 
 __all__ = [
     "ThroughputResult",
@@ -62,6 +63,8 @@ class ThroughputResult:
 def unlimited_device_blocks(requests: Sequence[BenchRequest], block_size: int) -> int:
     """Device blocks that hold every distinct prompt block plus every request's own tail, so
     that nothing is ever evicted (the "ideal" run)."""
+    if block_size <= 0:
+        raise ConfigError("block_size", f"must be a positive integer, got {block_size}")
     block_ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, tokens) -> id
     tails = 0
     for r in requests:

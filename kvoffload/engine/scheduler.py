@@ -189,8 +189,12 @@ class EngineScheduler:
         else:
             self.pool.free(blocks)
 
-    def apply_connector_update(self, update: ConnectorUpdate) -> list[Request]:
-        """Resume loaded requests, roll back failed loads, free held blocks; returns resumed ones."""
+    def apply_connector_update(self, update: ConnectorUpdate) -> list[tuple[Request, list[int]]]:
+        """Resume loaded requests, roll back failed loads, free held blocks.
+
+        Returns each resumed request with the indices of its blocks that entered the prefix
+        cache (the loaded ones), for KV events.
+        """
         resumed: list[Request] = []
         for req_id in update.loaded:
             req = self.loading.pop(req_id, None)
@@ -206,12 +210,13 @@ class EngineScheduler:
             req.cached_tokens_offload = 0
             req.num_loading_tokens = 0
             resumed.append(req)
+        out: list[tuple[Request, list[int]]] = []
         for req in resumed:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.cache_computed_blocks(req)
+            out.append((req, self.cache_computed_blocks(req)))
         for req_id in update.freed:
             req = self.held.pop(req_id, None)
             if req is not None:
                 self.pool.free(self._blocks.pop(req_id))
-        return resumed
+        return out
