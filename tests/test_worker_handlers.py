@@ -77,6 +77,39 @@ def test_duplicate_job_ids_and_handlers_are_contract_errors():
         worker.transfer_async(1, STORE)
 
 
+class BrokenHandler(InstantHandler):
+    """Accepts jobs but never finishes them; its get_finished raises. Records when it was shut
+    down relative to its jobs being reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def transfer_async(self, job_id, spec):
+        return True
+
+    def get_finished(self):
+        raise RuntimeError("copy engine lost")
+
+    def shutdown(self, timeout=None):
+        self.events.append("shutdown")
+        return []
+
+
+def test_a_broken_handler_is_stopped_before_its_jobs_are_reported_failed():
+    """A failed job's host slots and engine blocks are reused at once, so the broken handler must
+    have stopped its copies first."""
+    worker = OffloadingWorker()
+    broken, loads = BrokenHandler(), InstantHandler()
+    worker.register_handler("GPU", "CPU", broken)
+    worker.register_handler("CPU", "GPU", loads)
+    assert worker.transfer_async(1, STORE) and worker.transfer_async(2, LOAD)
+    results = {r.job_id: r.success for r in worker.get_finished()}
+    assert results == {1: False, 2: True}
+    assert broken.events == ["shutdown"]
+    assert not worker.transfer_async(3, STORE)  # nothing more is routed to it
+
+
 def test_shutdown_is_idempotent_and_final():
     handler = InstantHandler()
     with OffloadingWorker() as worker:

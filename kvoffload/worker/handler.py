@@ -23,6 +23,7 @@ __all__ = ["OffloadingHandler", "OffloadingWorker", "TransferSpec", "WorkerState
 
 logger = logging.getLogger(__name__)
 
+_GIVE_UP_SECONDS = 30.0  # how long a broken handler may take to stop its running copies
 _MIN_POLL_SECONDS = 0.0001
 _MAX_POLL_SECONDS = 0.002
 
@@ -190,9 +191,17 @@ class OffloadingWorker:
                     self._unreported.append(result)
 
     def _give_up_on(self, handler: OffloadingHandler) -> None:
-        """Report a broken handler's jobs failed and route nothing more to it."""
+        """Stop a broken handler, report its jobs failed and route nothing more to it.
+
+        It is shut down *before* its jobs are reported: a failed job's host slots and engine
+        blocks are reused at once (freed, or recomputed into), so no copy of it may still run.
+        """
         self._broken.append(handler)
         self._handlers = {k: h for k, h in self._handlers.items() if h is not handler}
+        try:
+            handler.shutdown(timeout=_GIVE_UP_SECONDS)
+        except Exception:
+            logger.exception("broken handler %s also failed to shut down", type(handler).__name__)
         for job_id, (h, direction) in list(self._in_flight.items()):
             if h is handler:
                 del self._in_flight[job_id]
