@@ -152,6 +152,25 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
     )
 
 
+def _model_config(model: str) -> Any:
+    """The model's configuration (vocabulary, EOS), without loading its weights."""
+    from kvoffload.engine.config import PRESETS, config_from_hf, preset_config
+    from kvoffload.errors import ConfigError
+
+    if model in PRESETS:
+        return preset_config(model)
+    config_file = Path(model) / "config.json"
+    try:
+        return config_from_hf(json.loads(config_file.read_text()))
+    except OSError as exc:
+        raise ConfigError(
+            "model",
+            f"{model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory ({exc})",
+        ) from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from exc
+
+
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -161,20 +180,12 @@ def _run(args: argparse.Namespace) -> int:
         run_throughput,
         unlimited_device_blocks,
     )
-    from kvoffload.engine.config import preset_config
-    from kvoffload.engine.loader import PRESETS
+    from kvoffload.engine import EngineConfig
     from kvoffload.errors import KVOffloadError
 
     try:
-        if args.model in PRESETS:
-            cfg = preset_config(args.model)
-            vocab, eos = cfg.vocab_size, cfg.eos_token_id
-        else:
-            from kvoffload.engine.config import config_from_hf
-
-            cfg = config_from_hf(json.loads((Path(args.model) / "config.json").read_text()))
-            vocab, eos = cfg.vocab_size, cfg.eos_token_id
-        requests = _requests(args, vocab, eos)
+        model = _model_config(args.model)
+        requests = _requests(args, model.vocab_size, model.eos_token_id)
         engine_kwargs: dict[str, Any] = {
             "model": args.model,
             "device": args.device,
@@ -193,8 +204,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.kv_cache_memory is not None:
             engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
         else:
+            blocks = args.num_device_blocks
             engine_kwargs["num_device_blocks"] = (
-                args.num_device_blocks or DEFAULTS["num_device_blocks"]
+                DEFAULTS["num_device_blocks"] if blocks is None else blocks
             )
         runs: list[tuple[str, dict[str, Any]]] = []
         if args.compare:
@@ -206,6 +218,9 @@ def _run(args: argparse.Namespace) -> int:
             ideal = {**engine_kwargs, "kv_offloading_size": 0.0}
             ideal["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
             runs.append(("unlimited device cache", ideal))
+
+        for _, kwargs in runs:  # refuse a bad configuration before anything runs
+            EngineConfig(**kwargs)
 
         def bar(total: int, label: str) -> Any:
             return (
