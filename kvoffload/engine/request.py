@@ -75,6 +75,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_blocks: int = 0  # leading blocks already offered to the engine prefix cache
     num_loading_tokens: int = 0  # tokens an in-flight load will add to num_computed_tokens
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)

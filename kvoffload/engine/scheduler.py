@@ -136,6 +136,7 @@ class EngineScheduler:
             blocks = hits + new
             self._blocks[req.request_id] = blocks
             req.block_ids = [b.block_id for b in blocks]
+            req.num_cached_blocks = len(hits)
             if req.cached_tokens_engine < 0:
                 req.cached_tokens_engine, req.cached_tokens_offload = num_local, num_external
             if self.connector is not None:
@@ -156,6 +157,7 @@ class EngineScheduler:
     def _preempt(self, req: Request) -> None:
         self.pool.free(self._blocks.pop(req.request_id))
         req.block_ids = []
+        req.num_cached_blocks = 0
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -167,7 +169,11 @@ class EngineScheduler:
         """Register the request's full, computed blocks in the prefix cache; returns the new ones."""
         blocks = self._blocks[req.request_id]
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        return self.pool.cache(blocks, req.block_hashes, 0, num_full)
+        if num_full <= req.num_cached_blocks:
+            return []
+        added = self.pool.cache(blocks, req.block_hashes, req.num_cached_blocks, num_full)
+        req.num_cached_blocks = num_full
+        return added
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (running, loading or waiting); free or hold its blocks."""
