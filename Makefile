@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/kvoffload bench throughput --compare $(BENCH_ARGS)
+	$(VENV)/bin/kvoffload bench throughput --compare --repeats 2 $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff

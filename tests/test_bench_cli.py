@@ -148,6 +148,7 @@ BAD_FLAGS = {
         "colour",
     ),
     "zero device blocks": (["--num-device-blocks", "0"], "num_device_blocks"),
+    "zero repeats": (["--repeats", "0"], "repeats"),
     # every run's configuration is checked before the first run starts
     "negative host tier with --compare": (
         ["--kv-offloading-size", "-1", "--compare"],
@@ -176,3 +177,20 @@ def test_unknown_dataset_is_an_argparse_error(capsys: pytest.CaptureFixture[str]
         main([*COMMON, "--dataset-name", "sharegpt"])
     assert exc.value.code == 2
     assert "--dataset-name" in capsys.readouterr().err
+
+
+def test_repeats_interleave_and_keep_the_fastest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "out.json"
+    argv = [*COMMON, *SMALL_RANDOM, "--compare", "--repeats", "2", "--output-json", str(out_json)]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert [
+        m.group(1) for m in re.finditer(r"^== (.+) \(repeat \d/2\) ==$", stdout, re.M)
+    ] == LABELS * 2
+    payload = json.loads(out_json.read_text())
+    assert [r["label"] for r in payload["all_runs"]] == LABELS * 2
+    for result in payload["results"]:
+        same = [r["elapsed_s"] for r in payload["all_runs"] if r["label"] == result["label"]]
+        assert result["elapsed_s"] == min(same)

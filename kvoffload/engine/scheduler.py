@@ -6,7 +6,10 @@ free blocks allow. When a running request needs a block and none is free, the mo
 admitted running request is preempted (its blocks freed, recomputed later). A waiting request's
 prompt is served from the engine's prefix cache first, then the offloading connector is asked for
 more (`get_num_new_matched_tokens`); a request with tokens to load waits (``LOADING``) until its
-load completes, holding its blocks but no token budget.
+load completes, holding its blocks but no token budget. A waiting request whose next block is
+being loaded into the engine for another request shares that load: it is passed over until the
+load lands (its blocks then enter the prefix cache) instead of loading a second copy, and the
+requests behind it are admitted meanwhile, so nobody queues behind it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvoffload.engine.block_pool import BlockPool, KVBlock
 from kvoffload.engine.request import Request, RequestStatus
+from kvoffload.keys import BlockHash
 from kvoffload.scheduler import (
     ConnectorUpdate,
     OffloadingConnectorScheduler,
@@ -61,6 +65,10 @@ class EngineScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
+        # Block hashes being loaded into the engine right now (count of loads), and per loading
+        # request the range of its block hashes it loads.
+        self._loading_hashes: dict[BlockHash, int] = {}
+        self._load_ranges: dict[str, tuple[int, int]] = {}
         #: finished requests whose blocks a transfer still uses (freed on ConnectorUpdate.freed)
         self.held: dict[str, Request] = {}
         self._blocks: dict[str, list[KVBlock]] = {}
@@ -111,6 +119,13 @@ class EngineScheduler:
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
+        deferred: list[Request] = []
+        try:
+            self._admit_waiting(plan, budget, deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, deferred: list[Request]) -> None:
         bs = self.block_size
         while (
             self.waiting
@@ -119,6 +134,13 @@ class EngineScheduler:
         ):
             req = self.waiting[0]
             hits = self.pool.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
+            if self._loading_hashes and len(hits) < len(req.block_hashes):
+                if req.block_hashes[len(hits)] in self._loading_hashes:
+                    # Another request is loading this prefix into the engine right now: share
+                    # that load (its blocks enter the prefix cache when it lands) instead of
+                    # loading a second copy. Later requests are not held up.
+                    deferred.append(self.waiting.popleft())
+                    continue
             num_local = len(hits) * bs
             num_external, load_async = 0, False
             if self.connector is not None:
@@ -146,6 +168,7 @@ class EngineScheduler:
                 req.num_loading_tokens = num_external
                 req.status = RequestStatus.LOADING
                 self.loading[req.request_id] = req
+                self._track_load(req, len(hits), num_cached // bs)
                 continue
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -153,6 +176,22 @@ class EngineScheduler:
             plan.scheduled.append((req, n))
             plan.connector_output.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _track_load(self, req: Request, first: int, end: int) -> None:
+        self._load_ranges[req.request_id] = (first, end)
+        loading = self._loading_hashes
+        for h in req.block_hashes[first:end]:
+            loading[h] = loading.get(h, 0) + 1
+
+    def _untrack_load(self, req: Request) -> None:
+        first, end = self._load_ranges.pop(req.request_id, (0, 0))
+        loading = self._loading_hashes
+        for h in req.block_hashes[first:end]:
+            left = loading[h] - 1
+            if left:
+                loading[h] = left
+            else:
+                del loading[h]
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(self._blocks.pop(req.request_id))
@@ -180,7 +219,8 @@ class EngineScheduler:
         req.status = status
         if req in self.running:
             self.running.remove(req)
-        self.loading.pop(req.request_id, None)
+        if self.loading.pop(req.request_id, None) is not None:
+            self._untrack_load(req)
         if req in self.waiting:
             self.waiting.remove(req)
         delay_free = False
@@ -208,6 +248,7 @@ class EngineScheduler:
                 continue  # aborted while loading
             req.num_computed_tokens += req.num_loading_tokens
             req.num_loading_tokens = 0
+            self._untrack_load(req)
             resumed.append(req)
         for req_id in update.failed_loads:
             req = self.loading.pop(req_id, None)
@@ -215,6 +256,7 @@ class EngineScheduler:
                 continue
             req.cached_tokens_offload = 0
             req.num_loading_tokens = 0
+            self._untrack_load(req)
             resumed.append(req)
         out: list[tuple[Request, list[int]]] = []
         for req in resumed:
