@@ -11,11 +11,12 @@ BENCH_ARGS ?=
 
 setup: $(STAMP)
 
-# torch first, pinned to the CPU build on machines without CUDA, so that nothing
-# (transformers, our own "torch>=" range) ever pulls a multi-GB CUDA wheel.
+# torch first: on machines without CUDA, torch==2.13.0, which this workplace's machines and CI
+# hold as a local CPU wheel, so that nothing (transformers, our own "torch>=" range) ever pulls a
+# multi-GB CUDA wheel. (On a generic Linux machine PyPI's torch==2.13.0 is a CUDA build; install
+# a CPU build from https://download.pytorch.org/whl/cpu first there.)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; \
 	else \

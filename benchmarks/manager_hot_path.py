@@ -41,18 +41,23 @@ def make_stream(num_requests: int) -> list[list[OffloadKey]]:
     rng = random.Random(SEED)
     weights = [1.0 / rank for rank in range(1, NUM_PREFIXES + 1)]
     prefixes = [
-        [make_offload_key(f"prefix-{p}-{i}".encode()) for i in range(BLOCKS_PER_REQUEST)] for p in range(NUM_PREFIXES)
+        [make_offload_key(f"prefix-{p}-{i}".encode()) for i in range(BLOCKS_PER_REQUEST)]
+        for p in range(NUM_PREFIXES)
     ]
     stream = []
     for r in range(num_requests):
         shared = rng.randint(8, BLOCKS_PER_REQUEST)
         chain = rng.choices(prefixes, weights)[0][:shared]
-        chain += [make_offload_key(f"req-{r}-{i}".encode()) for i in range(shared, BLOCKS_PER_REQUEST)]
+        chain += [
+            make_offload_key(f"req-{r}-{i}".encode()) for i in range(shared, BLOCKS_PER_REQUEST)
+        ]
         stream.append(chain)
     return stream
 
 
-def run_manager(stream: Sequence[Sequence[OffloadKey]], policy: str, capacity: int) -> tuple[float, float]:
+def run_manager(
+    stream: Sequence[Sequence[OffloadKey]], policy: str, capacity: int
+) -> tuple[float, float]:
     """Seconds for the whole stream, and its block-level hit ratio."""
     manager = CPUOffloadingManager(capacity, eviction_policy=policy, enable_events=True)
     contexts = [ReqContext(f"req-{i}") for i in range(len(stream))]
@@ -119,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--policies", default=None, help="comma-separated (default: all registered)")
+    parser.add_argument(
+        "--policies", default=None, help="comma-separated (default: all registered)"
+    )
     args = parser.parse_args(argv)
 
     stream = make_stream(args.requests)
@@ -127,14 +134,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     capacity = distinct // 2
     n_blocks = len(stream) * BLOCKS_PER_REQUEST
     policies = args.policies.split(",") if args.policies else available_eviction_policies()
-    print(f"{len(stream)} requests x {BLOCKS_PER_REQUEST} blocks, {distinct} distinct, tier {capacity} blocks;")
+    print(
+        f"{len(stream)} requests x {BLOCKS_PER_REQUEST} blocks, {distinct} distinct, tier {capacity} blocks;"
+    )
     print(f"best of {args.repeats} runs\n")
     print(f"{'loop':<14}{'us/block':>10}{'x bare':>9}{'hit ratio':>11}")
     bare_s, bare_hits = best_of(args.repeats, lambda: run_bare_lru(stream, capacity))
     bare_us = bare_s / n_blocks * 1e6
     print(f"{'bare LRU':<14}{bare_us:>10.3f}{1.0:>9.2f}{bare_hits:>11.4f}")
     for name in policies:
-        seconds, hit_ratio = best_of(args.repeats, lambda name=name: run_manager(stream, name, capacity))
+        seconds, hit_ratio = best_of(
+            args.repeats, lambda name=name: run_manager(stream, name, capacity)
+        )
         us = seconds / n_blocks * 1e6
         print(f"{name:<14}{us:>10.3f}{us / bare_us:>9.2f}{hit_ratio:>11.4f}")
 

@@ -56,9 +56,13 @@ def load_trace(path: str, limit: int | None = None) -> list[list[int]]:
             try:
                 ids = json.loads(line)["hash_ids"]
             except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}:{line_no}: not a JSON object with 'hash_ids' ({exc})") from None
+                raise SystemExit(
+                    f"{path}:{line_no}: not a JSON object with 'hash_ids' ({exc})"
+                ) from None
             if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise SystemExit(f"{path}:{line_no}: 'hash_ids' must be a list of non-negative integers")
+                raise SystemExit(
+                    f"{path}:{line_no}: 'hash_ids' must be a list of non-negative integers"
+                )
             requests.append(ids)
             if limit is not None and len(requests) >= limit:
                 break
@@ -109,7 +113,9 @@ def belady_hit_ratio(requests: Sequence[Sequence[int]], capacity: int) -> float:
     return hits / max(total, 1)
 
 
-def replay(requests: Sequence[Sequence[int]], keys: dict[int, OffloadKey], policy: str, capacity: int) -> float:
+def replay(
+    requests: Sequence[Sequence[int]], keys: dict[int, OffloadKey], policy: str, capacity: int
+) -> float:
     """Prefix-hit ratio of ``policy`` at ``capacity`` blocks, through the real manager."""
     manager = CPUOffloadingManager(capacity, eviction_policy=policy)
     lookup, touch = manager.lookup, manager.touch
@@ -140,8 +146,12 @@ def replay(requests: Sequence[Sequence[int]], keys: dict[int, OffloadKey], polic
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", nargs="?", default=DEFAULT_TRACE)
-    parser.add_argument("--capacities", default="1000,4000,16000", help="comma-separated tier sizes in blocks")
-    parser.add_argument("--policies", default=None, help="comma-separated policy names (default: all registered)")
+    parser.add_argument(
+        "--capacities", default="1000,4000,16000", help="comma-separated tier sizes in blocks"
+    )
+    parser.add_argument(
+        "--policies", default=None, help="comma-separated policy names (default: all registered)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     args = parser.parse_args(argv)
 
@@ -151,13 +161,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     policies = args.policies.split(",") if args.policies else available_eviction_policies()
     unknown = sorted(set(policies) - set(available_eviction_policies()))
     if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; registered: {available_eviction_policies()}")
+        raise SystemExit(
+            f"--policies: unknown {unknown}; registered: {available_eviction_policies()}"
+        )
 
     requests = load_trace(args.trace, args.limit)
     distinct = {b for ids in requests for b in ids}
     keys = {b: make_offload_key(b.to_bytes(8, "big")) for b in distinct}
     n_blocks = sum(len(ids) for ids in requests)
-    print(f"trace {args.trace}: {len(requests)} requests, {n_blocks} blocks, {len(distinct)} distinct")
+    print(
+        f"trace {args.trace}: {len(requests)} requests, {n_blocks} blocks, {len(distinct)} distinct"
+    )
     print("block-level prefix-hit ratio (hits / blocks)\n")
 
     width = 10
@@ -171,12 +185,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         start = time.perf_counter()
         results[name] = [replay(requests, keys, name, c) for c in capacities]
         elapsed = time.perf_counter() - start
-        print(f"{name:<22}" + "".join(f"{r:>{width}.4f}" for r in results[name]) + f"{elapsed:>11.1f}", flush=True)
+        print(
+            f"{name:<22}"
+            + "".join(f"{r:>{width}.4f}" for r in results[name])
+            + f"{elapsed:>11.1f}",
+            flush=True,
+        )
     if "lru" in results:
         print("\nratio to lru")
         base = results["lru"]
         for name, row in results.items():
-            cells = "".join(f"{r / b if b else float('nan'):>{width}.2f}" for r, b in zip(row, base, strict=True))
+            cells = "".join(
+                f"{r / b if b else float('nan'):>{width}.2f}"
+                for r, b in zip(row, base, strict=True)
+            )
             print(f"{name:<22}" + cells)
 
 

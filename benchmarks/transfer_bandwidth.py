@@ -49,14 +49,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--factors", default="1,4", help="block_size_factor values")
     p.add_argument("--batches", default="1,8,64,256", help="offloaded blocks per transfer")
     p.add_argument("--layouts", default="cross,per-layer")
-    p.add_argument("--methods", default=None, help="threads and/or torch on CPU (default threads); torch on CUDA")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="threads and/or torch on CPU (default threads); torch on CUDA",
+    )
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="copy threads (default: kvoffload's default)")
-    p.add_argument("--memory-gib", type=float, default=4.0, help="cap on engine cache + host pool bytes")
+    p.add_argument(
+        "--threads", type=int, default=None, help="copy threads (default: kvoffload's default)"
+    )
+    p.add_argument(
+        "--memory-gib", type=float, default=4.0, help="cap on engine cache + host pool bytes"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="8 layers, batches 1,8,64, 3 reps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--primitives", action="store_true", help="compare CPU gather primitives instead")
+    p.add_argument(
+        "--primitives", action="store_true", help="compare CPU gather primitives instead"
+    )
     args = p.parse_args()
     if args.quick:
         args.layers, args.batches, args.reps = 8, "1,8,64", 3
@@ -78,7 +88,9 @@ def make_engine_cache(
     return tensors, kv.view(-1).view(torch.uint8)
 
 
-def run_config(args, worker, engine_bytes, factor, batch, rng, job_ids) -> dict[str, tuple[float, float]]:
+def run_config(
+    args, worker, engine_bytes, factor, batch, rng, job_ids
+) -> dict[str, tuple[float, float]]:
     """Best seconds of (ours, contiguous) per direction for one batch size.
 
     Small batches get more rounds (up to 64 MiB of copies), since one preempted time slice on a
@@ -97,10 +109,15 @@ def run_config(args, worker, engine_bytes, factor, batch, rng, job_ids) -> dict[
         dst_ids = rng.permutation(num_blocks)[:pages].tolist()
         at_engine = int(rng.integers(0, engine_bytes.numel() - nbytes + 1)) // 4096 * 4096
         at_host = int(rng.integers(0, host.numel() - nbytes + 1)) // 4096 * 4096
-        engine_run, host_run = engine_bytes[at_engine : at_engine + nbytes], host[at_host : at_host + nbytes]
+        engine_run, host_run = (
+            engine_bytes[at_engine : at_engine + nbytes],
+            host[at_host : at_host + nbytes],
+        )
 
         contiguous = plain_copy_seconds(args.device, host_run, engine_run)
-        job = TransferJob(next(job_ids), "bench", GPULoadStoreSpec(src_ids, [pages], [0]), CPULoadStoreSpec(slots))
+        job = TransferJob(
+            next(job_ids), "bench", GPULoadStoreSpec(src_ids, [pages], [0]), CPULoadStoreSpec(slots)
+        )
         t0 = time.perf_counter()
         worker.start_load_kv(ConnectorMetadata(store_jobs=[job]))
         worker.wait_for_save()  # (no forward pass here)
@@ -110,7 +127,9 @@ def run_config(args, worker, engine_bytes, factor, batch, rng, job_ids) -> dict[
         times["store"].append((ours, contiguous))
 
         contiguous = plain_copy_seconds(args.device, engine_run, host_run)
-        job = TransferJob(next(job_ids), "bench", CPULoadStoreSpec(slots), GPULoadStoreSpec(dst_ids, [pages], [0]))
+        job = TransferJob(
+            next(job_ids), "bench", CPULoadStoreSpec(slots), GPULoadStoreSpec(dst_ids, [pages], [0])
+        )
         t0 = time.perf_counter()
         worker.start_load_kv(ConnectorMetadata(load_jobs=[job]))
         worker.offloading_worker.wait([job.job_id])
@@ -154,8 +173,17 @@ def compare_primitives(args: argparse.Namespace) -> None:
     """Gather random pages into a contiguous buffer with each candidate primitive (CPU)."""
     total = 256 * 2**20
     threads = args.threads or torch.get_num_threads()
-    print(f"gather of {total >> 20} MiB in random pages into a contiguous buffer; GB/s, best of {args.reps}")
-    names = ["copy_ (contiguous)", "narrow().copy_", "index_select u8", "index_select i64", "np.take", "memmove"]
+    print(
+        f"gather of {total >> 20} MiB in random pages into a contiguous buffer; GB/s, best of {args.reps}"
+    )
+    names = [
+        "copy_ (contiguous)",
+        "narrow().copy_",
+        "index_select u8",
+        "index_select i64",
+        "np.take",
+        "memmove",
+    ]
     names.append(f"memmove x{threads} threads")
     print(f"{'page KiB':>8} " + " | ".join(names))
     with ThreadPoolExecutor(threads) as pool:
@@ -163,11 +191,15 @@ def compare_primitives(args: argparse.Namespace) -> None:
             best = primitive_times(page, total, threads, pool, args.reps, args.seed)
             print(
                 f"{page >> 10:>8} "
-                + " | ".join(f"{total / t / 1e9:{len(n)}.2f}" for n, t in zip(names, best, strict=True))
+                + " | ".join(
+                    f"{total / t / 1e9:{len(n)}.2f}" for n, t in zip(names, best, strict=True)
+                )
             )
 
 
-def primitive_times(page: int, total: int, threads: int, pool: ThreadPoolExecutor, reps: int, seed: int) -> list[float]:
+def primitive_times(
+    page: int, total: int, threads: int, pool: ThreadPoolExecutor, reps: int, seed: int
+) -> list[float]:
     """Best seconds of each primitive gathering ``total`` bytes in random ``page``-byte rows."""
     rows = total // page
     src = torch.ones(2 * rows, page, dtype=torch.uint8)
@@ -230,7 +262,9 @@ def main() -> None:
         f"random engine ids and host slots; ratio = ours / {limit} of the same bytes (best of reps)"
     )
     head = f"{'layout':9} {'method':7} {'factor':>6} {'batch':>5} {'MiB':>7}"
-    print(f"{head} {'store GB/s':>10} {'limit':>6} {'ratio':>6} {'load GB/s':>10} {'limit':>6} {'ratio':>6}")
+    print(
+        f"{head} {'store GB/s':>10} {'limit':>6} {'ratio':>6} {'load GB/s':>10} {'limit':>6} {'ratio':>6}"
+    )
     rng = np.random.default_rng(args.seed)
     job_ids = iter(range(1, 10**9))
     cap = int(args.memory_gib * 2**30) // 2  # per side: engine cache, host pool
@@ -241,7 +275,9 @@ def main() -> None:
                 for b in batches:
                     if b not in fitting:
                         need = 2 * b * factor * block_bytes / 2**30
-                        print(f"{layout:9} {method:7} {factor:>6} {b:>5}  skipped: needs {need:.1f} GiB (--memory-gib)")
+                        print(
+                            f"{layout:9} {method:7} {factor:>6} {b:>5}  skipped: needs {need:.1f} GiB (--memory-gib)"
+                        )
                 if not fitting:
                     continue
                 num_blocks = max(fitting) * factor

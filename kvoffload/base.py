@@ -66,7 +66,7 @@ class LookupResult(enum.Enum):
     HIT_PENDING = 2
 
 
-class LoadStoreSpec(ABC):  # noqa: B024 - an opaque marker base; subclasses carry the data
+class LoadStoreSpec(ABC):
     """Opaque "where the data is" for one transfer side. ``medium`` routes it to a handler."""
 
     __slots__ = ()

@@ -94,7 +94,9 @@ def _xxh3_seed(seed: str) -> bytes:
 
 
 # name -> (hash of one block, hash of the seed string)
-HASH_SCHEMES: dict[str, tuple[Callable[[bytes, Sequence[int], Any], bytes], Callable[[str], bytes]]] = {
+HASH_SCHEMES: dict[
+    str, tuple[Callable[[bytes, Sequence[int], Any], bytes], Callable[[str], bytes]]
+] = {
     "sha256_cbor": (_sha256_cbor_block, _sha256_cbor),
     "xxh3_128": (_xxh3_block, _xxh3_seed),
 }
@@ -110,7 +112,9 @@ class BlockHasher:
 
     def __init__(self, block_size: int, scheme: str = "sha256_cbor", seed: str = "0") -> None:
         if scheme not in HASH_SCHEMES:
-            raise ConfigError("hash_scheme", f"unknown scheme {scheme!r}; choose from {sorted(HASH_SCHEMES)}")
+            raise ConfigError(
+                "hash_scheme", f"unknown scheme {scheme!r}; choose from {sorted(HASH_SCHEMES)}"
+            )
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError("block_size", f"must be a positive integer, got {block_size!r}")
         if not isinstance(seed, str):
@@ -123,9 +127,13 @@ class BlockHasher:
         self._hash_block = hash_block
         self.root_hash = BlockHash(hash_seed(seed))
 
-    def hash_block(self, parent: bytes | None, token_ids: Sequence[int], extra_keys: Any = None) -> BlockHash:
+    def hash_block(
+        self, parent: bytes | None, token_ids: Sequence[int], extra_keys: Any = None
+    ) -> BlockHash:
         """Return the hash of one block given its parent's hash (``None`` for the first block)."""
-        return BlockHash(self._hash_block(self.root_hash if parent is None else parent, token_ids, extra_keys))
+        return BlockHash(
+            self._hash_block(self.root_hash if parent is None else parent, token_ids, extra_keys)
+        )
 
     def hash_blocks(
         self,

@@ -55,7 +55,11 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
 
     out = m.prepare_store([k[1], k[2]], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == ([k[1], k[2]], [0, 1], [])
+    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == (
+        [k[1], k[2]],
+        [0, 1],
+        [],
+    )
     assert m.lookup(k[1], ctx) is HIT_PENDING and m.lookup(k[2], ctx) is HIT_PENDING
     assert m.take_events() == []  # nothing is announced before it is readable
 
@@ -67,7 +71,11 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
     m.touch([k[1]], ctx)
     out = m.prepare_store([k[2], k[3], k[4], k[5]], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == ([k[3], k[4], k[5]], [2, 3, 0], [k[1]])
+    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == (
+        [k[3], k[4], k[5]],
+        [2, 3, 0],
+        [k[1]],
+    )
     assert m.take_events() == [removed_event(k[1])]
 
     # Everything else is pending or protected: no room, and no state change.
@@ -77,11 +85,15 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
     assert m.stats() == {**before[1], "rejected_stores": before[1]["rejected_stores"] + 1}
 
     m.complete_store([k[2], k[3], k[4], k[5]], ctx)
-    assert m.take_events() == [stored_event(k[3], k[4], k[5])]  # 2 was already readable: not re-announced
+    assert m.take_events() == [
+        stored_event(k[3], k[4], k[5])
+    ]  # 2 was already readable: not re-announced
     assert [m.lookup(x, ctx) for x in (k[1], k[2], k[3], k[4], k[5])] == [MISS, HIT, HIT, HIT, HIT]
 
     assert m.prepare_load([k[2], k[3]], ctx).block_ids == [1, 2]
-    assert m.prepare_store([k[6], k[7], k[8]], ctx) is None  # 2 and 3 are being read: only 4, 5 evictable
+    assert (
+        m.prepare_store([k[6], k[7], k[8]], ctx) is None
+    )  # 2 and 3 are being read: only 4, 5 evictable
     m.complete_load([k[2], k[3]], ctx)
 
     out = m.prepare_store([k[6], k[7], k[8]], ctx)
@@ -109,7 +121,9 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
 
 
 @pytest.mark.parametrize("policy", available_eviction_policies())
-def test_prepare_store_never_evicts_a_key_it_was_given(keys: list[OffloadKey], ctx: ReqContext, policy: str) -> None:
+def test_prepare_store_never_evicts_a_key_it_was_given(
+    keys: list[OffloadKey], ctx: ReqContext, policy: str
+) -> None:
     """vLLM regression ``test_already_stored_block_not_evicted_during_prepare_store``, every policy."""
     k = keys
     m = CPUOffloadingManager(4, policy)
@@ -131,7 +145,9 @@ def test_rejected_prepare_store_changes_nothing(keys: list[OffloadKey], ctx: Req
         m.prepare_load([k[2]], ctx)
     rejected, twin = managers
     before = (blocks(rejected), rejected.stats())
-    assert rejected.prepare_store([k[1], k[4], k[5]], ctx) is None  # needs 2 slots; only 3 is evictable
+    assert (
+        rejected.prepare_store([k[1], k[4], k[5]], ctx) is None
+    )  # needs 2 slots; only 3 is evictable
     assert blocks(rejected) == before[0]
     assert rejected.stats() == {**before[1], "rejected_stores": 1}
 
@@ -144,7 +160,9 @@ def test_rejected_prepare_store_changes_nothing(keys: list[OffloadKey], ctx: Req
 
 
 @pytest.mark.parametrize("order", [[2, 3, 4], [4, 2, 3], [3, 4, 2], [4, 3, 2]])
-def test_prepare_load_slots_follow_key_order(keys: list[OffloadKey], ctx: ReqContext, order: list[int]) -> None:
+def test_prepare_load_slots_follow_key_order(
+    keys: list[OffloadKey], ctx: ReqContext, order: list[int]
+) -> None:
     k = keys
     m = CPUOffloadingManager(4)
     slots = dict(zip([k[2], k[3], k[4]], store(m, [k[2], k[3], k[4]], ctx), strict=True))
@@ -153,7 +171,9 @@ def test_prepare_load_slots_follow_key_order(keys: list[OffloadKey], ctx: ReqCon
     assert m.stats()["loaded_blocks"] == 3
 
 
-def test_blocks_being_loaded_are_not_evicted_and_readers_are_counted(keys: list[OffloadKey]) -> None:
+def test_blocks_being_loaded_are_not_evicted_and_readers_are_counted(
+    keys: list[OffloadKey],
+) -> None:
     k = keys
     a, b = ReqContext("a"), ReqContext("b")
     m = CPUOffloadingManager(2)
@@ -173,7 +193,9 @@ def test_blocks_being_loaded_are_not_evicted_and_readers_are_counted(keys: list[
     assert dict((key, ref) for key, _, ref in blocks(m))[k[1]] == 0
 
 
-def test_one_request_loading_a_key_twice_pins_it_twice(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_one_request_loading_a_key_twice_pins_it_twice(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     m = CPUOffloadingManager(1)
     store(m, [k[1]], ctx)
@@ -206,7 +228,9 @@ def test_failed_store_removes_only_its_pending_blocks_and_frees_their_slots(
     m.check_invariants()
 
 
-def test_repeated_or_unknown_complete_store_is_harmless(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_repeated_or_unknown_complete_store_is_harmless(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     m = CPUOffloadingManager(4, enable_events=True)
     store(m, [k[1], k[2]], ctx)
@@ -235,7 +259,9 @@ def test_prepare_load_of_a_non_hit_key_raises_and_pins_nothing(
     m.check_invariants()
 
 
-def test_prepare_load_of_a_key_listed_twice_then_a_miss_pins_nothing(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_prepare_load_of_a_key_listed_twice_then_a_miss_pins_nothing(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     m = CPUOffloadingManager(2)
     store(m, [k[1]], ctx)
@@ -270,7 +296,9 @@ def test_complete_load_of_an_unpinned_key_raises_and_releases_nothing(
     assert {ref for _, _, ref in blocks(m)} == {0, -1}
 
 
-def test_prepare_store_drops_duplicates_and_present_keys(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_prepare_store_drops_duplicates_and_present_keys(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     m = CPUOffloadingManager(4)
     store(m, [k[1]], ctx)
@@ -295,7 +323,9 @@ def test_nothing_to_store_is_an_empty_answer_not_none(
     assert m.stats()["rejected_stores"] == 0
 
 
-def test_events_are_collected_only_when_enabled_and_drained_by_take(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_events_are_collected_only_when_enabled_and_drained_by_take(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     quiet, loud = CPUOffloadingManager(1), CPUOffloadingManager(1, enable_events=True)
     for m in (quiet, loud):
@@ -303,7 +333,12 @@ def test_events_are_collected_only_when_enabled_and_drained_by_take(keys: list[O
         store(m, [k[2]], ctx)
         m.reset()
     assert quiet.take_events() == []
-    assert loud.take_events() == [stored_event(k[1]), removed_event(k[1]), stored_event(k[2]), removed_event(k[2])]
+    assert loud.take_events() == [
+        stored_event(k[1]),
+        removed_event(k[1]),
+        stored_event(k[2]),
+        removed_event(k[2]),
+    ]
     assert loud.take_events() == []
 
 
@@ -331,7 +366,9 @@ def test_reset_drops_everything_and_restarts_slots(keys: list[OffloadKey], ctx: 
     m.check_invariants()
 
 
-def test_touch_ignores_unknown_keys_and_lookup_changes_no_recency(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_touch_ignores_unknown_keys_and_lookup_changes_no_recency(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     m = CPUOffloadingManager(2)
     store(m, [k[1]], ctx)
@@ -342,7 +379,9 @@ def test_touch_ignores_unknown_keys_and_lookup_changes_no_recency(keys: list[Off
     assert out is not None and out.evicted_keys == [k[1]]
 
 
-def test_touch_makes_the_head_of_a_prefix_the_most_valuable(keys: list[OffloadKey], ctx: ReqContext) -> None:
+def test_touch_makes_the_head_of_a_prefix_the_most_valuable(
+    keys: list[OffloadKey], ctx: ReqContext
+) -> None:
     k = keys
     m = CPUOffloadingManager(3)
     store(m, [k[1], k[2], k[3]], ctx)

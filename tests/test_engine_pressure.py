@@ -303,3 +303,24 @@ def test_random_mix_with_aborts(
         ids, done = drive(engine, prompts, params, {step: i for i, step in aborts})
         assert_outputs_or_aborted_prefix(ids, done, want)
         assert_quiescent(engine)
+
+
+def test_a_request_id_is_reserved_until_its_transfers_end() -> None:
+    """A finished request whose stores still read its blocks keeps its id: reusing it before the
+    blocks are freed is refused (its old transfers would free the new request's blocks)."""
+    with tiny_engine(
+        num_device_blocks=32, kv_offloading_size=host_gib(64), store_policy="on_finish"
+    ) as engine:
+        engine.add_request(random_tokens(random.Random(3), 20), greedy(2), request_id="a")
+        finished: list[RequestOutput] = []
+        while not finished:
+            finished = engine.step()
+        assert "a" in engine.scheduler.held
+        with pytest.raises(ConfigError, match="already in use"):
+            engine.add_request([1, 2, 3], greedy(1), request_id="a")
+        engine.drain()
+        engine.add_request([1, 2, 3], greedy(1), request_id="a")  # free again
+        while engine.has_unfinished():
+            engine.step()
+        engine.drain()
+        assert_quiescent(engine)

@@ -34,7 +34,9 @@ SCHEMES = sorted(HASH_SCHEMES)
 FAST = settings(max_examples=60, deadline=None)
 
 token_ids = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40)
-extra_keys = st.none() | st.tuples(st.text(max_size=8)) | st.tuples(st.text(max_size=8), st.integers(0, 99))
+extra_keys = (
+    st.none() | st.tuples(st.text(max_size=8)) | st.tuples(st.text(max_size=8), st.integers(0, 99))
+)
 
 
 # ---------------------------------------------------------------------------- OffloadKey
@@ -62,7 +64,9 @@ def test_offload_key_defaults_to_group_zero_and_groups_are_distinct_keys() -> No
 @pytest.mark.parametrize("scheme", SCHEMES)
 @FAST
 @given(data=st.data())
-def test_changing_one_token_changes_its_block_and_every_later_one(scheme: str, data: st.DataObject) -> None:
+def test_changing_one_token_changes_its_block_and_every_later_one(
+    scheme: str, data: st.DataObject
+) -> None:
     hasher = BlockHasher(block_size=4, scheme=scheme)
     tokens = data.draw(st.lists(st.integers(0, 50_000), min_size=16, max_size=16))
     position = data.draw(st.integers(0, 15))
@@ -159,7 +163,9 @@ def test_sha256_cbor_bytes_are_hand_checkable() -> None:
     # array(4) = 84; small ints encode as themselves; null = f6.
     root = hashlib.sha256(b"\x61\x30").digest()
     first = hashlib.sha256(b"\x83\x58\x20" + root + b"\x84\x01\x02\x03\x04\xf6").digest()
-    hasher = BlockHasher(block_size=4)  # defaults: sha256_cbor, seed "0" (vLLM with PYTHONHASHSEED=0)
+    hasher = BlockHasher(
+        block_size=4
+    )  # defaults: sha256_cbor, seed "0" (vLLM with PYTHONHASHSEED=0)
     assert hasher.root_hash == root
     assert hasher.hash_blocks([1, 2, 3, 4]) == [first]
 
@@ -191,11 +197,19 @@ print(json.dumps({s: [h.hex() for h in BlockHasher(8, s, seed="7").hash_blocks(t
 
 def test_hashes_are_identical_across_processes_with_different_hash_seeds() -> None:
     tokens = list(range(1000, 1040))
-    here = {s: [h.hex() for h in BlockHasher(8, s, seed="7").hash_blocks(tokens, ("salt", 3))] for s in SCHEMES}
+    here = {
+        s: [h.hex() for h in BlockHasher(8, s, seed="7").hash_blocks(tokens, ("salt", 3))]
+        for s in SCHEMES
+    }
     for hash_seed in ("1", "31337"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         out = subprocess.run(
-            [sys.executable, "-c", _CHILD, *SCHEMES], env=env, capture_output=True, text=True, check=True, timeout=60
+            [sys.executable, "-c", _CHILD, *SCHEMES],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         )
         assert json.loads(out.stdout) == here
 

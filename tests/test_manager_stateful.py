@@ -82,14 +82,18 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.cpu = CPUOffloadingManager(CAPACITY, policy, enable_events=True)
         self.manager: OffloadingManager = (
-            FilterReusedOffloadingManager(self.cpu, STORE_THRESHOLD, TRACKER_SIZE) if wrapped else self.cpu
+            FilterReusedOffloadingManager(self.cpu, STORE_THRESHOLD, TRACKER_SIZE)
+            if wrapped
+            else self.cpu
         )
         self.wrapped = wrapped
         self.policy_admits = type(self.cpu.policy).admit is not EvictionPolicy.admit
         # The twin misses the rejected calls, so it needs a manager whose rejected calls leave no
         # trace at all: not the filter (it counts the offer) nor a policy that learns from admit().
         self.twin = (
-            None if wrapped or self.policy_admits else CPUOffloadingManager(CAPACITY, policy, enable_events=True)
+            None
+            if wrapped or self.policy_admits
+            else CPUOffloadingManager(CAPACITY, policy, enable_events=True)
         )
         self.probe = ReqContext("probe")  # for invariant lookups, straight to the CPU manager
         self.requests = [Request(ReqContext(f"req-{i}")) for i in range(NUM_REQUESTS)]
@@ -105,7 +109,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def snapshot(self) -> tuple[list[tuple[OffloadKey, int, int]], dict[str, int]]:
         """Blocks (in the policy's order) and state gauges: what must not move on a rejected call."""
         blocks = [(key, block.slot, block.ref_cnt) for key, block in self.cpu.items()]
-        stats = {name: value for name, value in self.manager.stats().items() if name not in ATTEMPT_COUNTERS}
+        stats = {
+            name: value
+            for name, value in self.manager.stats().items()
+            if name not in ATTEMPT_COUNTERS
+        }
         return blocks, stats
 
     def absent(self, key: OffloadKey) -> bool:
@@ -221,11 +229,19 @@ class ManagerMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from([req for req in self.requests if req.pending]))
         done = data.draw(st.lists(st.sampled_from(req.pending), min_size=1, unique=True))
         # Keys that are not pending anywhere are ignored, whatever their state.
-        ignored = data.draw(st.lists(st.sampled_from(sorted(self.ready)), max_size=2)) if self.ready else []
-        ignored += data.draw(st.lists(st.sampled_from([k for k in UNIVERSE if self.absent(k)]), max_size=1))
+        ignored = (
+            data.draw(st.lists(st.sampled_from(sorted(self.ready)), max_size=2))
+            if self.ready
+            else []
+        )
+        ignored += data.draw(
+            st.lists(st.sampled_from([k for k in UNIVERSE if self.absent(k)]), max_size=1)
+        )
         self.complete(req, done, data.draw(st.permutations(done + ignored)), success)
 
-    def complete(self, req: Request, done: list[OffloadKey], listed: list[OffloadKey], success: bool) -> None:
+    def complete(
+        self, req: Request, done: list[OffloadKey], listed: list[OffloadKey], success: bool
+    ) -> None:
         """Complete the stores of ``done`` (pending for ``req``) with one call listing ``listed``."""
         for manager in (self.manager, self.twin):
             if manager is not None:
@@ -253,10 +269,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ready.update(keys)
         req.pins.extend(keys)
 
-    def prepare_load_of_a_non_hit_key(self, req: Request, data: st.DataObject, readable: list[OffloadKey]) -> None:
+    def prepare_load_of_a_non_hit_key(
+        self, req: Request, data: st.DataObject, readable: list[OffloadKey]
+    ) -> None:
         """A MISS or HIT_PENDING key anywhere in the list: ContractError, nothing pinned."""
         keys = data.draw(st.lists(st.sampled_from(readable), max_size=3)) if readable else []
-        culprits = [group for group in (sorted(self.pending), [k for k in UNIVERSE if self.absent(k)]) if group]
+        culprits = [
+            group
+            for group in (sorted(self.pending), [k for k in UNIVERSE if self.absent(k)])
+            if group
+        ]
         bad = data.draw(st.sampled_from(data.draw(st.sampled_from(culprits))))
         keys.insert(data.draw(st.integers(0, len(keys))), bad)
         before = self.snapshot()
@@ -269,7 +291,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), misuse=st.integers(0, 3))
     def complete_load(self, data: st.DataObject, misuse: int) -> None:
         """Release some pins of a request holding some; one call in four is a misuse instead."""
-        req = data.draw(st.sampled_from([req for req in self.requests if req.pins] or self.requests))
+        req = data.draw(
+            st.sampled_from([req for req in self.requests if req.pins] or self.requests)
+        )
         if misuse == 0 or not req.pins:
             self.complete_load_of_an_unpinned_key(req, data)
             return
@@ -285,7 +309,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def complete_load_of_an_unpinned_key(self, req: Request, data: st.DataObject) -> None:
         """An unpinned key anywhere in the list (ready but unread, pending, absent, or released once
         more than it is pinned): ContractError, no pin released."""
-        keys = data.draw(st.lists(st.sampled_from(req.pins), max_size=2, unique=True)) if req.pins else []
+        keys = (
+            data.draw(st.lists(st.sampled_from(req.pins), max_size=2, unique=True))
+            if req.pins
+            else []
+        )
         unread = [key for key, readers in self.ready.items() if readers == 0]
         absent = [key for key in UNIVERSE if self.absent(key)]
         culprits = [group for group in (unread, sorted(self.pending), absent, req.pins) if group]

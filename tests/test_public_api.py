@@ -90,9 +90,26 @@ def test_scheduler_side_imports_no_torch() -> None:
         "    importlib.import_module(name)\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "[]", f"importing {modules} pulled in torch"
 
 
 def test_version_is_a_string() -> None:
     assert isinstance(kvoffload.__version__, str) and kvoffload.__version__
+
+
+def test_scheduler_core_imports_no_network_layer() -> None:
+    """The connector needs the event *types* only; pyzmq loads when a publisher is made."""
+    code = (
+        "import sys\n"
+        "import kvoffload, kvoffload.managers, kvoffload.eviction, kvoffload.scheduler\n"
+        "print('zmq' in sys.modules)\n"
+        "from kvoffload.events import create_event_publisher, KVEventSubscriber\n"
+        "print('zmq' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["False", "True"]

@@ -17,8 +17,12 @@ from kvoffload import (
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
 
-def make(num_blocks: int = 4, threshold: int = 2, tracker: int = 64) -> FilterReusedOffloadingManager:
-    return FilterReusedOffloadingManager(CPUOffloadingManager(num_blocks, enable_events=True), threshold, tracker)
+def make(
+    num_blocks: int = 4, threshold: int = 2, tracker: int = 64
+) -> FilterReusedOffloadingManager:
+    return FilterReusedOffloadingManager(
+        CPUOffloadingManager(num_blocks, enable_events=True), threshold, tracker
+    )
 
 
 def test_counts_distinct_requests_not_lookups(keys: list[OffloadKey]) -> None:
@@ -60,7 +64,9 @@ def test_filtered_blocks_cost_no_capacity(keys: list[OffloadKey], ctx: ReqContex
     assert list(backing.items()) == []
 
 
-def test_keys_held_by_the_backing_manager_pass_through_and_stay_protected(keys: list[OffloadKey]) -> None:
+def test_keys_held_by_the_backing_manager_pass_through_and_stay_protected(
+    keys: list[OffloadKey],
+) -> None:
     k = keys
     backing = CPUOffloadingManager(2)
     m = FilterReusedOffloadingManager(backing, store_threshold=2)
@@ -80,7 +86,9 @@ def test_keys_held_by_the_backing_manager_pass_through_and_stay_protected(keys: 
     assert m.lookup(k[3], y) is HIT_PENDING
 
 
-def test_tracker_is_bounded_lru_and_a_dropped_key_restarts_from_zero(keys: list[OffloadKey]) -> None:
+def test_tracker_is_bounded_lru_and_a_dropped_key_restarts_from_zero(
+    keys: list[OffloadKey],
+) -> None:
     k = keys
     m = make(tracker=3)
     a, b, c = ReqContext("a"), ReqContext("b"), ReqContext("c")

@@ -20,7 +20,14 @@ from fake_engine import (
     single_group,
 )
 
-from kvoffload import BlockHasher, ConfigError, CPUOffloadingManager, OffloadKey, make_offload_key
+from kvoffload import (
+    BlockHasher,
+    ConfigError,
+    ContractError,
+    CPUOffloadingManager,
+    OffloadKey,
+    make_offload_key,
+)
 from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.scheduler import OffloadingConnectorScheduler, parse_kv_transfer_params
 
@@ -238,3 +245,52 @@ def test_unknown_kv_transfer_params_keys_are_left_alone() -> None:
         None,
         8,
     )
+
+
+class ReorderingManager(RecordingManager):
+    """A tier that answers ``prepare_store`` with its keys in reverse order (the spec stays
+    co-indexed with them): the contract only ties ``store_spec`` to ``keys_to_store``."""
+
+    def prepare_store(self, keys, ctx):  # type: ignore[no-untyped-def]
+        out = super().prepare_store(keys, ctx)
+        if out is not None and len(out.keys_to_store) > 1:
+            assert isinstance(out.store_spec, CPULoadStoreSpec)
+            out.keys_to_store.reverse()
+            out.store_spec.block_ids.reverse()
+        return out
+
+
+def test_a_tier_answering_in_another_order_still_gets_the_right_blocks() -> None:
+    """Each stored block's engine pages go to the slot of *its* key (the harness checks every
+    readable tier block against its key's data), and loads of them serve the right KV."""
+    engine = FakeEngine(
+        single_group(4, 2),
+        num_engine_blocks=24,
+        manager=ReorderingManager(64),
+        enable_prefix_caching=False,
+    )
+    for i in range(3):
+        engine.add_request(make_tokens(40, 7), max_tokens=2, req_id=f"r{i}")
+        engine.run()
+    engine.add_request(make_tokens(30, 8), max_tokens=2, req_id="other")
+    engine.run()
+    engine.add_request(make_tokens(40, 7), max_tokens=2, req_id="again")
+    engine.run()
+    assert engine.connector.stats()["loaded_blocks"] > 0
+    engine.check_drained()
+
+
+def test_a_request_id_still_in_use_is_refused() -> None:
+    """A finished request whose stores are in flight keeps its id: reusing it would mix the two
+    requests' blocks (the old stores' completion would free the new request's blocks)."""
+    engine = FakeEngine(
+        single_group(4, store_policy="on_finish"), num_engine_blocks=16, store_delay=3
+    )
+    a = engine.add_request(make_tokens(21, 1), max_tokens=4, req_id="a")
+    engine.run_until(lambda: a.status == FINISHED)
+    assert "a" in engine.delayed_free
+    twin = FakeRequest("a", make_tokens(21, 2), 4, None, engine.hasher, 1, 0)
+    with pytest.raises(ContractError, match="still in use"):
+        engine.connector.get_num_new_matched_tokens(twin, 0)
+    engine.run()
+    engine.check_drained()

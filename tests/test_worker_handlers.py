@@ -11,7 +11,14 @@ from worker_cases import make_cache
 from kvoffload.errors import ContractError, TransferError
 from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import TransferResult
-from kvoffload.worker import CPUCopyHandler, HostPool, KVCacheLayout, OffloadingHandler, OffloadingWorker, WorkerState
+from kvoffload.worker import (
+    CPUCopyHandler,
+    HostPool,
+    KVCacheLayout,
+    OffloadingHandler,
+    OffloadingWorker,
+    WorkerState,
+)
 
 
 class InstantHandler(OffloadingHandler):
@@ -50,7 +57,10 @@ def test_routes_by_media_and_reports_once():
     worker.register_handler("GPU", "CPU", stores)
     worker.register_handler("CPU", "GPU", loads)
     assert worker.transfer_async(1, STORE) and worker.transfer_async(2, LOAD)
-    assert {(r.job_id, r.direction) for r in worker.get_finished()} == {(1, ("GPU", "CPU")), (2, ("CPU", "GPU"))}
+    assert {(r.job_id, r.direction) for r in worker.get_finished()} == {
+        (1, ("GPU", "CPU")),
+        (2, ("CPU", "GPU")),
+    }
     assert worker.get_finished() == []
     assert worker.handler("CPU", "GPU") is loads
 
@@ -175,7 +185,9 @@ def test_cpu_handler_wait_times_out_then_completes():
     layout = KVCacheLayout.from_kv_caches(layers, 1)
     handler = CPUCopyHandler(layout, HostPool(64, layout.slot_bytes), num_threads=1)
     try:
-        handler.transfer_async(1, (GPULoadStoreSpec(list(range(64)), [64], [0]), CPULoadStoreSpec(list(range(64)))))
+        handler.transfer_async(
+            1, (GPULoadStoreSpec(list(range(64)), [64], [0]), CPULoadStoreSpec(list(range(64))))
+        )
         with pytest.raises(TimeoutError, match="job 1"):
             handler.wait([1], timeout=0)
         handler.wait([1], timeout=30)

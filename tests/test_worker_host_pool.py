@@ -24,7 +24,9 @@ def test_a_budget_below_one_block_is_a_config_error():
         num_host_blocks(2**20, 0)
 
 
-@pytest.mark.parametrize(("num_slots", "slot_bytes"), [(1, 1), (7, 3000), (300, 4096), (5, 2**20 + 12)])
+@pytest.mark.parametrize(
+    ("num_slots", "slot_bytes"), [(1, 1), (7, 3000), (300, 4096), (5, 2**20 + 12)]
+)
 def test_allocated_bytes_equal_asked_bytes(num_slots, slot_bytes):
     """No power-of-two rounding (vLLM #53042): the storage is exactly slots x slot bytes."""
     pool = HostPool(num_slots, slot_bytes)

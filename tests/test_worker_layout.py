@@ -9,7 +9,9 @@ from worker_cases import DEVICES, LAYOUTS, make_cache
 from kvoffload.errors import ConfigError
 from kvoffload.worker import KVCacheLayout
 
-PAGE = 2 * 4 * 2 * 8 * 2  # K/V x tokens x heads x dim x bf16 bytes, one layer's block in worker_cases
+PAGE = (
+    2 * 4 * 2 * 8 * 2
+)  # K/V x tokens x heads x dim x bf16 bytes, one layer's block in worker_cases
 
 
 def layout_of(cache, factor=1, **kw):
@@ -63,7 +65,9 @@ def test_aliases_are_kept_once():
 def test_mapping_input_keeps_names_in_errors():
     good = torch.zeros(8, 2, 4)
     with pytest.raises(ConfigError, match=r"layer\.1"):
-        KVCacheLayout.from_kv_caches({"layer.0": good, "layer.1": torch.zeros(8, 2, 4)[:, :, ::2]}, 1)
+        KVCacheLayout.from_kv_caches(
+            {"layer.0": good, "layer.1": torch.zeros(8, 2, 4)[:, :, ::2]}, 1
+        )
 
 
 def test_num_blocks_is_inferred_when_unambiguous():

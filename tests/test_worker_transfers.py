@@ -26,7 +26,9 @@ ENGINE_POISON = -7.0
 
 def store(worker, job_id: int, blocks: list[list[int]], slots: list[list[int]]) -> TransferResult:
     """Store ``blocks[g]`` (whole offloaded blocks) into ``slots[g]``, one engine step."""
-    src = GPULoadStoreSpec([b for g in blocks for b in g], [len(g) for g in blocks], [0] * len(blocks))
+    src = GPULoadStoreSpec(
+        [b for g in blocks for b in g], [len(g) for g in blocks], [0] * len(blocks)
+    )
     job = TransferJob(job_id, "req", src, CPULoadStoreSpec([s for g in slots for s in g]))
     worker.start_load_kv(ConnectorMetadata(store_jobs=[job]))
     worker.wait_for_save()
@@ -49,7 +51,13 @@ def pages_of(cache: Cache, blocks: list[list[int]]) -> list[list[list[torch.Tens
 
 
 def round_trip(
-    cache: Cache, worker, factor: int | list[int], rng: random.Random, num_slots: int, skip: list[int], tail: list[int]
+    cache: Cache,
+    worker,
+    factor: int | list[int],
+    rng: random.Random,
+    num_slots: int,
+    skip: list[int],
+    tail: list[int],
 ):
     """Store random whole blocks per group, then load them back from ``skip[g]`` pages in, leaving
     ``tail[g]`` pages out, into other engine blocks; check everything."""
@@ -58,15 +66,21 @@ def round_trip(
     n = cache.num_blocks
     slots_per_group = [rng.randint(1, max(1, num_slots // groups)) for _ in range(groups)]
     all_slots = rng.sample(range(num_slots), sum(slots_per_group))
-    slots = [all_slots[sum(slots_per_group[:g]) : sum(slots_per_group[: g + 1])] for g in range(groups)]
-    src_blocks = [rng.sample(range(n), k * f) for k, f in zip(slots_per_group, factors, strict=True)]
+    slots = [
+        all_slots[sum(slots_per_group[:g]) : sum(slots_per_group[: g + 1])] for g in range(groups)
+    ]
+    src_blocks = [
+        rng.sample(range(n), k * f) for k, f in zip(slots_per_group, factors, strict=True)
+    ]
 
     cache.randomize(rng.randrange(2**31))
     worker.host_pool.buffer.fill_(HOST_POISON)
     before = cache.snapshot()
     stored = pages_of(cache, src_blocks)
     assert store(worker, 1, src_blocks, slots).success
-    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors, strict=True)), "a store modified its source"
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors, strict=True)), (
+        "a store modified its source"
+    )
     host = worker.host_pool.slots.cpu()
     used = set(all_slots)
     assert all(torch.all(host[s] == HOST_POISON) for s in range(num_slots) if s not in used)
@@ -79,16 +93,23 @@ def round_trip(
     counts = [k * factors[g] - skip[g] - tail[g] for g, k in enumerate(slots_per_group)]
     dst_all = rng.sample(range(n), sum(counts))
     dst_blocks = [dst_all[sum(counts[:g]) : sum(counts[: g + 1])] for g in range(groups)]
-    indices = [3 * factors[g] + skip[g] for g in range(groups)]  # any request position with that offset
+    indices = [
+        3 * factors[g] + skip[g] for g in range(groups)
+    ]  # any request position with that offset
     load_slots = [s if counts[g] else [] for g, s in enumerate(slots)]
     assert load(worker, 2, load_slots, dst_blocks, indices).success
     for g in range(groups):
         for i, block in enumerate(dst_blocks[g]):
             expected = stored[g][skip[g] + i]
-            assert all(torch.equal(a, b) for a, b in zip(cache.group_pages(g, block), expected, strict=True)), (g, i)
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(cache.group_pages(g, block), expected, strict=True)
+            ), (g, i)
     untouched = set(range(n)) - set(dst_all)
     for t in range(len(cache.tensors)):
-        assert all(torch.equal(cache.page(t, b), poisoned[: cache.page(t, b).numel()]) for b in untouched)
+        assert all(
+            torch.equal(cache.page(t, b), poisoned[: cache.page(t, b).numel()]) for b in untouched
+        )
     assert torch.equal(worker.host_pool.slots.cpu(), host), "a load modified the host pool"
 
 
@@ -99,7 +120,15 @@ def test_round_trip_whole_blocks(device, torch_copies, layout, factor):
     cache = make_cache(layout, device, num_blocks=48)
     with make_worker(cache, factor, num_slots=10, use_torch_copies=torch_copies) as worker:
         groups = len(cache.group_tensors)
-        round_trip(cache, worker, factor, random.Random(f"{layout}{factor}"), 10, [0] * groups, [0] * groups)
+        round_trip(
+            cache,
+            worker,
+            factor,
+            random.Random(f"{layout}{factor}"),
+            10,
+            [0] * groups,
+            [0] * groups,
+        )
 
 
 @pytest.mark.parametrize(("skip", "tail"), [(1, 0), (3, 0), (2, 1), (0, 3)])
@@ -110,7 +139,9 @@ def test_load_starting_mid_block(device, torch_copies, layout, skip, tail):
     cache = make_cache(layout, device, num_blocks=48)
     with make_worker(cache, 4, num_slots=10, use_torch_copies=torch_copies) as worker:
         groups = len(cache.group_tensors)
-        round_trip(cache, worker, 4, random.Random(skip * 10 + tail), 10, [skip] * groups, [tail] * groups)
+        round_trip(
+            cache, worker, 4, random.Random(skip * 10 + tail), 10, [skip] * groups, [tail] * groups
+        )
 
 
 @pytest.mark.parametrize(("device", "torch_copies"), HANDLERS)
@@ -123,7 +154,10 @@ def test_group_with_no_blocks_in_a_job(device, torch_copies):
         cache.poison_blocks(list(range(16)))
         assert load(worker, 2, [[], [2]], [[], [0, 1]], [0, 0]).success
         assert all(
-            torch.equal(a, b) for a, b in zip(cache.group_pages(1, 0) + cache.group_pages(1, 1), expected, strict=True)
+            torch.equal(a, b)
+            for a, b in zip(
+                cache.group_pages(1, 0) + cache.group_pages(1, 1), expected, strict=True
+            )
         )
 
 
@@ -186,5 +220,7 @@ def test_adjacent_pages_coalesce_into_one_copy():
     assert src.tolist() == [kv.groups[0].views[0].address + 8 * kv.groups[0].views[0].block_stride]
     # per-layer views: one run per view per slot
     per_layer = KVCacheLayout.from_kv_caches(make_cache("per_layer", num_blocks=32).tensors, 4)
-    _, _, nbytes = CopyPlanner(per_layer, 1 << 40, 8 * per_layer.slot_bytes).plan(mapping, is_store=True)
+    _, _, nbytes = CopyPlanner(per_layer, 1 << 40, 8 * per_layer.slot_bytes).plan(
+        mapping, is_store=True
+    )
     assert len(nbytes) == 3 * 3 and np.all(nbytes == 4 * 256)

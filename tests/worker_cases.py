@@ -27,7 +27,14 @@ HANDLERS = [
     pytest.param("cuda", False, id="cuda", marks=_CUDA),
 ]
 
-LAYOUTS = ["per_layer", "kv_split", "cross_layer", "layer_views_of_cross", "kv_split_block_outer", "two_groups"]
+LAYOUTS = [
+    "per_layer",
+    "kv_split",
+    "cross_layer",
+    "layer_views_of_cross",
+    "kv_split_block_outer",
+    "two_groups",
+]
 
 
 @dataclass
@@ -41,7 +48,15 @@ class Cache:
 
     def page(self, t: int, block: int) -> torch.Tensor:
         """Tensor ``t``'s bytes for engine ``block`` (a copy, uint8)."""
-        return self.tensors[t].select(self.block_dims[t], block).contiguous().view(torch.uint8).flatten().cpu().clone()
+        return (
+            self.tensors[t]
+            .select(self.block_dims[t], block)
+            .contiguous()
+            .view(torch.uint8)
+            .flatten()
+            .cpu()
+            .clone()
+        )
 
     def group_pages(self, group: int, block: int) -> list[torch.Tensor]:
         return [self.page(t, block) for t in self.group_tensors[group]]
@@ -60,7 +75,9 @@ class Cache:
                 t.select(bd, b).fill_(value)
 
 
-def make_cache(layout: str, device: str = "cpu", num_blocks: int = 24, layers: int = 3, dtype=torch.bfloat16) -> Cache:
+def make_cache(
+    layout: str, device: str = "cpu", num_blocks: int = 24, layers: int = 3, dtype=torch.bfloat16
+) -> Cache:
     """A small KV cache in ``layout`` (one of :data:`LAYOUTS`); block = [2, tokens=4, heads=2, dim=8]."""
     block = (2, 4, 2, 8)
     kw = {"dtype": dtype, "device": device}
@@ -89,9 +106,15 @@ def make_worker(
     cache: Cache, factor: int | list[int], num_slots: int, use_torch_copies: bool = False, **kw
 ) -> OffloadingConnectorWorker:
     """A registered connector worker whose host pool holds exactly ``num_slots`` blocks."""
-    slot_bytes = KVCacheLayout.from_kv_caches(cache.tensors, factor, cache.num_blocks, cache.group_tensors).slot_bytes
-    worker = OffloadingConnectorWorker(factor, num_slots * slot_bytes, use_torch_copies=use_torch_copies, **kw)
-    worker.register_kv_caches(cache.tensors, num_blocks=cache.num_blocks, group_tensors=cache.group_tensors)
+    slot_bytes = KVCacheLayout.from_kv_caches(
+        cache.tensors, factor, cache.num_blocks, cache.group_tensors
+    ).slot_bytes
+    worker = OffloadingConnectorWorker(
+        factor, num_slots * slot_bytes, use_torch_copies=use_torch_copies, **kw
+    )
+    worker.register_kv_caches(
+        cache.tensors, num_blocks=cache.num_blocks, group_tensors=cache.group_tensors
+    )
     assert worker.num_host_blocks == num_slots
     return worker
 
@@ -100,7 +123,9 @@ def make_worker(
 HOST_POISON = 0xAB
 
 
-def finish(worker: OffloadingConnectorWorker, job_ids: list[int], timeout: float = 20.0) -> dict[int, TransferResult]:
+def finish(
+    worker: OffloadingConnectorWorker, job_ids: list[int], timeout: float = 20.0
+) -> dict[int, TransferResult]:
     """Flush ``job_ids`` and collect their results; each must be reported exactly once."""
     worker.handle_preemptions(job_ids, timeout)
     got: dict[int, TransferResult] = {}

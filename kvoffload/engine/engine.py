@@ -244,7 +244,8 @@ class Engine:
         if kv_transfer_params is not None:
             parse_kv_transfer_params(kv_transfer_params, self.config.store_policy)
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if req_id in self._requests:
+        if req_id in self._requests or req_id in self.scheduler.held:
+            # A finished request whose transfers still use its blocks keeps its id until they end.
             raise ConfigError("request_id", f"{req_id!r} is already in use")
         req = Request(
             req_id, token_ids, sampling, self.hasher, time.perf_counter(), kv_transfer_params

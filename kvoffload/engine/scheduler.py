@@ -134,13 +134,16 @@ class EngineScheduler:
         ):
             req = self.waiting[0]
             hits = self.pool.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
-            if self._loading_hashes and len(hits) < len(req.block_hashes):
-                if req.block_hashes[len(hits)] in self._loading_hashes:
-                    # Another request is loading this prefix into the engine right now: share
-                    # that load (its blocks enter the prefix cache when it lands) instead of
-                    # loading a second copy. Later requests are not held up.
-                    deferred.append(self.waiting.popleft())
-                    continue
+            if (
+                self._loading_hashes
+                and len(hits) < len(req.block_hashes)
+                and req.block_hashes[len(hits)] in self._loading_hashes
+            ):
+                # Another request is loading this prefix into the engine right now: share that
+                # load (its blocks enter the prefix cache when it lands) instead of loading a
+                # second copy. Later requests are not held up.
+                deferred.append(self.waiting.popleft())
+                continue
             num_local = len(hits) * bs
             num_external, load_async = 0, False
             if self.connector is not None:

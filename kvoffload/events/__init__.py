@@ -6,6 +6,9 @@ the engine publishes one :class:`KVEventBatch` per step through the publisher th
 :class:`KVEventSubscriber` and :class:`BlockIndex`. Imports neither torch nor the engine.
 """
 
+import importlib
+from typing import Any
+
 from kvoffload.events.codec import EventDecodeError, EventDecoder, EventEncoder
 from kvoffload.events.config import PUBLISHERS, KVEventsConfig
 from kvoffload.events.index import BlockIndex, tier_name
@@ -31,14 +34,29 @@ from kvoffload.events.protocol import (
     offset_endpoint,
     publisher_binds,
 )
-from kvoffload.events.publisher import (
-    EventPublisher,
-    NullEventPublisher,
-    PublisherState,
-    ZmqEventPublisher,
-    create_event_publisher,
-)
-from kvoffload.events.subscriber import Gap, KVEventSubscriber, ReceivedBatch
+
+# The ZMQ side (publisher, subscriber) is imported on first use, so that producers that only need
+# the event types (the scheduler-side connector) never load pyzmq.
+_LAZY = {
+    "EventPublisher": "kvoffload.events.publisher",
+    "NullEventPublisher": "kvoffload.events.publisher",
+    "PublisherState": "kvoffload.events.publisher",
+    "ZmqEventPublisher": "kvoffload.events.publisher",
+    "create_event_publisher": "kvoffload.events.publisher",
+    "Gap": "kvoffload.events.subscriber",
+    "KVEventSubscriber": "kvoffload.events.subscriber",
+    "ReceivedBatch": "kvoffload.events.subscriber",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LOCALITY_LOCAL",

@@ -101,7 +101,9 @@ class ARCPolicy(EvictionPolicy):
                 self.target = max(self.target - max(1.0, len(b1) / len(b2)), 0.0)
                 b2.move_to_end(key)
 
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+    def evict(
+        self, n: int, protected: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         if n <= 0:
             return []
         scans = (iter(self._t1.items()), iter(self._t2.items()))

@@ -83,7 +83,9 @@ class EvictionPolicy(ABC):
         """Record a use of ``keys`` (prefix order, head first). Unknown keys are ignored."""
 
     @abstractmethod
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+    def evict(
+        self, n: int, protected: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         """Remove and return exactly ``n`` evictable blocks, or return ``None`` and change nothing."""
 
     @abstractmethod
@@ -98,7 +100,9 @@ class EvictionPolicy(ABC):
     def __iter__(self) -> Iterator[OffloadKey]:
         """Iterate over held keys (any order)."""
 
-    def admit(self, keys: list[OffloadKey], chain: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+    def admit(
+        self, keys: list[OffloadKey], chain: Sequence[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey]:
         """Return the subset of ``keys`` (absent, to be stored) worth storing, in order.
 
         ``chain`` is everything the caller offered (prefix order), ``keys`` the absent part of it.
@@ -117,7 +121,9 @@ _REGISTRY: dict[str, type[EvictionPolicy]] = {}
 def register_eviction_policy(cls: _P) -> _P:
     """Class decorator: make ``cls`` available under ``cls.name``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"eviction policy name {cls.name!r} is already registered by {_REGISTRY[cls.name]!r}")
+        raise ValueError(
+            f"eviction policy name {cls.name!r} is already registered by {_REGISTRY[cls.name]!r}"
+        )
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -129,9 +135,13 @@ def _load_entry_point(name: str) -> type[EvictionPolicy] | None:
         try:
             cls = ep.load()
         except Exception as exc:
-            raise ConfigError("eviction_policy", f"entry point {name!r} ({ep.value}) failed to load: {exc}") from exc
+            raise ConfigError(
+                "eviction_policy", f"entry point {name!r} ({ep.value}) failed to load: {exc}"
+            ) from exc
         if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-            raise ConfigError("eviction_policy", f"entry point {ep.value!r} is not an EvictionPolicy subclass")
+            raise ConfigError(
+                "eviction_policy", f"entry point {ep.value!r} is not an EvictionPolicy subclass"
+            )
         _REGISTRY[name] = cls
         return cls
     return None
@@ -146,5 +156,8 @@ def create_eviction_policy(name: str, capacity: int) -> EvictionPolicy:
     """Instantiate the policy registered as ``name`` for a tier of ``capacity`` blocks."""
     cls = _REGISTRY.get(name) or _load_entry_point(name)
     if cls is None:
-        raise ConfigError("eviction_policy", f"unknown policy {name!r}; choose from {available_eviction_policies()}")
+        raise ConfigError(
+            "eviction_policy",
+            f"unknown policy {name!r}; choose from {available_eviction_policies()}",
+        )
     return cls(capacity)

@@ -46,7 +46,9 @@ class LRUPolicy(EvictionPolicy):
             if key in blocks:  # a membership test: cheaper than catching KeyError for absent keys
                 move(key)
 
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+    def evict(
+        self, n: int, protected: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         victims: list[tuple[OffloadKey, OffloadedBlock]] = []
         if n <= 0:
             return victims

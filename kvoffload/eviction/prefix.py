@@ -38,7 +38,18 @@ def block_class(count: int, chain_tail: bool) -> int:
 class _Entry:
     """What the policy knows about one key, held or only remembered. Mutated by the policy only."""
 
-    __slots__ = ("block", "children", "cls", "count", "key", "leaf_pos", "parent", "parent_key", "req", "stamp")
+    __slots__ = (
+        "block",
+        "children",
+        "cls",
+        "count",
+        "key",
+        "leaf_pos",
+        "parent",
+        "parent_key",
+        "req",
+        "stamp",
+    )
 
     def __init__(self, key: OffloadKey, stamp: int) -> None:
         self.key = key
@@ -119,7 +130,9 @@ class PrefixPolicy(EvictionPolicy):
         # Measured on the conversation trace (docs/eviction-policies.md): remembering 3/4 as
         # many keys as the tier holds, at least 24K, beats remembering 16x as many: use counts
         # then forget prefixes idle for longer than the tier could have kept them.
-        self.history_size = history_size if history_size is not None else max(3 * capacity // 4, 24_576)
+        self.history_size = (
+            history_size if history_size is not None else max(3 * capacity // 4, 24_576)
+        )
         self._leaves: list[_Entry] = []
         self._samples = samples
         self._rng = seed & _MASK64
@@ -183,7 +196,12 @@ class PrefixPolicy(EvictionPolicy):
         excess = len(history) - self.history_size
         if excess <= 0:
             return
-        expiries, clock, shift, last_age = self._expiries, self._clock, self._shift, self._num_ages - 1
+        expiries, clock, shift, last_age = (
+            self._expiries,
+            self._clock,
+            self._shift,
+            self._num_ages - 1,
+        )
         for _ in range(excess):
             e = history.popitem(last=False)[1]
             if e.count:
@@ -224,7 +242,9 @@ class PrefixPolicy(EvictionPolicy):
         if keys:
             self._record(keys, ctx)
 
-    def admit(self, keys: list[OffloadKey], chain: Sequence[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+    def admit(
+        self, keys: list[OffloadKey], chain: Sequence[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey]:
         self._record(chain, ctx)
         held, history = self._held, self._history
         room = self.capacity - len(self._blocks)
@@ -311,7 +331,9 @@ class PrefixPolicy(EvictionPolicy):
         self._drop(self._held[key])
         self._trim_history()
 
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+    def evict(
+        self, n: int, protected: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         if n <= 0:
             return []
         leaves, samples, rng = self._leaves, self._samples, self._rng
@@ -392,6 +414,8 @@ class PrefixPolicy(EvictionPolicy):
             assert e.key == key and e.block is None, f"{key.hex()}: history record holds a block"
             assert e.leaf_pos == -1, f"{key.hex()}: a remembered key is on the leaf list"
         for pos, e in enumerate(self._leaves):
-            assert e.leaf_pos == pos and e.block is not None and e.children == 0, f"leaf {pos} is stale"
+            assert e.leaf_pos == pos and e.block is not None and e.children == 0, (
+                f"leaf {pos} is stale"
+            )
         n_leaves = sum(1 for e in self._held.values() if e.children == 0)
         assert n_leaves == len(self._leaves), "a held block with no held child is not a leaf"

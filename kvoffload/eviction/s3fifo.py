@@ -86,7 +86,9 @@ class S3FIFOPolicy(EvictionPolicy):
                 if freq is not None and freq < _MAX_FREQ:
                     main[key] = freq + 1
 
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
+    def evict(
+        self, n: int, protected: Container[OffloadKey]
+    ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         if n <= 0:
             return []
         blocks = self._blocks

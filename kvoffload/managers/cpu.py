@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
 
-from kvoffload.base import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput, ReqContext
+from kvoffload.base import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
 from kvoffload.eviction.base import PENDING
@@ -47,7 +53,9 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError("num_blocks", f"the tier needs at least one block, got {num_blocks!r}")
+            raise ConfigError(
+                "num_blocks", f"the tier needs at least one block, got {num_blocks!r}"
+            )
         policy = (
             create_eviction_policy(eviction_policy, num_blocks)
             if isinstance(eviction_policy, str)
@@ -60,6 +68,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_blocks = num_blocks
         self._num_allocated = 0  # bump pointer over never-used slot ids
         self._free_slots: list[int] = []  # freed ids, reused LIFO
+        # Blocks with ref_cnt == 0: lets prepare_store refuse in O(1) when the tier is all pending
+        # or pinned, instead of the policy scanning every block before answering None.
+        self._num_evictable = 0
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._stored = self._failed = self._loaded = self._evicted = 0
         self._rejected = self._not_admitted = 0
@@ -82,11 +93,15 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         blocks = list(map(self._get, keys))
+        evictable = self._num_evictable
         for block in blocks:
             if block is None or block.ref_cnt < 0:
                 break
+            if not block.ref_cnt:
+                evictable -= 1
             block.ref_cnt += 1
         else:
+            self._num_evictable = evictable
             self._loaded += len(blocks)
             return CPULoadStoreSpec(list(map(_slot_of, blocks)))
         # A key is not loadable: release the pins taken before it (it fails again, pinned or not).
@@ -94,21 +109,31 @@ class CPUOffloadingManager(OffloadingManager):
         for block in blocks[:bad]:
             block.ref_cnt -= 1  # type: ignore[union-attr]
         state = "absent" if blocks[bad] is None else "still being written"
-        raise ContractError(f"prepare_load: block {keys[bad].hex()} is {state}; only HIT blocks can be loaded")
+        raise ContractError(
+            f"prepare_load: block {keys[bad].hex()} is {state}; only HIT blocks can be loaded"
+        )
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         blocks = list(map(self._get, keys))
+        released = 0
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt <= 0:
                 for done in blocks[:i]:
                     done.ref_cnt += 1  # type: ignore[union-attr]
-                raise ContractError(f"complete_load: block {keys[i].hex()} is not pinned by a prepare_load")
+                raise ContractError(
+                    f"complete_load: block {keys[i].hex()} is not pinned by a prepare_load"
+                )
             block.ref_cnt -= 1
+            if not block.ref_cnt:
+                released += 1
+        self._num_evictable += released
 
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
         get = self._get
         # dict.fromkeys: drop keys listed twice, keeping order.
         to_store = [k for k in dict.fromkeys(keys) if get(k) is None]
@@ -124,10 +149,11 @@ class CPUOffloadingManager(OffloadingManager):
         need = len(to_store) - (n_fresh + len(free_slots))
         evicted: list[OffloadKey] = []
         if need > 0:
-            victims = self._policy.evict(need, set(keys))
+            victims = self._policy.evict(need, set(keys)) if need <= self._num_evictable else None
             if victims is None:
                 self._rejected += 1
                 return None
+            self._num_evictable -= need
             evicted = [key for key, _ in victims]
             free_slots.extend([block.slot for _, block in victims])
             self._evicted += need
@@ -152,7 +178,9 @@ class CPUOffloadingManager(OffloadingManager):
             insert(key, block)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted)
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
         if success:
             stored: list[OffloadKey] = []
             for key, block in zip(keys, map(self._get, keys), strict=True):
@@ -160,6 +188,7 @@ class CPUOffloadingManager(OffloadingManager):
                     block.ref_cnt = 0
                     stored.append(key)
             self._stored += len(stored)
+            self._num_evictable += len(stored)
             if stored and self._events is not None:
                 self._events.append(OffloadingEvent(stored, self.medium, False))
         else:
@@ -184,6 +213,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.clear()
         self._free_slots.clear()
         self._num_allocated = 0
+        self._num_evictable = 0
         if readable and self._events is not None:
             self._events.append(OffloadingEvent(readable, self.medium, True))
 
@@ -211,11 +241,17 @@ class CPUOffloadingManager(OffloadingManager):
         for key, block in self.items():
             assert block is not None, f"policy iterates {key.hex()} but get() misses it"
             assert block.ref_cnt >= -1, f"{key.hex()}: ref_cnt {block.ref_cnt}"
-            assert 0 <= block.slot < self._num_allocated, f"{key.hex()}: slot {block.slot} never allocated"
+            assert 0 <= block.slot < self._num_allocated, (
+                f"{key.hex()}: slot {block.slot} never allocated"
+            )
             assert block.slot not in owners, f"slot {block.slot} owned by two keys"
             owners[block.slot] = key
         free = set(self._free_slots)
         assert len(free) == len(self._free_slots), "a slot is on the free list twice"
         assert not free & owners.keys(), "a slot is both free and owned"
         assert len(owners) + len(free) == self._num_allocated <= self._num_blocks, "slots leaked"
+        evictable = sum(1 for _, block in self.items() if block.ref_cnt == 0)
+        assert self._num_evictable == evictable, (
+            f"evictable count {self._num_evictable} != {evictable}"
+        )
         self._policy.check_invariants()

@@ -44,11 +44,17 @@ class FilterReusedOffloadingManager(OffloadingManager):
     Extra counters in :meth:`stats`: ``filtered_blocks`` (offers declined), ``tracked_keys``.
     """
 
-    def __init__(self, backing: OffloadingManager, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
+    def __init__(
+        self, backing: OffloadingManager, store_threshold: int = 2, max_tracker_size: int = 64_000
+    ) -> None:
         if not isinstance(store_threshold, int) or store_threshold < 1:
-            raise ConfigError("store_threshold", f"must be an integer >= 1, got {store_threshold!r}")
+            raise ConfigError(
+                "store_threshold", f"must be an integer >= 1, got {store_threshold!r}"
+            )
         if not isinstance(max_tracker_size, int) or max_tracker_size < 1:
-            raise ConfigError("max_tracker_size", f"must be an integer >= 1, got {max_tracker_size!r}")
+            raise ConfigError(
+                "max_tracker_size", f"must be an integer >= 1, got {max_tracker_size!r}"
+            )
         self._backing = backing
         self.medium = backing.medium
         self._threshold = store_threshold
@@ -100,16 +106,22 @@ class FilterReusedOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._backing.complete_load(keys, ctx)
 
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
         self._record(keys, ctx)
         counts, threshold, backing = self._counts, self._threshold, self._backing
         passed = [
-            k for k in keys if counts.get(k, 0) >= threshold or backing.lookup(k, ctx) is not LookupResult.MISS
+            k
+            for k in keys
+            if counts.get(k, 0) >= threshold or backing.lookup(k, ctx) is not LookupResult.MISS
         ]
         self._filtered += len(keys) - len(passed)
         return backing.prepare_store(passed, ctx)
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
         self._backing.complete_store(keys, ctx, success)
 
     def take_events(self) -> list[OffloadingEvent]:

@@ -199,6 +199,11 @@ class OffloadingConnectorScheduler:
         first_call = state is None
         if state is None:
             state = self._new_state(request)
+        elif state.finished or state.request is not request:
+            raise ContractError(
+                f"request id {request.request_id!r} is still in use by a request whose transfers "
+                "have not finished; a request id may only be reused once it was freed"
+            )
         else:  # re-admitted: its engine blocks will be allocated anew
             for group_state in state.group_states:
                 group_state.block_ids.clear()
@@ -213,7 +218,6 @@ class OffloadingConnectorScheduler:
         self._touch(state)
         num_hit = max(0, hit_end - num_computed_tokens)
         self._counters["lookups"] += 1
-        self._counters["hit_tokens"] += num_hit
         return num_hit, num_hit > 0
 
     def _lookup(self, state: RequestKVState, num_computed: int) -> int:
@@ -337,6 +341,7 @@ class OffloadingConnectorScheduler:
         self._policies[state.store_policy].on_blocks_loaded(request.request_id, end)
         self._counters["load_jobs"] += 1
         self._counters["loaded_blocks"] += len(keys)
+        self._counters["hit_tokens"] += num_external_tokens
 
     def _new_job(self, state: RequestKVState, keys: list[OffloadKey], is_store: bool) -> int:
         job_id = self._next_job_id
@@ -388,9 +393,9 @@ class OffloadingConnectorScheduler:
         if not out.keys_to_store:
             return None
         stored = out.keys_to_store
-        if len(stored) != len(keys):
-            wanted = set(stored)
-            located = [loc for key, loc in zip(keys, located, strict=True) if key in wanted]
+        if stored != keys:  # the tier skipped some keys: locate the stored ones by key
+            where = dict(zip(keys, located, strict=True))
+            located = [where[key] for key in stored]
         engine_ids: list[int] = []
         group_sizes = [0] * len(groups)
         block_indices = [-1] * len(groups)
@@ -430,7 +435,8 @@ class OffloadingConnectorScheduler:
         for block_id in block_ids:
             jobs = fence.pop(block_id, None)
             if jobs:
-                self._jobs_to_flush.extend(j for j in jobs if j not in self._jobs_to_flush)
+                flush = self._jobs_to_flush
+                flush.extend(jobs.difference(flush))
 
     def _describe(
         self, state: RequestKVState, keys: list[OffloadKey], located: list[tuple[int, int]]
@@ -602,7 +608,8 @@ class OffloadingConnectorScheduler:
         return self._events.convert(events)
 
     def stats(self) -> dict[str, float]:
-        """Connector counters (``lookups``, ``hit_tokens``, jobs, blocks, bytes, seconds) plus the
+        """Connector counters (``lookups``: calls of get_num_new_matched_tokens, retries included;
+        ``hit_tokens``: tokens whose load was planned; jobs, blocks, bytes, seconds) plus the
         manager's, the latter prefixed ``tier_``."""
         out: dict[str, float] = dict(self._counters)
         out["load_seconds"] = self._transfer_seconds["load"]

@@ -67,6 +67,7 @@ class OffloadPolicy(ABC):
     def request_finished(self, req_id: str) -> None:
         """Drop the request's progress. Called once, after its last :meth:`get_blocks_to_store`."""
 
+    @abstractmethod
     def reset(self) -> None:
         """Forget every request's progress (the tier was emptied: everything is storable again)."""
 

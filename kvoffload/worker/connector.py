@@ -72,7 +72,9 @@ class OffloadingConnectorWorker:
         use_torch_copies: bool = False,
     ) -> None:
         if not isinstance(host_pool_bytes, int) or host_pool_bytes < 1:
-            raise ConfigError("kv_offloading_size", f"must be a positive number of bytes, got {host_pool_bytes!r}")
+            raise ConfigError(
+                "kv_offloading_size", f"must be a positive number of bytes, got {host_pool_bytes!r}"
+            )
         if num_copy_threads is not None and num_copy_threads < 1:
             raise ConfigError("num_copy_threads", f"must be positive, got {num_copy_threads}")
         #: Engine blocks per offloaded block: one for all groups, or one per group.
@@ -106,10 +108,14 @@ class OffloadingConnectorWorker:
         :class:`HostAllocationError` when the host pool cannot be allocated.
         """
         check_state(self, self._state, WorkerState.CREATED, "register KV caches")
-        layout = KVCacheLayout.from_kv_caches(kv_caches, self.block_size_factor, num_blocks, group_tensors)
+        layout = KVCacheLayout.from_kv_caches(
+            kv_caches, self.block_size_factor, num_blocks, group_tensors
+        )
         device = layout.device.type
         if device not in ("cpu", "cuda"):
-            raise ConfigError("kv_caches", f"tensors on {layout.device}: only CPU and CUDA engines are supported")
+            raise ConfigError(
+                "kv_caches", f"tensors on {layout.device}: only CPU and CUDA engines are supported"
+            )
         slots = num_host_blocks(self.host_pool_bytes, layout.slot_bytes)
         pool = HostPool(slots, layout.slot_bytes, pin=device == "cuda")
         try:
@@ -117,7 +123,9 @@ class OffloadingConnectorWorker:
             if device == "cuda" or self._use_torch_copies:
                 handler = TorchCopyHandler(layout, pool, self._staging_bytes)
             else:
-                handler = CPUCopyHandler(layout, pool, self._num_copy_threads or default_copy_threads())
+                handler = CPUCopyHandler(
+                    layout, pool, self._num_copy_threads or default_copy_threads()
+                )
         except BaseException:
             pool.close()
             raise
@@ -172,7 +180,9 @@ class OffloadingConnectorWorker:
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def handle_preemptions(self, jobs_to_flush: Sequence[int], timeout: float | None = None) -> None:
+    def handle_preemptions(
+        self, jobs_to_flush: Sequence[int], timeout: float | None = None
+    ) -> None:
         """Block until the store jobs ``jobs_to_flush`` are done (submitting deferred ones first).
 
         Ids of jobs already reported or unknown are ignored.
@@ -249,7 +259,9 @@ class OffloadingConnectorWorker:
             return []
         never_started = self._step_stores + self._deferred_stores
         self._step_stores, self._deferred_stores = [], []
-        results = [TransferResult(job.job_id, False, direction=("GPU", "CPU")) for job in never_started]
+        results = [
+            TransferResult(job.job_id, False, direction=("GPU", "CPU")) for job in never_started
+        ]
         results.extend(self._worker.shutdown(timeout))
         if self._host_pool is not None:
             self._host_pool.close()

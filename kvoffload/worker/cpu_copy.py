@@ -59,7 +59,9 @@ def split_transfer_direction(spec: TransferSpec) -> tuple[bool, GPULoadStoreSpec
         return True, src, dst
     if isinstance(src, CPULoadStoreSpec) and isinstance(dst, GPULoadStoreSpec):
         return False, dst, src
-    raise ContractError(f"cannot copy {type(src).__name__} -> {type(dst).__name__}: needs GPU <-> CPU specs")
+    raise ContractError(
+        f"cannot copy {type(src).__name__} -> {type(dst).__name__}: needs GPU <-> CPU specs"
+    )
 
 
 class CopyPlanner:
@@ -88,7 +90,9 @@ class CopyPlanner:
             for g in layout.groups
         ]
 
-    def plan(self, mapping: BlockMapping, is_store: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def plan(
+        self, mapping: BlockMapping, is_store: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return ``(dst, src, nbytes)`` int64 arrays: the byte copies that carry out ``mapping``.
 
         Pages adjacent on both sides are coalesced into one copy. Addresses are absolute. Every
@@ -102,16 +106,23 @@ class CopyPlanner:
             engine = bases + gm.engine_blocks * strides  # (views, pages of the job)
             host = (host_lo + gm.host_slots * self._slot_bytes) + offsets + gm.slot_pages * pages
             starts_run = np.ones(engine.shape, dtype=bool)
-            starts_run[:, 1:] = (np.diff(engine, axis=1) != pages) | (np.diff(host, axis=1) != pages)
+            starts_run[:, 1:] = (np.diff(engine, axis=1) != pages) | (
+                np.diff(host, axis=1) != pages
+            )
             starts = np.flatnonzero(starts_run)
             row = starts // engine.shape[1]
             nbytes = np.diff(np.append(starts, engine.size)) * pages[row, 0]
             eng, hst = engine.ravel()[starts], host.ravel()[starts]
             inside = (
-                (eng >= bases[row, 0]) & (eng + nbytes <= ends[row, 0]) & (hst >= host_lo) & (hst + nbytes <= host_hi)
+                (eng >= bases[row, 0])
+                & (eng + nbytes <= ends[row, 0])
+                & (hst >= host_lo)
+                & (hst + nbytes <= host_hi)
             )
             if not inside.all():
-                raise RuntimeError(f"bug: group {gm.group} planned a copy outside its page views or the host buffer")
+                raise RuntimeError(
+                    f"bug: group {gm.group} planned a copy outside its page views or the host buffer"
+                )
             dsts.append(hst if is_store else eng)
             srcs.append(eng if is_store else hst)
             lens.append(nbytes)
@@ -133,20 +144,38 @@ def _chunks(
     pieces = -(-nbytes // chunk_bytes)
     if (pieces > 1).any():
         which = np.repeat(np.arange(len(nbytes)), pieces)
-        offset = (np.arange(len(which)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * chunk_bytes
+        offset = (
+            np.arange(len(which)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        ) * chunk_bytes
         dst, src = dst[which] + offset, src[which] + offset
         nbytes = np.minimum(chunk_bytes, nbytes[which] - offset)
     chunk_of = (np.cumsum(nbytes) - nbytes) // chunk_bytes
     bounds = [0, *(np.flatnonzero(np.diff(chunk_of)) + 1).tolist(), len(nbytes)]
-    return [(dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist()) for a, b in itertools.pairwise(bounds)]
+    return [
+        (dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist())
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 class _Job:
     """One transfer in flight. ``pending`` (chunks left) and ``error`` change under the handler lock."""
 
-    __slots__ = ("done", "end", "error", "is_store", "job_id", "num_bytes", "pending", "seq", "spec", "start")
+    __slots__ = (
+        "done",
+        "end",
+        "error",
+        "is_store",
+        "job_id",
+        "num_bytes",
+        "pending",
+        "seq",
+        "spec",
+        "start",
+    )
 
-    def __init__(self, job_id: int, is_store: bool, spec: tuple[GPULoadStoreSpec, CPULoadStoreSpec], seq: int):
+    def __init__(
+        self, job_id: int, is_store: bool, spec: tuple[GPULoadStoreSpec, CPULoadStoreSpec], seq: int
+    ):
         self.job_id = job_id
         self.is_store = is_store
         self.spec = spec
@@ -177,13 +206,16 @@ class CPUCopyHandler(OffloadingHandler):
         self._factors = [g.block_size_factor for g in layout.groups]
         self._num_threads = num_threads
         self._lock = threading.Lock()
-        self._queue: queue.PriorityQueue[tuple[int, int, int, _Job | None, tuple | None]] = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, int, _Job | None, tuple | None]] = (
+            queue.PriorityQueue()
+        )
         self._seq = itertools.count()
         self._jobs: dict[int, _Job] = {}  # submitted, not reported yet
         self._finished: list[TransferResult] = []
         self._state = WorkerState.RUNNING
         self._threads = [
-            threading.Thread(target=self._serve, name=f"kvoffload-copy-{i}", daemon=True) for i in range(num_threads)
+            threading.Thread(target=self._serve, name=f"kvoffload-copy-{i}", daemon=True)
+            for i in range(num_threads)
         ]
         for thread in self._threads:
             thread.start()
@@ -205,7 +237,15 @@ class CPUCopyHandler(OffloadingHandler):
     def _put(self, job: _Job, index: int, chunk: tuple | None) -> None:
         with self._lock:
             if self._state is WorkerState.RUNNING:
-                self._queue.put((_STORE_PRIORITY if job.is_store else _LOAD_PRIORITY, job.seq, index, job, chunk))
+                self._queue.put(
+                    (
+                        _STORE_PRIORITY if job.is_store else _LOAD_PRIORITY,
+                        job.seq,
+                        index,
+                        job,
+                        chunk,
+                    )
+                )
                 return
         self._cancel(job)
 
@@ -273,7 +313,9 @@ class CPUCopyHandler(OffloadingHandler):
             result = TransferResult(job.job_id, True, job.num_bytes, job.end - job.start, direction)
         else:
             level = logging.INFO if job.error == _CANCELLED else logging.WARNING
-            logger.log(level, "transfer job %d (%s -> %s) failed: %s", job.job_id, *direction, job.error)
+            logger.log(
+                level, "transfer job %d (%s -> %s) failed: %s", job.job_id, *direction, job.error
+            )
             result = TransferResult(job.job_id, False, 0, job.end - job.start, direction)
         with self._lock:
             self._finished.append(result)
@@ -322,10 +364,15 @@ class CPUCopyHandler(OffloadingHandler):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
-            logger.warning("copy threads %s still running after %s s; their jobs are reported failed", stuck, timeout)
+            logger.warning(
+                "copy threads %s still running after %s s; their jobs are reported failed",
+                stuck,
+                timeout,
+            )
         results = self._take_finished()
         results.extend(
-            TransferResult(j, False, direction=_STORE if job.is_store else _LOAD) for j, job in self._jobs.items()
+            TransferResult(j, False, direction=_STORE if job.is_store else _LOAD)
+            for j, job in self._jobs.items()
         )
         self._jobs.clear()
         return results

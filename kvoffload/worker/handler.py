@@ -43,7 +43,9 @@ class WorkerState(enum.Enum):
 def check_state(owner: object, state: WorkerState, expected: WorkerState, action: str) -> None:
     """Raise ``RuntimeError`` naming the state when ``owner`` cannot do ``action`` in ``state``."""
     if state is not expected:
-        raise RuntimeError(f"{type(owner).__name__} is {state.value}: cannot {action} (needs {expected.value})")
+        raise RuntimeError(
+            f"{type(owner).__name__} is {state.value}: cannot {action} (needs {expected.value})"
+        )
 
 
 class OffloadingHandler(ABC):
@@ -117,7 +119,11 @@ class OffloadingWorker:
     def _active_handlers(self) -> list[OffloadingHandler]:
         """Registered handlers and handlers with jobs in flight (replaced ones too), once each."""
         handlers = [*self._handlers.values(), *(h for h, _ in self._in_flight.values())]
-        return [h for h in {id(h): h for h in handlers}.values() if not any(h is b for b in self._broken)]
+        return [
+            h
+            for h in {id(h): h for h in handlers}.values()
+            if not any(h is b for b in self._broken)
+        ]
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         """Submit a job; return whether it is in flight. A refused job is reported as failed.
@@ -131,7 +137,9 @@ class OffloadingWorker:
         direction = (src.medium, dst.medium)
         handler = self._handlers.get(direction)
         if handler is None:
-            return self._refuse(job_id, direction, f"no handler for {direction[0]} -> {direction[1]}")
+            return self._refuse(
+                job_id, direction, f"no handler for {direction[0]} -> {direction[1]}"
+            )
         try:
             accepted = handler.transfer_async(job_id, spec)
         except Exception as exc:
@@ -142,7 +150,9 @@ class OffloadingWorker:
         return True
 
     def _refuse(self, job_id: int, direction: tuple[str, str], why: str) -> bool:
-        logger.warning("transfer job %d (%s -> %s) failed at submission: %s", job_id, *direction, why)
+        logger.warning(
+            "transfer job %d (%s -> %s) failed at submission: %s", job_id, *direction, why
+        )
         self._unreported.append(TransferResult(job_id, False, direction=direction))
         return False
 
@@ -183,7 +193,9 @@ class OffloadingWorker:
             try:
                 finished = handler.get_finished()
             except Exception:
-                logger.exception("handler %s failed in get_finished; failing its jobs", type(handler).__name__)
+                logger.exception(
+                    "handler %s failed in get_finished; failing its jobs", type(handler).__name__
+                )
                 self._give_up_on(handler)
                 continue
             for result in finished:
@@ -226,7 +238,9 @@ class OffloadingWorker:
             except TimeoutError:
                 raise
             except Exception:
-                logger.exception("handler %s failed in wait; failing its jobs", type(handler).__name__)
+                logger.exception(
+                    "handler %s failed in wait; failing its jobs", type(handler).__name__
+                )
                 self._give_up_on(handler)
 
     def shutdown(self, timeout: float | None = None) -> list[TransferResult]:
@@ -245,7 +259,9 @@ class OffloadingWorker:
                 if self._in_flight.pop(result.job_id, None) is not None:
                     self._unreported.append(result)
         results, self._unreported = self._unreported, []
-        results.extend(TransferResult(j, False, direction=d) for j, (_, d) in self._in_flight.items())
+        results.extend(
+            TransferResult(j, False, direction=d) for j, (_, d) in self._in_flight.items()
+        )
         self._in_flight.clear()
         self._handlers.clear()
         return results

@@ -28,7 +28,9 @@ def num_host_blocks(size_bytes: int, bytes_per_offloaded_block: int) -> int:
     Raises :class:`ConfigError` when the budget does not hold a single block.
     """
     if bytes_per_offloaded_block <= 0:
-        raise ConfigError("bytes_per_offloaded_block", f"must be positive, got {bytes_per_offloaded_block}")
+        raise ConfigError(
+            "bytes_per_offloaded_block", f"must be positive, got {bytes_per_offloaded_block}"
+        )
     blocks = size_bytes // bytes_per_offloaded_block
     if blocks < 1:
         raise ConfigError(
@@ -57,7 +59,8 @@ class HostPool:
     def __init__(self, num_slots: int, slot_bytes: int, pin: bool = False) -> None:
         if num_slots < 1 or slot_bytes < 1:
             raise ConfigError(
-                "host_pool", f"needs at least one slot of at least one byte, got {num_slots} x {slot_bytes}"
+                "host_pool",
+                f"needs at least one slot of at least one byte, got {num_slots} x {slot_bytes}",
             )
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -74,9 +77,13 @@ class HostPool:
     def _pin(self) -> None:
         if not torch.cuda.is_available():
             raise HostAllocationError(self.nbytes, "pinning needs CUDA, which is not available")
-        status = _cuda_status(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0))
+        status = _cuda_status(
+            torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+        )
         if status != 0:
-            raise HostAllocationError(self.nbytes, f"cudaHostRegister failed with CUDA error {status}")
+            raise HostAllocationError(
+                self.nbytes, f"cudaHostRegister failed with CUDA error {status}"
+            )
         self.pinned = True
 
     @property
@@ -90,5 +97,7 @@ class HostPool:
             status = _cuda_status(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
             if status != 0:
                 logger.warning(
-                    "cudaHostUnregister of the %d-byte host pool failed with CUDA error %d", self.nbytes, status
+                    "cudaHostUnregister of the %d-byte host pool failed with CUDA error %d",
+                    self.nbytes,
+                    status,
                 )

@@ -57,7 +57,9 @@ class PageView:
 
     def extent(self) -> tuple[int, int]:
         """The byte range ``[start, end)`` spanned by all pages."""
-        return self.address, self.address + (self.pages.shape[0] - 1) * self.block_stride + self.page_bytes
+        return self.address, self.address + (
+            self.pages.shape[0] - 1
+        ) * self.block_stride + self.page_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +112,9 @@ class KVCacheLayout:
         names, tensors = _named_tensors(kv_caches)
         devices = {t.device for t in tensors}
         if len(devices) != 1:
-            raise ConfigError("kv_caches", f"all tensors must be on one device, got {sorted(map(str, devices))}")
+            raise ConfigError(
+                "kv_caches", f"all tensors must be on one device, got {sorted(map(str, devices))}"
+            )
         if num_blocks is None:
             num_blocks = _infer_num_blocks(names, tensors)
         elif not isinstance(num_blocks, int) or num_blocks < 1:
@@ -122,7 +126,9 @@ class KVCacheLayout:
         views = [_page_views(name, t, num_blocks) for name, t in zip(names, tensors, strict=True)]
         groups = []
         for members, factor in zip(group_tensors, factors, strict=True):
-            group_views = _merge_views([v for i in members for v in views[i]], [names[i] for i in members])
+            group_views = _merge_views(
+                [v for i in members for v in views[i]], [names[i] for i in members]
+            )
             offsets = []
             position = 0
             for view in group_views:
@@ -151,7 +157,9 @@ def _named_tensors(
         if not isinstance(t, torch.Tensor):
             raise ConfigError("kv_caches", f"{name} is a {type(t).__name__}, not a torch.Tensor")
         if t.dim() == 0 or t.numel() == 0:
-            raise ConfigError("kv_caches", f"{name} has shape {tuple(t.shape)}; a paged KV tensor needs blocks")
+            raise ConfigError(
+                "kv_caches", f"{name} has shape {tuple(t.shape)}; a paged KV tensor needs blocks"
+            )
     return names, tensors
 
 
@@ -175,7 +183,8 @@ def _infer_num_blocks(names: list[str], tensors: list[torch.Tensor]) -> int:
     if not common:
         shapes = ", ".join(f"{n}={tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
         raise ConfigError(
-            "num_blocks", f"the tensors agree on no block count (dim 0, or dim 1 after a leading 2): {shapes}"
+            "num_blocks",
+            f"the tensors agree on no block count (dim 0, or dim 1 after a leading 2): {shapes}",
         )
     if len(common) > 1:
         raise ConfigError(
@@ -187,7 +196,11 @@ def _infer_num_blocks(names: list[str], tensors: list[torch.Tensor]) -> int:
 
 
 def _factors(block_size_factor: int | Sequence[int], num_groups: int) -> list[int]:
-    factors = [block_size_factor] * num_groups if isinstance(block_size_factor, int) else list(block_size_factor)
+    factors = (
+        [block_size_factor] * num_groups
+        if isinstance(block_size_factor, int)
+        else list(block_size_factor)
+    )
     if len(factors) != num_groups or not all(isinstance(f, int) and f >= 1 for f in factors):
         raise ConfigError(
             "block_size_factor",
@@ -206,7 +219,9 @@ def _check_groups(group_tensors: Sequence[Sequence[int]], num_tensors: int) -> N
             raise ConfigError("group_tensors", f"group {g} has no tensors")
         bad = [i for i in members if not isinstance(i, int) or not 0 <= i < num_tensors]
         if bad:
-            raise ConfigError("group_tensors", f"group {g} names tensors {bad}, outside [0, {num_tensors})")
+            raise ConfigError(
+                "group_tensors", f"group {g} names tensors {bad}, outside [0, {num_tensors})"
+            )
         seen.update(members)
     missing = sorted(set(range(num_tensors)) - seen)
     if missing:
@@ -232,7 +247,8 @@ def _page_views(name: str, t: torch.Tensor, num_blocks: int) -> list[PageView]:
         )
     if block_dim < 0:
         raise ConfigError(
-            "kv_caches", f"{name} has shape {tuple(t.shape)}: dim 0 and dim 1 could both be the block dim"
+            "kv_caches",
+            f"{name} has shape {tuple(t.shape)}: dim 0 and dim 1 could both be the block dim",
         )
     whole = t.movedim(block_dim, 0)
     if _is_dense(whole.shape[1:], whole.stride()[1:]):
@@ -253,9 +269,14 @@ def _page_view(name: str, t: torch.Tensor) -> PageView:
     page_bytes = math.prod(t.shape[1:]) * es
     stride = t.stride(0) * es if t.shape[0] > 1 else page_bytes
     if stride < page_bytes:
-        raise ConfigError("kv_caches", f"{name}: pages of {page_bytes} bytes overlap (block stride {stride} bytes)")
+        raise ConfigError(
+            "kv_caches",
+            f"{name}: pages of {page_bytes} bytes overlap (block stride {stride} bytes)",
+        )
     storage = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
     return PageView(flat.as_strided((t.shape[0], page_bytes), (stride, 1), t.storage_offset() * es))
 
 
@@ -277,14 +298,20 @@ def _merge_views(views: list[PageView], names: list[str]) -> list[PageView]:
                 if (last.address, last.page_bytes) == (v.address, v.page_bytes):
                     continue  # the same pages registered twice (layers sharing one cache)
                 joined = last.page_bytes + v.page_bytes
-                if v.address == last.address + last.page_bytes and (joined <= v.block_stride or v.pages.shape[0] == 1):
-                    kept[-1] = PageView(last.pages.as_strided((v.pages.shape[0], joined), (v.block_stride, 1)))
+                if v.address == last.address + last.page_bytes and (
+                    joined <= v.block_stride or v.pages.shape[0] == 1
+                ):
+                    kept[-1] = PageView(
+                        last.pages.as_strided((v.pages.shape[0], joined), (v.block_stride, 1))
+                    )
                     continue
             kept.append(v)
         for i, a in enumerate(kept):
             for b in kept[i + 1 :]:
                 if _overlap(a, b):
-                    raise ConfigError("kv_caches", f"tensors of one group ({', '.join(names)}) overlap in memory")
+                    raise ConfigError(
+                        "kv_caches", f"tensors of one group ({', '.join(names)}) overlap in memory"
+                    )
         merged.extend(kept)
     return merged
 

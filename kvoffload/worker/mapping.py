@@ -91,7 +91,12 @@ class BlockMapping:
             positions = np.arange(skip, skip + size, dtype=np.int64)
             groups.append(
                 GroupMapping(
-                    g, slots, skip, engine_ids[page_start : page_start + size], slots[positions // f], positions % f
+                    g,
+                    slots,
+                    skip,
+                    engine_ids[page_start : page_start + size],
+                    slots[positions // f],
+                    positions % f,
                 )
             )
             page_start += size

@@ -62,7 +62,9 @@ def _word_size(*values: int) -> int:
 class TorchCopyHandler(OffloadingHandler):
     """Both directions between the engine's KV cache (CUDA, or CPU as a reference) and the host pool."""
 
-    def __init__(self, layout: KVCacheLayout, host_pool: HostPool, staging_bytes: int = 64 * 2**20) -> None:
+    def __init__(
+        self, layout: KVCacheLayout, host_pool: HostPool, staging_bytes: int = 64 * 2**20
+    ) -> None:
         self._layout = layout
         self._pool = host_pool
         self._device = layout.device
@@ -100,7 +102,9 @@ class TorchCopyHandler(OffloadingHandler):
         if not self._cuda:
             t0 = time.perf_counter()
             num_bytes = self._transfer(mapping, is_store)
-            self._finished.append(TransferResult(job_id, True, num_bytes, time.perf_counter() - t0, direction))
+            self._finished.append(
+                TransferResult(job_id, True, num_bytes, time.perf_counter() - t0, direction)
+            )
             return True
         stream = self._streams[is_store]
         stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -127,7 +131,9 @@ class TorchCopyHandler(OffloadingHandler):
         num_bytes = 0
         for gm in mapping.groups:
             for first in range(0, len(gm.slots), self._chunk_slots):
-                num_bytes += self._transfer_chunk(gm, first, min(len(gm.slots), first + self._chunk_slots), is_store)
+                num_bytes += self._transfer_chunk(
+                    gm, first, min(len(gm.slots), first + self._chunk_slots), is_store
+                )
         return num_bytes
 
     def _transfer_chunk(self, gm: GroupMapping, first: int, last: int, is_store: bool) -> int:
