@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.base import ReqContext
+from kvoffload.benchmark.replay import serve_request
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.managers import CPUOffloadingManager
@@ -61,30 +62,10 @@ def run_manager(
     """Seconds for the whole stream, and its block-level hit ratio."""
     manager = CPUOffloadingManager(capacity, eviction_policy=policy, enable_events=True)
     contexts = [ReqContext(f"req-{i}") for i in range(len(stream))]
-    lookup, touch = manager.lookup, manager.touch
-    prepare_load, complete_load = manager.prepare_load, manager.complete_load
-    prepare_store, complete_store = manager.prepare_store, manager.complete_store
-    take_events, request_finished = manager.take_events, manager.request_finished
-    hit = LookupResult.HIT
     hits = 0
     start = time.perf_counter()
     for keys, ctx in zip(stream, contexts, strict=True):
-        n = 0
-        for key in keys:
-            if lookup(key, ctx) is not hit:
-                break
-            n += 1
-        if n:
-            loaded = keys[:n]
-            prepare_load(loaded, ctx)
-            complete_load(loaded, ctx)
-        touch(keys, ctx)
-        out = prepare_store(keys[n:], ctx)
-        if out is not None and out.keys_to_store:
-            complete_store(out.keys_to_store, ctx)
-        take_events()
-        request_finished(ctx)
-        hits += n
+        hits += serve_request(manager, keys, ctx)
     elapsed = time.perf_counter() - start
     manager.check_invariants()
     return elapsed, hits / (len(stream) * BLOCKS_PER_REQUEST)

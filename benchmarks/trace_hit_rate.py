@@ -37,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.base import ReqContext
+from kvoffload.benchmark.replay import serve_request
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.managers import CPUOffloadingManager
@@ -118,27 +119,9 @@ def replay(
 ) -> float:
     """Prefix-hit ratio of ``policy`` at ``capacity`` blocks, through the real manager."""
     manager = CPUOffloadingManager(capacity, eviction_policy=policy)
-    lookup, touch = manager.lookup, manager.touch
-    hit = LookupResult.HIT
     hits = total = 0
     for i, ids in enumerate(requests):
-        ctx = ReqContext(f"req-{i}")
-        req_keys = [keys[b] for b in ids]
-        n_hit = 0
-        for key in req_keys:
-            if lookup(key, ctx) is not hit:
-                break
-            n_hit += 1
-        if n_hit:
-            loaded = req_keys[:n_hit]
-            manager.prepare_load(loaded, ctx)
-            manager.complete_load(loaded, ctx)
-        touch(req_keys, ctx)
-        out = manager.prepare_store(req_keys[n_hit:], ctx)
-        if out is not None and out.keys_to_store:
-            manager.complete_store(out.keys_to_store, ctx)
-        manager.request_finished(ctx)
-        hits += n_hit
+        hits += serve_request(manager, [keys[b] for b in ids], ReqContext(f"req-{i}"))
         total += len(ids)
     return hits / max(total, 1)
 

@@ -27,10 +27,14 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._blocks: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
-        # Bound C method: get() runs once per block per lookup (measured hot path).
+        # Bound C methods: get() runs once per block per lookup, insert() once per stored block
+        # (measured hot path: a Python-level call per block costs ~5% of the whole stream).
         self.get = self._blocks.get  # type: ignore[method-assign]
+        self.insert = self._blocks.__setitem__  # type: ignore[method-assign]
+        self.remove = self._blocks.__delitem__  # type: ignore[method-assign]
 
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
+    # The three below are replaced per instance in __init__; they state the behaviour.
+    def get(self, key: OffloadKey) -> OffloadedBlock | None:
         return self._blocks.get(key)
 
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:

@@ -135,8 +135,8 @@ class CPUOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
         get = self._get
-        # dict.fromkeys: drop keys listed twice, keeping order.
-        to_store = [k for k in dict.fromkeys(keys) if get(k) is None]
+        # One pass: the absent keys, each once (a key listed twice is stored once), in order.
+        to_store = list(dict.fromkeys([k for k in keys if get(k) is None]))
         if self._admit is not None and to_store:
             admitted = self._admit(to_store, keys, ctx)
             self._not_admitted += len(to_store) - len(admitted)
