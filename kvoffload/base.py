@@ -64,6 +64,9 @@ class LookupResult(enum.Enum):
     HIT = 1
     #: Being written: it becomes readable once its store completes (or vanishes if it fails).
     HIT_PENDING = 2
+    #: Not known yet (an asynchronous lookup or a promotion for this request is running): ask
+    #: again next step. Only tiering managers and secondary tiers answer it.
+    RETRY = 3
 
 
 class LoadStoreSpec(ABC):
