@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from kvoffload.tiers.redis_url import RedisURL
 
-__all__ = ["FramedValue", "RemoteClient", "ZeroCopyConnection", "connect", "error_cause"]
+__all__ = ["FramedValue", "RemoteClient", "ZeroCopyConnection", "close_client", "connect", "error_cause"]
 
 RemoteClient = redis.Redis | RedisCluster
 
@@ -105,6 +105,14 @@ def connect(url: RedisURL, timeout_s: float) -> tuple[RemoteClient, bool]:
     return client, zero_copy
 
 
+def close_client(client: RemoteClient) -> None:
+    """Close ``client`` and every connection it opened (a pool passed to ``redis.Redis`` is
+    not closed by ``Redis.close``)."""
+    client.close()
+    if isinstance(client, redis.Redis):
+        client.connection_pool.disconnect()
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -113,6 +121,6 @@ def error_cause(exc: BaseException) -> str:
     """The :class:`~kvoffload.tiers.base.TierJobResult` cause of a client error."""
     if isinstance(exc, redis.TimeoutError | TimeoutError):
         return "timeout"
-    if isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM"):
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
         return "full"
     return "io"

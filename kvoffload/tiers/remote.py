@@ -57,8 +57,8 @@ from kvoffload.tiers.blockformat import (
     payload_checksum,
     verify_payload,
 )
-from kvoffload.tiers.redis_client import FramedValue, connect, error_cause
-from kvoffload.tiers.redis_url import SETTING, parse_redis_url
+from kvoffload.tiers.redis_client import FramedValue, close_client, connect, error_cause
+from kvoffload.tiers.redis_url import PASSWORD_ENV, SETTING, USERNAME_ENV, parse_redis_url
 
 __all__ = ["RedisTier", "RemoteTierConfig", "remote_key_prefix"]
 
@@ -194,31 +194,28 @@ class RedisTier(SecondaryTier):
 
     def _connect(self) -> tuple[Any, bool]:
         where = self.url.redacted()
+        client = None
         try:
             client, zero_copy = connect(self.url, self.config.timeout_s)
             client.ping()
+            self._server = self._read_server_figures(client)
         except redis.AuthenticationError as exc:
-            raise ConfigError(
-                SETTING,
-                f"{where}: the server refused the credentials (from the URL or the "
-                f"KVOFFLOAD_REMOTE_USERNAME / KVOFFLOAD_REMOTE_PASSWORD environment): "
-                f"{self.url.scrub(str(exc))}",
-            ) from None
+            problem = (
+                "the server refused the credentials (from the URL or the "
+                f"{USERNAME_ENV} / {PASSWORD_ENV} environment): {self.url.scrub(str(exc))}"
+            )
         except (redis.RedisError, OSError) as exc:
-            raise ConfigError(
-                SETTING,
+            problem = (
                 f"cannot reach {where}: {self.url.scrub(str(exc)) or type(exc).__name__} "
                 "(start the server, fix the URL, or set kv_remote_optional to run without "
-                "the remote tier)",
-            ) from None
-        try:
-            self._server = self._read_server_figures(client)
-        except (redis.RedisError, OSError) as exc:
-            raise ConfigError(
-                SETTING, f"{where} answers PING but not INFO: {self.url.scrub(str(exc))}"
-            ) from None
-        self._server_base = dict(self._server)
-        return client, zero_copy
+                "the remote tier)"
+            )
+        else:
+            self._server_base = dict(self._server)
+            return client, zero_copy
+        if client is not None:
+            close_client(client)
+        raise ConfigError(SETTING, problem if problem.startswith("cannot") else f"{where}: {problem}")
 
     # -------------------------------------------------------------- contract
 
@@ -330,7 +327,7 @@ class RedisTier(SecondaryTier):
         for thread in self._threads:
             thread.join()
         self._apply_inbox()
-        self._client.close()
+        close_client(self._client)
 
     # ------------------------------------------------------ scheduler thread
 
