@@ -35,16 +35,20 @@ network. Credentials never appear in ``repr``, errors, logs or events.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import MovedError
 
 from kvoffload.base import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
@@ -69,6 +73,8 @@ VALUE_ALIGN = 8
 _LOAD_CAUSES = ("missing", "checksum", "layout", "corrupt", "io", "timeout")
 _STORE_CAUSES = ("io", "timeout", "full")
 _MIN_BACKOFF_S = 0.05
+#: The result of a command not sent because the server is marked down.
+_DOWN = redis.ConnectionError("the remote server is marked down (reconnect backoff)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +186,11 @@ class RedisTier(SecondaryTier):
         self._io_counters: Counter[str] = Counter()
 
         self._client, self._zero_copy = self._connect()
+        self._shards = (
+            ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvo-remote-shard")
+            if self.url.cluster
+            else None
+        )
         self._threads = [
             threading.Thread(target=self._io_loop, name="kvo-remote-io", daemon=True),
             threading.Thread(target=self._lookup_loop, name="kvo-remote-lookup", daemon=True),
@@ -327,6 +338,8 @@ class RedisTier(SecondaryTier):
         for thread in self._threads:
             thread.join()
         self._apply_inbox()
+        if self._shards is not None:
+            self._shards.shutdown()
         close_client(self._client)
 
     # ------------------------------------------------------ scheduler thread
@@ -448,39 +461,102 @@ class RedisTier(SecondaryTier):
         step = max(1, self.config.pipeline_bytes // (self._block_bytes + 64))
         return [work[i : i + step] for i in range(0, len(work), step)]
 
-    def _execute(
-        self, pipe: Any, keys: list[OffloadKey], failed: dict[OffloadKey, str]
-    ) -> list[Any] | None:
-        """Run ``pipe``; on a failure of the whole round trip, fail ``keys`` and mark down."""
+    def _round_trip(
+        self, redis_keys: list[bytes], add: Callable[[Any, int], object]
+    ) -> list[Any]:
+        """One pipelined round trip: ``add(pipe, i)`` queues the command of ``redis_keys[i]``.
+        Returns one result per key, an exception for each key whose command failed. A whole
+        round trip that fails marks the server down; while it is down nothing is sent."""
+        if self._is_down():
+            return [_DOWN] * len(redis_keys)
+        if self._shards is None:
+            pipe = self._client.pipeline(transaction=False)
+            for i in range(len(redis_keys)):
+                add(pipe, i)
+            return self._execute(pipe, len(redis_keys))
+        return self._cluster_round_trip(redis_keys, add)
+
+    def _execute(self, pipe: Any, n: int) -> list[Any]:
         try:
             results = pipe.execute(raise_on_error=False)
         except (redis.RedisError, OSError) as exc:
             self._mark_down(exc)
-            failed.update(dict.fromkeys(keys, error_cause(exc)))
-            return None
+            return [exc] * n
         self._mark_up()
         return results
 
+    def _cluster_round_trip(
+        self, redis_keys: list[bytes], add: Callable[[Any, int], object]
+    ) -> list[Any]:
+        """Group the keys per shard node and run one pipeline per node, all nodes at once.
+
+        redis-py's own cluster pipeline retries every failed command one by one, each up to
+        the socket timeout, so a hung shard would stall a batch for ``n x timeout``; here a
+        node's batch costs one timeout at most, and only that node's keys fail."""
+        client = self._client
+        results: list[Any] = [None] * len(redis_keys)
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            for i, rkey in enumerate(redis_keys):
+                node = client.get_node_from_key(rkey)
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except (redis.RedisError, OSError) as exc:  # slots not covered (failover)
+            self._refresh_topology(exc)
+            return [exc] * len(redis_keys)
+
+        def run(node: Any, indices: list[int]) -> list[Any]:
+            pipe = client.get_redis_connection(node).pipeline(transaction=False)
+            for i in indices:
+                add(pipe, i)
+            try:
+                return pipe.execute(raise_on_error=False)
+            except (redis.RedisError, OSError) as exc:
+                return [exc] * len(indices)
+
+        futures = [(self._shards.submit(run, node, idx), idx) for node, idx in groups.values()]
+        broken: BaseException | None = None
+        for future, indices in futures:
+            for i, result in zip(indices, future.result(), strict=True):
+                results[i] = result
+                if isinstance(result, redis.ConnectionError | redis.TimeoutError | MovedError):
+                    broken = result
+        if broken is None:
+            self._mark_up()
+        elif isinstance(broken, MovedError):
+            self._refresh_topology(broken, down=False)
+        else:
+            self._refresh_topology(broken)
+        return results
+
+    def _refresh_topology(self, exc: BaseException, down: bool = True) -> None:
+        """Follow a failover or resharding: re-read the slot map (best effort)."""
+        if down:
+            self._mark_down(exc)
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._client.nodes_manager.initialize()
+
     def _run_store(self, work: list[tuple[OffloadKey, int]]) -> tuple[dict[OffloadKey, str], int]:
         failed: dict[OffloadKey, str] = {}
-        flat, size, fp, prefix = self._flat, self._block_bytes, self._fingerprint, self._prefix
+        flat, size, fp, prefix, ttl = (
+            self._flat,
+            self._block_bytes,
+            self._fingerprint,
+            self._prefix,
+            self._ttl_ms,
+        )
         stored = 0
         for chunk in self._chunks(work):
-            keys = [key for key, _ in chunk]
-            if self._is_down():
-                failed.update(dict.fromkeys(keys, "io"))
-                continue
-            pipe = self._client.pipeline(transaction=False)
-            for key, slot in chunk:
+
+            def add(pipe: Any, i: int, chunk: list[tuple[OffloadKey, int]] = chunk) -> None:
+                key, slot = chunk[i]
                 payload = flat[slot * size : (slot + 1) * size]
                 header = encode_header(fp, key, size, payload_checksum(payload), VALUE_ALIGN)
                 value = FramedValue(header, payload) if self._zero_copy else header + payload
-                pipe.set(prefix + key, value, px=self._ttl_ms)
-            results = self._execute(pipe, keys, failed)
-            if results is None:
-                continue
-            for key, result in zip(keys, results, strict=True):
-                if isinstance(result, Exception):
+                pipe.set(prefix + key, value, px=ttl)
+
+            results = self._round_trip([prefix + key for key, _ in chunk], add)
+            for (key, _), result in zip(chunk, results, strict=True):
+                if isinstance(result, BaseException):
                     failed[key] = error_cause(result)
                 else:
                     stored += 1
@@ -492,18 +568,10 @@ class RedisTier(SecondaryTier):
         loaded = 0
         bad: list[bytes] = []
         for chunk in self._chunks(work):
-            keys = [key for key, _ in chunk]
-            if self._is_down():
-                failed.update(dict.fromkeys(keys, "io"))
-                continue
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(prefix + key)
-            results = self._execute(pipe, keys, failed)
-            if results is None:
-                continue
+            rkeys = [prefix + key for key, _ in chunk]
+            results = self._round_trip(rkeys, lambda pipe, i, rkeys=rkeys: pipe.get(rkeys[i]))
             for (key, slot), value in zip(chunk, results, strict=True):
-                if isinstance(value, Exception):
+                if isinstance(value, BaseException):
                     failed[key] = error_cause(value)
                     continue
                 if value is None:
@@ -521,16 +589,9 @@ class RedisTier(SecondaryTier):
                     continue
                 flat[slot * size : (slot + 1) * size] = payload
                 loaded += 1
-        if bad:
-            self._delete(bad)
+        if bad:  # best effort: values that can never be served go
+            self._round_trip(bad, lambda pipe, i: pipe.delete(bad[i]))
         return failed, loaded * size
-
-    def _delete(self, redis_keys: list[bytes]) -> None:
-        """Best effort: remove values that can never be served (corrupt, foreign)."""
-        pipe = self._client.pipeline(transaction=False)
-        for rkey in redis_keys:
-            pipe.delete(rkey)
-        self._execute(pipe, [], {})
 
     def _lookup_loop(self) -> None:
         next_stats = time.monotonic() + self.config.stats_interval_s
@@ -555,18 +616,14 @@ class RedisTier(SecondaryTier):
                         self._mark_down(exc)
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool] | None:
-        """One pipelined EXISTS round trip for ``keys``; ``None`` when it failed."""
+        """One pipelined EXISTS round trip for ``keys``; ``None`` when the server is down."""
         if self._is_down():
             return None
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self._prefix + key)
+        rkeys = [self._prefix + key for key in keys]
         self._count("lookups_sent", len(keys))
         self._count("lookup_round_trips")
-        results = self._execute(pipe, [], {})
-        if results is None:
-            return None
-        return [not isinstance(r, Exception) and r > 0 for r in results]
+        results = self._round_trip(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+        return [not isinstance(r, BaseException) and r > 0 for r in results]
 
     def _read_server_figures(self, client: Any) -> dict[str, int]:
         """Capacity, use, key count and eviction counters summed over the (master) nodes."""
