@@ -46,7 +46,7 @@ def keys_for(n: int, salt: int = 0) -> list[OffloadKey]:
 
 def make_tier(url: str, pool: memoryview, layout: KVLayout, **options: Any) -> RedisTier:
     options.setdefault("lookup_wait_s", WAIT_S)  # tests wait for every answer
-    return RedisTier(pool, layout, RemoteTierConfig(url=url, **options))
+    return RedisTier(pool, layout, RemoteTierConfig(url=url, **options), enable_events=True)
 
 
 def job(keys: list[OffloadKey], slots: list[int]) -> TierJob:

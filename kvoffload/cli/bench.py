@@ -103,6 +103,20 @@ def add_parser(subparsers: Any) -> None:
         help="store a block once this many requests wanted it (>= 2)",
     )
     p.add_argument(
+        "--kv-remote-url",
+        default=None,
+        help="shared Redis/Valkey tier: redis://[:password@]host:port/db, rediss://..., "
+        "redis+cluster://host:port,host:port (password also from KVOFFLOAD_REMOTE_PASSWORD)",
+    )
+    p.add_argument(
+        "--kv-remote-optional",
+        action="store_true",
+        help="run without the remote tier when its server is down at start",
+    )
+    p.add_argument(
+        "--kv-remote-ttl", type=float, default=None, help="seconds until the server expires a block"
+    )
+    p.add_argument(
         "--kv-events-config",
         default=None,
         help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq"}',
@@ -218,8 +232,18 @@ def _run(args: argparse.Namespace) -> int:
         runs: list[tuple[str, dict[str, Any]]] = []
         if args.compare:
             runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
+        remote = {}
+        if args.kv_remote_url is not None:
+            remote = {
+                "kv_remote_url": args.kv_remote_url,
+                "kv_remote_optional": args.kv_remote_optional,
+                "kv_remote_ttl": args.kv_remote_ttl,
+            }
         runs.append(
-            ("offloading", {**engine_kwargs, "kv_offloading_size": args.kv_offloading_size})
+            (
+                "offloading",
+                {**engine_kwargs, **remote, "kv_offloading_size": args.kv_offloading_size},
+            )
         )
         if args.compare:
             ideal = {**engine_kwargs, "kv_offloading_size": 0.0}

@@ -49,7 +49,11 @@ from kvoffload.scheduler.connector import parse_kv_transfer_params
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.policy import STORE_POLICIES
 from kvoffload.tiers import KVLayout
-from kvoffload.tiers.factory import build_secondary_tiers, validate_disk_settings
+from kvoffload.tiers.factory import (
+    build_secondary_tiers,
+    validate_disk_settings,
+    validate_remote_settings,
+)
 from kvoffload.worker import OffloadingConnectorWorker
 
 __all__ = ["Engine", "EngineConfig"]
@@ -68,7 +72,10 @@ class EngineConfig:
     ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
     that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
     ``kv_disk_path`` is set (``kv_disk_size`` GiB on disk; ``docs/disk-tier.md``); blocks cascade
-    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``).
+    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
+    tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
+    (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
+    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks.
     """
 
     model: str = "small"
@@ -92,6 +99,9 @@ class EngineConfig:
     kv_disk_eviction_policy: str | None = None
     kv_disk_o_direct: bool = False
     kv_tier_cascade: str = "write_through"
+    kv_remote_url: str | None = None
+    kv_remote_optional: bool = False
+    kv_remote_ttl: float | None = None
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -148,6 +158,11 @@ class EngineConfig:
                 "kv_disk_eviction_policy",
                 f"unknown policy {self.kv_disk_eviction_policy!r}; "
                 f"choose from {available_eviction_policies()}",
+            )
+        validate_remote_settings(self.kv_remote_url, self.kv_remote_ttl)
+        if self.kv_remote_url is not None and not self.offloading:
+            raise ConfigError(
+                "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
             )
         if self.kv_tier_cascade not in CASCADE_MODES:
             raise ConfigError(

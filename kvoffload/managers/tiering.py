@@ -246,10 +246,13 @@ class TieringOffloadingManager(OffloadingManager):
         probe = ctx if ctx is not None else _NO_REQUEST
         for i in tiers:
             tier_lookup = self.tiers[i].lookup
+            # RETRY (an asynchronous tier does not know yet) cascades too: the tier skips
+            # keys it turns out to hold.
             wanted = [
                 k
                 for k in keys
-                if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) is _MISS
+                if host_lookup(k, probe) is _HIT
+                and tier_lookup(k, probe) not in (_HIT, _HIT_PENDING)
             ]
             if not wanted:
                 continue

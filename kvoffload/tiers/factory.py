@@ -6,6 +6,7 @@ tier adds its settings to :class:`TierSettings` and one branch here.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -14,7 +15,14 @@ from typing import Protocol
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import KVLayout, SecondaryTier
 
-__all__ = ["TierSettings", "build_secondary_tiers", "validate_disk_settings"]
+__all__ = [
+    "TierSettings",
+    "build_secondary_tiers",
+    "validate_disk_settings",
+    "validate_remote_settings",
+]
+
+log = logging.getLogger(__name__)
 
 _GIB = 2**30
 
@@ -26,6 +34,9 @@ class TierSettings(Protocol):
     kv_disk_size: float
     kv_disk_eviction_policy: str | None
     kv_disk_o_direct: bool
+    kv_remote_url: str | None
+    kv_remote_optional: bool
+    kv_remote_ttl: float | None
     eviction_policy: str
 
 
@@ -53,6 +64,23 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
         raise ConfigError("kv_disk_path", f"{str(probe_dir)!r} is not writable")
 
 
+def validate_remote_settings(url: str | None, ttl_s: float | None) -> None:
+    """Check the remote tier's settings without connecting: :class:`ConfigError` naming
+    ``kv_remote_url`` (password hidden) or ``kv_remote_ttl``."""
+    from kvoffload.tiers.redis_url import parse_redis_url
+
+    if url is None:
+        if ttl_s is not None:
+            raise ConfigError("kv_remote_ttl", f"set without kv_remote_url (got {ttl_s!r})")
+        return
+    parse_redis_url(url)
+    if ttl_s is not None and not (
+        isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool) and math.isfinite(ttl_s)
+        and ttl_s > 0
+    ):
+        raise ConfigError("kv_remote_ttl", f"must be a positive number of seconds, got {ttl_s!r}")
+
+
 def build_secondary_tiers(
     settings: TierSettings, pool: memoryview, layout: KVLayout, enable_events: bool = False
 ) -> list[SecondaryTier]:
@@ -73,4 +101,27 @@ def build_secondary_tiers(
                 enable_events=enable_events,
             )
         )
+    if settings.kv_remote_url is not None:
+        remote = _build_remote_tier(settings, pool, layout, enable_events)
+        if remote is not None:
+            tiers.append(remote)
     return tiers
+
+
+def _build_remote_tier(
+    settings: TierSettings, pool: memoryview, layout: KVLayout, enable_events: bool
+) -> SecondaryTier | None:
+    """The Redis / Valkey tier; ``None`` (with a warning) when the server cannot be reached at
+    start and ``kv_remote_optional`` is set."""
+    from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
+
+    assert settings.kv_remote_url is not None
+    validate_remote_settings(settings.kv_remote_url, settings.kv_remote_ttl)
+    config = RemoteTierConfig(url=settings.kv_remote_url, ttl_s=settings.kv_remote_ttl)
+    try:
+        return RedisTier(pool, layout, config, enable_events=enable_events)
+    except ConfigError as exc:
+        if not settings.kv_remote_optional or exc.field != "kv_remote_url":
+            raise
+        log.warning("running without the remote tier (kv_remote_optional): %s", exc)
+        return None

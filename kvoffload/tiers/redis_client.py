@@ -93,6 +93,8 @@ def connect(url: RedisURL, timeout_s: float) -> tuple[RemoteClient, bool]:
             url=f"redis://{_bracket(host)}:{port}/0" if not url.tls else None,
             startup_nodes=[ClusterNode(h, p) for h, p in (others if not url.tls else url.nodes)],
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+            # Start and go on while a shard fails over; its keys fail until a replica took over.
+            require_full_coverage=False,
             **common,
         )
     else:

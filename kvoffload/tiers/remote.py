@@ -140,16 +140,25 @@ class _Job:
 class RedisTier(SecondaryTier):
     """A :class:`SecondaryTier` on a Redis / Valkey server or Cluster (see the module docstring).
 
-    Construction connects and checks the server: an unreachable server or refused credentials
+    Events (medium ``STORAGE``, locality ``REMOTE``) are gathered only with ``enable_events``:
+    blocks this tier stored, and blocks a load found gone (the server's own evictions are not
+    seen). Construction connects and checks the server: an unreachable server or refused credentials
     raise :class:`ConfigError` naming ``kv_remote_url`` (password hidden).
     """
 
     name = "remote"
     locality = "REMOTE"
 
-    def __init__(self, pool: memoryview, layout: KVLayout, config: RemoteTierConfig) -> None:
+    def __init__(
+        self,
+        pool: memoryview,
+        layout: KVLayout,
+        config: RemoteTierConfig,
+        enable_events: bool = False,
+    ) -> None:
         super().__init__(pool, layout)
         self.config = config
+        self._enable_events = enable_events
         self.url = parse_redis_url(config.url)
         self._flat = pool.cast("B") if pool.format != "B" or pool.ndim != 1 else pool
         self._block_bytes = layout.block_bytes
@@ -296,6 +305,15 @@ class RedisTier(SecondaryTier):
         events, self._events = self._events, []
         return events
 
+    def reset(self) -> None:
+        """Forget what this tier knows (answers, nothing being written); jobs finish first. The
+        server's blocks stay: other engines share them, and a changed layout never reads them."""
+        self.drain_jobs()
+        self._apply_inbox()
+        self._hits.clear()
+        self._misses.clear()
+        self._asked.clear()
+
     def stats(self) -> dict[str, int]:
         if self._inbox:
             self._apply_inbox()
@@ -383,15 +401,15 @@ class RedisTier(SecondaryTier):
                 self._misses.pop(key, None)
                 self._hits[key] = None
             counters["stored_blocks"] += len(ok)
-            if ok:
-                self._events.append(OffloadingEvent(ok, self.medium, removed=False))
+            if ok and self._enable_events:
+                self._events.append(OffloadingEvent(ok, self.medium, False, self.locality))
         else:
             counters["loaded_blocks"] += len(ok)
             gone = [key for key in failed if key in self._hits]
             for key in gone:
                 del self._hits[key]
-            if gone:
-                self._events.append(OffloadingEvent(gone, self.medium, removed=True))
+            if gone and self._enable_events:
+                self._events.append(OffloadingEvent(gone, self.medium, True, self.locality))
         kind = "store" if queued.is_store else "load"
         for cause in failed.values():
             counters[f"failed_{kind}_blocks"] += 1
@@ -496,13 +514,14 @@ class RedisTier(SecondaryTier):
         client = self._client
         results: list[Any] = [None] * len(redis_keys)
         groups: dict[str, tuple[Any, list[int]]] = {}
-        try:
-            for i, rkey in enumerate(redis_keys):
+        uncovered: BaseException | None = None
+        for i, rkey in enumerate(redis_keys):
+            try:
                 node = client.get_node_from_key(rkey)
-                groups.setdefault(node.name, (node, []))[1].append(i)
-        except (redis.RedisError, OSError) as exc:  # slots not covered (failover)
-            self._refresh_topology(exc)
-            return [exc] * len(redis_keys)
+            except (redis.RedisError, OSError) as exc:  # its slot has no master (failover)
+                results[i] = uncovered = exc
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
 
         def run(node: Any, indices: list[int]) -> list[Any]:
             pipe = client.get_redis_connection(node).pipeline(transaction=False)
@@ -514,7 +533,7 @@ class RedisTier(SecondaryTier):
                 return [exc] * len(indices)
 
         futures = [(self._shards.submit(run, node, idx), idx) for node, idx in groups.values()]
-        broken: BaseException | None = None
+        broken: BaseException | None = uncovered
         for future, indices in futures:
             for i, result in zip(indices, future.result(), strict=True):
                 results[i] = result

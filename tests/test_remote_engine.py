@@ -1,0 +1,159 @@
+"""Engines sharing a remote tier: engine B, in another process, loads the prefixes engine A
+computed from Redis (standalone and Cluster) and generates exactly what a run without offloading
+generates; a Cluster master killed or put to sleep mid-run costs recomputation, never output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_cases import (
+    BLOCK_SIZE,
+    cycling_rounds,
+    host_gib,
+    one_thread,  # noqa: F401  (autouse fixture)
+    reference_outputs,
+    tiny_engine,
+)
+from redis_servers import RedisClusterServers, RedisServer, cluster_servers
+
+from kvoffload.engine import SamplingParams
+from kvoffload.errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 4
+
+
+def engine_settings(url: str, **extra: Any) -> dict[str, Any]:
+    """A tiny engine whose device cache holds fewer prefixes than a round uses, with a host tier
+    and the remote tier at ``url``."""
+    return {
+        "block_size": BLOCK_SIZE,
+        "num_device_blocks": 64,
+        "kv_offloading_size": host_gib(256),
+        "kv_remote_url": url,
+        **extra,
+    }
+
+
+def run_engine_process(settings: dict[str, Any], rounds: list[list[list[int]]]) -> dict[str, Any]:
+    """Run one engine in a fresh Python process (``remote_engine_proc.py``)."""
+    spec = json.dumps({"engine": settings, "rounds": rounds, "max_tokens": MAX_TOKENS})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "remote_engine_proc.py"), spec],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def reference(rounds: list[list[list[int]]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [out.output_token_ids for r in rounds for out in reference_outputs(r, params)]
+
+
+def assert_b_loaded_from_remote(b: dict[str, Any]) -> None:
+    stats = b["stats"]
+    assert stats["offload_tier_remote_loaded_blocks"] > 0
+    assert stats["offload_tier_promoted_blocks"] == stats["offload_tier_remote_loaded_blocks"]
+    assert b["cached_offload"][0] > 0  # B's very first request loaded A's prefix
+
+
+def test_second_process_loads_first_engines_prefixes(redis_server: RedisServer) -> None:
+    with redis_server.client() as c:
+        c.flushall()
+    rounds = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=2, seed=31)
+    settings = engine_settings(redis_server.url)
+    a = run_engine_process(settings, rounds)
+    b = run_engine_process(settings, rounds)
+    want = reference(rounds)
+    assert a["outputs"] == want and b["outputs"] == want
+    assert a["stats"]["offload_tier_remote_stored_blocks"] > 0
+    assert a["stats"]["offload_tier_remote_loaded_blocks"] == 0  # nobody had them before A
+    assert_b_loaded_from_remote(b)
+
+
+def test_second_process_through_the_cluster(redis_cluster: RedisClusterServers) -> None:
+    for node in redis_cluster.masters():
+        with node.client() as c:
+            c.flushall()
+    rounds = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=2, seed=32)
+    settings = engine_settings(redis_cluster.url)
+    a = run_engine_process(settings, rounds)
+    counts = []
+    for node in redis_cluster.masters():
+        with node.client() as c:
+            counts.append(sum(1 for _ in c.scan_iter(match=b"kvo:*", count=1000)))
+    assert len(counts) == 3 and all(n > 0 for n in counts), counts
+    assert sum(counts) == a["stats"]["offload_tier_remote_stored_blocks"]
+    b = run_engine_process(settings, rounds)
+    want = reference(rounds)
+    assert a["outputs"] == want and b["outputs"] == want
+    assert_b_loaded_from_remote(b)
+
+
+def _debug_sleep(node: RedisServer, seconds: int) -> None:
+    with node.client() as c:
+        c.execute_command("DEBUG", "SLEEP", str(seconds))
+
+
+@pytest.mark.slow
+def test_master_killed_or_asleep_mid_run_never_changes_output() -> None:
+    rounds = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=4, seed=33)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = reference(rounds)
+    with cluster_servers(masters=3) as cluster:
+        settings = engine_settings(cluster.url)
+        a = run_engine_process(settings, rounds[:1])
+        assert a["outputs"] == want[:4]
+        with tiny_engine(**{k: v for k, v in settings.items() if k != "block_size"}) as b:
+            got = []
+            for i, prompts in enumerate(rounds):
+                sleeper = None
+                if i == 1:  # one master put to sleep for longer than the tier's timeout
+                    sleeper = threading.Thread(target=_debug_sleep, args=(cluster.masters()[1], 2))
+                    sleeper.start()
+                if i == 2:  # one master killed: its replica takes over
+                    cluster.masters()[0].kill()
+                got += [out.output_token_ids for out in b.generate(prompts, params)]
+                b.drain()
+                if sleeper is not None:
+                    sleeper.join()
+            stats = b.stats()
+        assert got == want
+        assert stats["offload_tier_remote_loaded_blocks"] > 0
+        cluster.wait_healthy(3)  # the failover did happen and the cluster serves all slots
+
+
+def test_remote_settings_are_checked_before_connecting() -> None:
+    with pytest.raises(ConfigError, match="kv_remote_url"):
+        tiny_engine(kv_offloading_size=host_gib(8), kv_remote_url="http://nope")
+    with pytest.raises(ConfigError, match="kv_remote_url: a remote tier needs the host tier"):
+        tiny_engine(kv_remote_url="redis://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="kv_remote_ttl"):
+        tiny_engine(kv_offloading_size=host_gib(8), kv_remote_ttl=5.0)
+
+
+def test_server_down_at_start_fails_or_degrades_with_optional() -> None:
+    from redis_servers import free_port
+
+    url = f"redis://:hunter2-secret@127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConfigError, match="kv_remote_url: cannot reach") as info:
+        tiny_engine(kv_offloading_size=host_gib(8), kv_remote_url=url)
+    assert "hunter2-secret" not in str(info.value)
+    with tiny_engine(
+        kv_offloading_size=host_gib(8), kv_remote_url=url, kv_remote_optional=True
+    ) as engine:
+        assert engine.tiering is None  # only the host tier
+        out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out[0].output_token_ids) == 2
