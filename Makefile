@@ -7,9 +7,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvoffload-installed
 BENCH_ARGS ?=
 
-.PHONY: test bench setup lint clean
+.PHONY: test bench setup lint clean redis-server
 
-setup: $(STAMP)
+setup: $(STAMP) redis-server
+
+# The remote-tier tests start real redis-server processes: Debian's package, installed here when
+# missing and we are root (without root, see README "Remote tier"; the tests then fail saying so).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+		else \
+			echo "redis-server is missing and we are not root: see README, Remote tier"; \
+		fi; }
 
 # torch first: on machines without CUDA, torch==2.13.0, which this workplace's machines and CI
 # hold as a local CPU wheel, so that nothing (transformers, our own "torch>=" range) ever pulls a
@@ -25,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
