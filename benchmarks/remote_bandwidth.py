@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from kvoffload.keys import make_offload_key  # noqa: E402
-from kvoffload.tiers.base import KVLayout, TierJob  # noqa: E402
-from kvoffload.tiers.blockformat import header_size  # noqa: E402
-from kvoffload.tiers.remote import VALUE_ALIGN, RedisTier, RemoteTierConfig  # noqa: E402
+from kvoffload.keys import make_offload_key
+from kvoffload.tiers.base import KVLayout, TierJob
+from kvoffload.tiers.blockformat import header_size
+from kvoffload.tiers.remote import VALUE_ALIGN, RedisTier, RemoteTierConfig
 
 
 @contextlib.contextmanager
@@ -82,7 +82,9 @@ def bench_batch(url: str, block: int, batch: int, repeats: int) -> dict[str, lis
     job_id = 0
     try:
         for rep in range(repeats):
-            keys = [make_offload_key((rep * 1_000_000 + i).to_bytes(32, "big")) for i in range(batch)]
+            keys = [
+                make_offload_key((rep * 1_000_000 + i).to_bytes(32, "big")) for i in range(batch)
+            ]
 
             def run(is_store: bool, slots: list[int], keys: list[bytes] = keys) -> None:
                 nonlocal job_id
@@ -193,17 +195,23 @@ def main() -> None:
     args = parser.parse_args()
     block = args.block_kib * 1024
     with server_url(args.url) as url:
-        print(f"remote tier vs plain redis-py pipeline, {args.block_kib} KiB blocks, "
-              f"median [min..max] of {args.repeats} interleaved repeats")
+        print(
+            f"remote tier vs plain redis-py pipeline, {args.block_kib} KiB blocks, "
+            f"median [min..max] of {args.repeats} interleaved repeats"
+        )
         for batch in args.batches:
             t = bench_batch(url, block, batch, args.repeats)
             n = batch * block
             store = statistics.median(t["SET"]) / statistics.median(t["tier store"])
             load = statistics.median(t["GET"]) / statistics.median(t["tier load"])
-            print(f"batch {batch:4d}  tier store {fmt(t['tier store'], n, batch)} | plain SET "
-                  f"{fmt(t['SET'], n, batch)} | {100 * store:4.0f}%")
-            print(f"            tier load  {fmt(t['tier load'], n, batch)} | plain GET "
-                  f"{fmt(t['GET'], n, batch)} | {100 * load:4.0f}%")
+            print(
+                f"batch {batch:4d}  tier store {fmt(t['tier store'], n, batch)} | plain SET "
+                f"{fmt(t['SET'], n, batch)} | {100 * store:4.0f}%"
+            )
+            print(
+                f"            tier load  {fmt(t['tier load'], n, batch)} | plain GET "
+                f"{fmt(t['GET'], n, batch)} | {100 * load:4.0f}%"
+            )
         if args.clients:
             client_choice(url, block, 64, args.repeats)
 

@@ -125,7 +125,9 @@ class RedisServer:
 
     def _answers(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            raise RuntimeError(
+                f"redis-server exited with {self.proc.returncode}:\n{self.log_tail()}"
+            )
         try:
             with self.client() as c:
                 return bool(c.ping())
@@ -134,7 +136,9 @@ class RedisServer:
 
     def log_tail(self, lines: int = 20) -> str:
         log = self.workdir / "redis.log"
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+        return (
+            "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+        )
 
     def kill(self) -> None:
         """SIGKILL the process (a crash, as far as clients and the cluster can tell)."""
@@ -249,7 +253,10 @@ def cluster_servers(masters: int = 3, node_timeout_ms: int = 1000) -> Iterator[R
             )  # fmt: skip
             cluster.wait_healthy(masters)
             _wait_until(
-                lambda: _replicas_in_sync(nodes, masters), CLUSTER_TIMEOUT_S, "replicas to sync", 0.1
+                lambda: _replicas_in_sync(nodes, masters),
+                CLUSTER_TIMEOUT_S,
+                "replicas to sync",
+                0.1,
             )
             yield cluster
         finally:

@@ -65,7 +65,9 @@ def wait_jobs(tier: RedisTier, num_jobs: int, timeout_s: float = WAIT_S) -> list
     return results
 
 
-def run_job(tier: RedisTier, store: bool, keys: list[OffloadKey], slots: list[int]) -> TierJobResult:
+def run_job(
+    tier: RedisTier, store: bool, keys: list[OffloadKey], slots: list[int]
+) -> TierJobResult:
     """Submit one job and wait for its result."""
     submitted = job(keys, slots)
     (tier.submit_store if store else tier.submit_load)(submitted)

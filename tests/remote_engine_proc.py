@@ -14,9 +14,9 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
-from kvoffload.engine import Engine, SamplingParams  # noqa: E402
+from kvoffload.engine import Engine, SamplingParams
 
 
 def main(spec: dict) -> dict:

@@ -10,6 +10,7 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis_servers import RedisClusterServers, RedisServer, cluster_servers
 from remote_cases import (
     fill_random,
     job,
@@ -22,7 +23,6 @@ from remote_cases import (
     wait_jobs,
     wait_until,
 )
-from redis_servers import RedisClusterServers, RedisServer, cluster_servers
 
 from kvoffload.base import LookupResult
 from kvoffload.tiers.redis_client import ZeroCopyConnection

@@ -12,6 +12,7 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis_servers import RedisServer, standalone_server
 from remote_cases import (
     fill_random,
     job,
@@ -24,7 +25,6 @@ from remote_cases import (
     wait_jobs,
     wait_until,
 )
-from redis_servers import RedisServer, standalone_server
 
 from kvoffload import ReqContext
 from kvoffload.base import LookupResult
@@ -112,9 +112,7 @@ def _corrupt_values(server: RedisServer, prefix: bytes, keys: list[bytes], block
         c.delete(prefix + keys[4])
 
 
-def test_bad_values_fail_their_loads_with_a_cause(
-    two_tiers, redis_server: RedisServer
-) -> None:  # type: ignore[no-untyped-def]
+def test_bad_values_fail_their_loads_with_a_cause(two_tiers, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
     (a, b), (pool_a, pool_b) = two_tiers
     fill_random(pool_a, seed=5)
     keys = keys_for(6, salt=3)
@@ -154,7 +152,7 @@ def test_a_value_that_vanished_is_a_missing_load(two_tiers, redis_server: RedisS
 
 
 def test_layouts_are_namespaced(two_tiers, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
-    (a, _), (pool_a, _) = two_tiers
+    (a, _), (_pool_a, _) = two_tiers
     keys = keys_for(2, salt=5)
     assert run_job(a, True, keys, [0, 1]).success
     _, view = make_pool(4)
@@ -202,7 +200,7 @@ def test_a_full_server_without_eviction_refuses_stores() -> None:
     with standalone_server(
         extra_args=("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     ) as server:
-        tensor, view = make_pool(64, block)
+        _tensor, view = make_pool(64, block)
         tier = make_tier(server.url, view, make_layout(block_bytes=block))
         try:
             result = run_job(tier, True, keys_for(64, salt=7), list(range(64)))
@@ -213,7 +211,7 @@ def test_a_full_server_without_eviction_refuses_stores() -> None:
 
 
 def test_ttl_expires_blocks_on_the_server(redis_server: RedisServer) -> None:
-    tensor, view = make_pool(2)
+    _tensor, view = make_pool(2)
     layout = make_layout()
     tier = make_tier(redis_server.url, view, layout, ttl_s=0.2)
     try:
@@ -342,7 +340,7 @@ def _server_is_busy(server: RedisServer) -> bool:
 
 
 def test_close_reports_every_job_and_fails_later_ones(redis_server: RedisServer) -> None:
-    tensor, view = make_pool(8)
+    _tensor, view = make_pool(8)
     tier = make_tier(redis_server.url, view, make_layout())
     keys = keys_for(8, salt=11)
     for i in range(4):

@@ -75,7 +75,9 @@ def validate_remote_settings(url: str | None, ttl_s: float | None) -> None:
         return
     parse_redis_url(url)
     if ttl_s is not None and not (
-        isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool) and math.isfinite(ttl_s)
+        isinstance(ttl_s, int | float)
+        and not isinstance(ttl_s, bool)
+        and math.isfinite(ttl_s)
         and ttl_s > 0
     ):
         raise ConfigError("kv_remote_ttl", f"must be a positive number of seconds, got {ttl_s!r}")

@@ -23,7 +23,14 @@ from redis.retry import Retry
 
 from kvoffload.tiers.redis_url import RedisURL
 
-__all__ = ["FramedValue", "RemoteClient", "ZeroCopyConnection", "close_client", "connect", "error_cause"]
+__all__ = [
+    "FramedValue",
+    "RemoteClient",
+    "ZeroCopyConnection",
+    "close_client",
+    "connect",
+    "error_cause",
+]
 
 RemoteClient = redis.Redis | RedisCluster
 

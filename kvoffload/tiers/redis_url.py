@@ -134,9 +134,7 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
     if not hosts:
         raise ConfigError(SETTING, f"no host in {_shown(url)}")
     if len(hosts) > 1 and not cluster:
-        raise ConfigError(
-            SETTING, f"several hosts need the redis+cluster:// scheme: {_shown(url)}"
-        )
+        raise ConfigError(SETTING, f"several hosts need the redis+cluster:// scheme: {_shown(url)}")
     nodes = tuple(_parse_host_port(h, url) for h in hosts)
 
     path = path.strip("/")

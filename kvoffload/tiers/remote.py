@@ -221,7 +221,7 @@ class RedisTier(SecondaryTier):
             self._server = self._read_server_figures(client)
         except redis.AuthenticationError as exc:
             problem = (
-                "the server refused the credentials (from the URL or the "
+                f"{where}: the server refused the credentials (from the URL or the "
                 f"{USERNAME_ENV} / {PASSWORD_ENV} environment): {self.url.scrub(str(exc))}"
             )
         except (redis.RedisError, OSError) as exc:
@@ -235,7 +235,7 @@ class RedisTier(SecondaryTier):
             return client, zero_copy
         if client is not None:
             close_client(client)
-        raise ConfigError(SETTING, problem if problem.startswith("cannot") else f"{where}: {problem}")
+        raise ConfigError(SETTING, problem)
 
     # -------------------------------------------------------------- contract
 
@@ -471,7 +471,9 @@ class RedisTier(SecondaryTier):
             run = self._run_store if queued.is_store else self._run_load
             failed, num_bytes = run(queued.work)
             with self._lock:
-                self._inbox.append(("job", (queued, failed, num_bytes, time.perf_counter() - start)))
+                self._inbox.append(
+                    ("job", (queued, failed, num_bytes, time.perf_counter() - start))
+                )
                 self._in_flight -= 1
                 self._idle_cv.notify_all()
 
@@ -479,9 +481,7 @@ class RedisTier(SecondaryTier):
         step = max(1, self.config.pipeline_bytes // (self._block_bytes + 64))
         return [work[i : i + step] for i in range(0, len(work), step)]
 
-    def _round_trip(
-        self, redis_keys: list[bytes], add: Callable[[Any, int], object]
-    ) -> list[Any]:
+    def _round_trip(self, redis_keys: list[bytes], add: Callable[[Any, int], object]) -> list[Any]:
         """One pipelined round trip: ``add(pipe, i)`` queues the command of ``redis_keys[i]``.
         Returns one result per key, an exception for each key whose command failed. A whole
         round trip that fails marks the server down; while it is down nothing is sent."""
