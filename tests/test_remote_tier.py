@@ -363,3 +363,14 @@ def test_config_is_validated() -> None:
     _, view = make_pool(2)
     with pytest.raises(ValueError, match="rows"):
         RedisTier(view, make_layout(block_bytes=8), RemoteTierConfig(url="redis://h"))
+
+
+def test_an_unexpected_error_fails_the_job_and_the_tier_goes_on(two_tiers) -> None:  # type: ignore[no-untyped-def]
+    (a, _), (pool_a, _) = two_tiers
+    fill_random(pool_a, seed=12)
+    keys = keys_for(2, salt=12)
+    assert run_job(a, True, keys, [0, 1]).success
+    bad = run_job(a, False, keys[:1], [pool_a.shape[0] + 3])  # a slot past the pool
+    assert bad.failed_keys == {keys[0]: "io"}
+    assert run_job(a, False, keys, [2, 3]).success
+    assert torch.equal(pool_a[2:4], pool_a[0:2])

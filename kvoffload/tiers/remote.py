@@ -469,7 +469,11 @@ class RedisTier(SecondaryTier):
                 queued = self._loads.popleft() if self._loads else self._stores.popleft()
             start = time.perf_counter()
             run = self._run_store if queued.is_store else self._run_load
-            failed, num_bytes = run(queued.work)
+            try:
+                failed, num_bytes = run(queued.work)
+            except Exception as exc:  # never let a job go unreported: it fails, serving goes on
+                log.error("remote tier job failed: %s", self.url.scrub(repr(exc)))
+                failed, num_bytes = dict.fromkeys((key for key, _ in queued.work), "io"), 0
             with self._lock:
                 self._inbox.append(
                     ("job", (queued, failed, num_bytes, time.perf_counter() - start))
@@ -625,7 +629,12 @@ class RedisTier(SecondaryTier):
                     return
                 batch, self._lookup_queue = self._lookup_queue, []
             if batch:
-                self._post("lookup", (batch, self._exists(batch)))
+                try:
+                    answers = self._exists(batch)
+                except Exception as exc:  # every asked key gets an answer, even on a bug
+                    log.error("remote tier lookup failed: %s", self.url.scrub(repr(exc)))
+                    answers = None
+                self._post("lookup", (batch, answers))
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + self.config.stats_interval_s
                 if not self._is_down():
@@ -633,6 +642,8 @@ class RedisTier(SecondaryTier):
                         self._server = self._read_server_figures(self._client)
                     except (redis.RedisError, OSError) as exc:
                         self._mark_down(exc)
+                    except Exception as exc:  # figures are informative: keep the old ones
+                        log.error("remote tier INFO failed: %s", self.url.scrub(repr(exc)))
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool] | None:
         """One pipelined EXISTS round trip for ``keys``; ``None`` when the server is down."""
