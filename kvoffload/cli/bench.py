@@ -107,6 +107,11 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--kv-disk-size", type=float, default=0.0, help="disk tier size in GiB")
     p.add_argument(
+        "--kv-disk-eviction-policy",
+        default=None,
+        help="the disk tier's eviction policy (default: --eviction-policy)",
+    )
+    p.add_argument(
         "--kv-tier-cascade",
         default="write_through",
         help="write_through or on_evict: when host blocks are copied to the disk tier",
@@ -255,6 +260,7 @@ def _run(args: argparse.Namespace) -> int:
             **host_only,
             "kv_disk_path": args.kv_disk_path,
             "kv_disk_size": args.kv_disk_size,
+            "kv_disk_eviction_policy": args.kv_disk_eviction_policy,
             "kv_tier_cascade": args.kv_tier_cascade,
         }
         if args.kv_disk_path is None:
