@@ -40,14 +40,20 @@ from kvoffload.tiers.diskfiles import file_bytes
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default=None, help="directory on the filesystem to measure (default: a temp dir)")
+    p.add_argument(
+        "--dir", default=None, help="directory on the filesystem to measure (default: a temp dir)"
+    )
     p.add_argument("--block-kib", type=int, default=512, help="payload bytes per block, KiB")
     p.add_argument("--batches", default="16,64,256")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=4, help="the tier's I/O threads")
     p.add_argument("--o-direct", action="store_true")
-    p.add_argument("--drop-caches", action="store_true", help="drop the page cache before reads (root)")
-    p.add_argument("--scan-blocks", type=int, default=0, help="only time a warm restart over N files")
+    p.add_argument(
+        "--drop-caches", action="store_true", help="drop the page cache before reads (root)"
+    )
+    p.add_argument(
+        "--scan-blocks", type=int, default=0, help="only time a warm restart over N files"
+    )
     return p.parse_args()
 
 
@@ -178,22 +184,26 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
         f"o_direct={args.o_direct}, drop_caches={args.drop_caches}; "
         f"GB/s median [min-max] of {args.repeats} interleaved repeats"
     )
-    print(f"{'batch':>6} | {'store':>22} | {'raw os.write':>22} | {'ratio':>5} | "
-          f"{'load':>22} | {'raw os.read':>22} | {'ratio':>5} | {'raw readv->slots':>22} | "
-          f"{'ratio':>5}")
+    print(
+        f"{'batch':>6} | {'store':>22} | {'raw os.write':>22} | {'ratio':>5} | "
+        f"{'load':>22} | {'raw os.read':>22} | {'ratio':>5} | {'raw readv->slots':>22} | "
+        f"{'ratio':>5}"
+    )
     for batch in batches:
         r = results[batch]
 
-        def cell(name: str) -> str:
+        def cell(name: str, r: dict[str, list[float]] = r) -> str:
             v = r[name]
             return f"{statistics.median(v):6.2f} [{min(v):5.2f}-{max(v):5.2f}]"
 
         store_ratio = statistics.median(r["store"]) / statistics.median(r["raw_write"])
         load_ratio = statistics.median(r["load"]) / statistics.median(r["raw_read"])
         readv_ratio = statistics.median(r["load"]) / statistics.median(r["raw_readv"])
-        print(f"{batch:>6} | {cell('store'):>22} | {cell('raw_write'):>22} | {store_ratio:5.2f} | "
-              f"{cell('load'):>22} | {cell('raw_read'):>22} | {load_ratio:5.2f} | "
-              f"{cell('raw_readv'):>22} | {readv_ratio:5.2f}")
+        print(
+            f"{batch:>6} | {cell('store'):>22} | {cell('raw_write'):>22} | {store_ratio:5.2f} | "
+            f"{cell('load'):>22} | {cell('raw_read'):>22} | {load_ratio:5.2f} | "
+            f"{cell('raw_readv'):>22} | {readv_ratio:5.2f}"
+        )
 
 
 def run_scan(args: argparse.Namespace, root: Path) -> None:
@@ -203,8 +213,14 @@ def run_scan(args: argparse.Namespace, root: Path) -> None:
     _keep, pool = aligned_pool(256, block_bytes)
     fb = file_bytes(block_bytes)
     tier_dir = root / "scan"
-    tier = DiskTier(pool, layout(block_bytes), tier_dir, LEDGER_BYTES + (n + 1) * fb,
-                    num_threads=args.threads, rescan_interval=0)
+    tier = DiskTier(
+        pool,
+        layout(block_bytes),
+        tier_dir,
+        LEDGER_BYTES + (n + 1) * fb,
+        num_threads=args.threads,
+        rescan_interval=0,
+    )
     ctx = ReqContext("bench")
     start = time.perf_counter()
     for i in range(0, n, 256):
@@ -220,13 +236,16 @@ def run_scan(args: argparse.Namespace, root: Path) -> None:
     print(f"wrote {n} block files in {time.perf_counter() - start:.1f} s")
     times = []
     for _ in range(args.repeats):
-        again = DiskTier(pool, layout(block_bytes), tier_dir, LEDGER_BYTES + (n + 1) * fb,
-                         rescan_interval=0)
+        again = DiskTier(
+            pool, layout(block_bytes), tier_dir, LEDGER_BYTES + (n + 1) * fb, rescan_interval=0
+        )
         assert again.stats()["used_blocks"] == n, again.stats()
         times.append(again.scan_seconds)
         again.close()
-    print(f"warm restart over {n} block files: median {statistics.median(times):.3f} s "
-          f"[{min(times):.3f}-{max(times):.3f}] of {args.repeats} (page cache warm)")
+    print(
+        f"warm restart over {n} block files: median {statistics.median(times):.3f} s "
+        f"[{min(times):.3f}-{max(times):.3f}] of {args.repeats} (page cache warm)"
+    )
 
 
 def main() -> None:

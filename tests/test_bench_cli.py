@@ -177,10 +177,16 @@ BAD_FLAGS = {
         "kv_disk_size",
     ),
     "unknown cascade": (
-        ["--kv-disk-path", str(Path(__file__).parent), "--kv-disk-size", "1",
-         "--kv-tier-cascade", "never"],
+        [
+            "--kv-disk-path",
+            str(Path(__file__).parent),
+            "--kv-disk-size",
+            "1",
+            "--kv-tier-cascade",
+            "never",
+        ],
         "kv_tier_cascade",
-    ),  # fmt: skip
+    ),
     # every run's configuration is checked before the first run starts
     "negative host tier with --compare": (
         ["--kv-offloading-size", "-1", "--compare"],

@@ -8,13 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-
-from kvoffload.base import LookupResult, ReqContext
-from kvoffload.errors import ConfigError
-from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
-from kvoffload.tiers.diskfiles import file_bytes
-from kvoffload.tiers.factory import validate_disk_settings
 from tier_cases import (
     BLOCK_BYTES,
     dir_bytes,
@@ -27,6 +20,13 @@ from tier_cases import (
     tier_file,
     wait_jobs,
 )
+
+from kvoffload.base import LookupResult, ReqContext
+from kvoffload.errors import ConfigError
+from kvoffload.tiers import TierJob
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.diskfiles import file_bytes
+from kvoffload.tiers.factory import validate_disk_settings
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)
@@ -121,7 +121,9 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, pool)
     try:
         assert tier.lookup(key(5), CTX) is LookupResult.MISS  # another namespace
-        foreign = tier_file(tmp_path / "kvoffload-v1" / layout("other-model").fingerprint().hex(), key(5))
+        foreign = tier_file(
+            tmp_path / "kvoffload-v1" / layout("other-model").fingerprint().hex(), key(5)
+        )
         mine = tier._files.path_of(key(5))
         mine.parent.mkdir(parents=True, exist_ok=True)
         os.link(foreign, mine)

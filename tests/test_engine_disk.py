@@ -215,8 +215,16 @@ def _proc(path: Path, size: float, seed: int, rounds: int, out: Path, *extra: st
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
-        [sys.executable, str(TESTS / "disk_engine_proc.py"), str(path), str(size), str(seed),
-         str(rounds), str(out), *extra],
+        [
+            sys.executable,
+            str(TESTS / "disk_engine_proc.py"),
+            str(path),
+            str(size),
+            str(seed),
+            str(rounds),
+            str(out),
+            *extra,
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -247,9 +247,7 @@ class TieringOffloadingManager(OffloadingManager):
         for i in tiers:
             tier_lookup = self.tiers[i].lookup
             wanted = [
-                k
-                for k in keys
-                if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) is _MISS
+                k for k in keys if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) is _MISS
             ]
             if not wanted:
                 continue

@@ -16,6 +16,7 @@ Every function here runs on the tier's I/O threads, never on the scheduler threa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -228,10 +229,8 @@ class BlockFiles:
         finally:
             if head_buf is not None:
                 head_buf.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            except FileNotFoundError:
-                pass
 
     def _open_new(self, tmp: Path) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
