@@ -27,11 +27,17 @@ from engine_cases import (
 )
 from tier_cases import dir_bytes, small_tmpfs
 
+from kvoffload.base import LookupResult, ReqContext
 from kvoffload.engine import Engine, EngineConfig
 from kvoffload.errors import ConfigError
+from kvoffload.events.index import BlockIndex
+from kvoffload.events.messages import BlockStored, KVEventBatch
+from kvoffload.events.publisher import NullEventPublisher
+from kvoffload.keys import offload_key_hash
 from kvoffload.tiers.blockformat import CorruptBlockError, parse_header, verify_payload
 
 TESTS = Path(__file__).parent
+HIT = LookupResult.HIT
 #: The tiny preset's file per offloaded block: 4 KiB header + 2 KiB payload in a 4 KiB block.
 FILE = 8192
 LEDGER = 4096
@@ -341,3 +347,38 @@ def test_unwritable_disk_path_is_a_config_error(tmp_path: Path) -> None:
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
         with pytest.raises(ConfigError, match="kv_disk_path"):
             disk_engine(mount / "tier")
+
+
+class _Collector(NullEventPublisher):
+    """Keeps every published batch (stands in for the network; the engine's events are real)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        super().publish(batch)
+        self.batches.append(batch)
+
+
+def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
+    events = {"enable_kv_cache_events": True, "publisher": "null"}
+    with disk_engine(tmp_path, kv_disk_size=disk_gib(30), kv_events_config=events) as engine:
+        collector = _Collector()
+        engine.publisher = collector
+        run_rounds(engine, ROUNDS, SAMPLING)
+        engine.drain()
+        disk = engine.tiering.tiers[0]  # type: ignore[union-attr]
+        on_disk = {
+            offload_key_hash(k) for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
+        }
+        evicted = engine.stats()["offload_tier_disk_evicted_blocks"]
+    index = BlockIndex()
+    stored = []
+    for batch in collector.batches:
+        index.apply(batch)
+        stored += [e for e in batch.events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    assert evicted > 0  # removals were published too
+    assert index.blocks("STORAGE/LOCAL") == on_disk
+    assert all(e.locality == "LOCAL" for e in stored)
+    assert all(e.token_ids and e.block_size == 4 for e in stored)  # self-describing
