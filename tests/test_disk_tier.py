@@ -332,3 +332,31 @@ def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
         locked.mkdir(mode=0o500)
         with pytest.raises(ConfigError, match="kv_disk_path"):
             validate_disk_settings(locked / "tier", 1.0)
+
+
+def _page_aligned_pool(num_slots: int, block_bytes: int) -> memoryview:
+    import mmap
+
+    buf = mmap.mmap(-1, num_slots * block_bytes)  # page aligned
+    return memoryview(buf).cast("B", (num_slots, block_bytes))
+
+
+def test_o_direct_round_trip(tmp_path: Path) -> None:
+    pool = _page_aligned_pool(4, 4096)
+    data = fill_slot(pool, 0, seed=11)
+    lay = layout(block_bytes=4096)
+    try:
+        tier = DiskTier(pool, lay, tmp_path, 1 << 20, o_direct=True, rescan_interval=0)
+    except ConfigError as exc:  # a filesystem without O_DIRECT: refused cleanly
+        pytest.skip(str(exc))
+    try:
+        assert store(tier, 1, [key(1)], [0]) == {}
+        assert load(tier, 2, [key(1)], [3]) == {}
+        assert slot_bytes(pool, 3) == data
+    finally:
+        tier.close()
+
+
+def test_o_direct_needs_aligned_blocks(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="kv_disk_o_direct"):
+        DiskTier(_page_aligned_pool(4, 2048), layout(), tmp_path, 1 << 20, o_direct=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import struct
@@ -176,7 +177,7 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
-        self._tmp_counter = 0
+        self._tmp_ids = itertools.count()  # next() is atomic: unique names across I/O threads
 
     def path_of(self, key: OffloadKey) -> Path:
         name = key.hex()
@@ -204,8 +205,7 @@ class BlockFiles:
         payload = self._slot(slot)
         header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
         final = self.path_of(key)
-        self._tmp_counter += 1
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{self._tmp_counter}.tmp")
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
