@@ -191,6 +191,8 @@ class DiskTier(SecondaryTier):
                 on_disk -= fb
             except FileNotFoundError:
                 pass
+        # Writes in progress elsewhere hold reservations: keep them counted.
+        on_disk += self._files.fresh_temporaries * fb
         self._ledger.reconcile(on_disk)
         self._ledger_seen = self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)

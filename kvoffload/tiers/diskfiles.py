@@ -177,7 +177,9 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
-        self._tmp_ids = itertools.count()  # next() is atomic: unique names across I/O threads
+        self._tmp_ids = itertools.count()
+        #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
+        self.fresh_temporaries = 0  # next() is atomic: unique names across I/O threads
 
     def path_of(self, key: OffloadKey) -> Path:
         name = key.hex()
@@ -273,7 +275,9 @@ class BlockFiles:
         verify_payload(header, payload)
 
     def scan(self) -> Iterator[tuple[OffloadKey, Path]]:
-        """Every complete block file of the namespace; stale temporary files are deleted."""
+        """Every complete block file of the namespace; stale temporary files are deleted, fresh
+        ones (writes in progress in other processes) counted in :attr:`fresh_temporaries`."""
+        self.fresh_temporaries = 0
         now = time.time()
         try:
             subdirs = list(os.scandir(self.namespace))
@@ -301,6 +305,8 @@ class BlockFiles:
                 try:
                     if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
                         os.unlink(entry.path)
+                    else:
+                        self.fresh_temporaries += 1
                 except FileNotFoundError:
                     pass
 
