@@ -24,6 +24,7 @@ moves payloads with ``os.preadv``/``os.pwritev`` straight to and from the host p
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -166,33 +167,39 @@ class DiskTier(SecondaryTier):
     def _warm_start(self) -> float:
         """Index every block file of the namespace; reconcile the ledger. Returns seconds taken."""
         start = time.perf_counter()
-        policy, fb = self._policy, self.file_bytes
+        policy, fb, cap = self._policy, self.file_bytes, self.capacity_blocks
+        get, insert, new_block = policy.get, policy.insert, OffloadedBlock.__new__
+        alone = self._ledger.claim_alone()
         self._dir_mtimes: dict[str, float] = {}
         self._seen: dict[str, set[str]] = {}
-        extra: list[Path] = []
+        extra: list[str] = []
         on_disk = 0
-        for key, path in self._files.scan():
+        names: set[str] = set()
+        current = None
+        for key, sub, name in self._files.scan():
+            if sub is not current:
+                current, names = sub, self._seen.setdefault(sub, set())
+            names.add(name)
             on_disk += fb
-            self._seen.setdefault(str(path.parent), set()).add(path.name)
-            if len(policy) < self.capacity_blocks and policy.get(key) is None:
-                block = OffloadedBlock.__new__(OffloadedBlock)
+            if len(policy) < cap and get(key) is None:
+                block = new_block(OffloadedBlock)
                 block.slot, block.ref_cnt = -1, 0
-                policy.insert(key, block)
-            else:
-                extra.append(path)
+                insert(key, block)
+            elif alone:
+                extra.append(os.path.join(sub, name))
         for sub in self._seen:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._dir_mtimes[sub] = os.stat(sub).st_mtime
-            except FileNotFoundError:
-                pass
-        # Files beyond the bound (a directory written with a larger size) are removed now.
+        # Files beyond the bound (the directory was used with a larger size) are removed, when
+        # no other process uses the directory.
         for path in extra:
-            try:
-                path.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
                 on_disk -= fb
-            except FileNotFoundError:
-                pass
-        self._ledger.reconcile(on_disk)
+        # Writes in progress elsewhere hold reservations: keep them counted.
+        on_disk += self._files.fresh_temporaries * fb
+        on_disk = self._ledger.reconcile(on_disk, alone)
+        self._ledger.share()
         self._ledger_seen = self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)
         return time.perf_counter() - start
@@ -223,7 +230,9 @@ class DiskTier(SecondaryTier):
         # Room: the local index and the shared directory (as last seen) must both take the keys.
         need_local = len(policy) + len(todo) - self.capacity_blocks
         new_bytes = len(todo) * fb
-        need_dir = -(-(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb)
+        need_dir = -(
+            -(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb
+        )
         need = max(0, need_local, need_dir)
         victims: list[Path] = []
         if need:
@@ -451,10 +460,8 @@ class DiskTier(SecondaryTier):
             except CorruptBlockError as exc:
                 failed[key] = exc.cause
                 logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
-                try:
+                with contextlib.suppress(OSError):
                     self._ledger_seen = self._ledger.remove(files.path_of(key), self.file_bytes)
-                except OSError:
-                    pass
             except OSError as exc:
                 failed[key] = "io"
                 logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)
@@ -505,9 +512,9 @@ class DiskTier(SecondaryTier):
             self._dir_mtimes[sub.path] = mtime
             seen = self._seen.setdefault(sub.path, set())
             names = set()
-            for key, path in self._files.scan_dir(sub.path, now):
-                names.add(path.name)
-                if path.name not in seen:
+            for key, _, name in self._files.scan_dir(sub.path, now):
+                names.add(name)
+                if name not in seen:
                     found.append(key)
             self._seen[sub.path] = names
         if found:
@@ -551,7 +558,5 @@ def _check_o_direct(namespace: Path, pool: memoryview, block_bytes: int) -> None
             "kv_disk_o_direct", f"the filesystem of {str(namespace)!r} refuses O_DIRECT: {exc}"
         ) from exc
     finally:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             probe.unlink()
-        except FileNotFoundError:
-            pass

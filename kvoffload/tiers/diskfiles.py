@@ -16,8 +16,10 @@ Every function here runs on the tier's I/O threads, never on the scheduler threa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import struct
@@ -68,11 +70,29 @@ class SpaceLedger:
     file, so processes never both take the last free bytes. A writer reserves a file's bytes
     before writing it and returns them if the write fails; an evictor returns a file's bytes only
     when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
+
+    Every process using the namespace holds a shared ``flock`` on a second file (``users``) for
+    its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
+    process is using the directory, so it may reset the count from a scan. Locks die with their
+    process (also on SIGKILL), so a killed process never blocks that.
     """
 
     def __init__(self, path: Path, capacity: int) -> None:
         self.capacity = capacity
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
+
+    def claim_alone(self) -> bool:
+        """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
+        try:
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def share(self) -> None:
+        """Hold the users lock shared from now on (other processes may start)."""
+        fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
     def _locked(self) -> _LedgerLock:
         return _LedgerLock(self._fd)
@@ -126,15 +146,19 @@ class SpaceLedger:
             self._set(used)
             return used
 
-    def reconcile(self, nbytes: int) -> None:
-        """Set the count to ``nbytes`` (what a scan found on disk)."""
+    def reconcile(self, nbytes: int, alone: bool) -> int:
+        """Set the count to ``nbytes`` (what a scan found) when this process is the only user;
+        otherwise only raise it to that (others' reservations must stay). Returns the count."""
         with self._locked():
-            self._set(nbytes)
+            used = nbytes if alone else max(nbytes, self._get())
+            self._set(used)
+            return used
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+            os.close(self._users_fd)
+            self._fd = self._users_fd = -1
 
 
 class _LedgerLock:
@@ -175,7 +199,9 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
-        self._tmp_counter = 0
+        self._tmp_ids = itertools.count()
+        #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
+        self.fresh_temporaries = 0  # next() is atomic: unique names across I/O threads
 
     def path_of(self, key: OffloadKey) -> Path:
         name = key.hex()
@@ -203,8 +229,7 @@ class BlockFiles:
         payload = self._slot(slot)
         header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
         final = self.path_of(key)
-        self._tmp_counter += 1
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{self._tmp_counter}.tmp")
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
@@ -228,10 +253,8 @@ class BlockFiles:
         finally:
             if head_buf is not None:
                 head_buf.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            except FileNotFoundError:
-                pass
 
     def _open_new(self, tmp: Path) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
@@ -273,8 +296,10 @@ class BlockFiles:
             )
         verify_payload(header, payload)
 
-    def scan(self) -> Iterator[tuple[OffloadKey, Path]]:
-        """Every complete block file of the namespace; stale temporary files are deleted."""
+    def scan(self) -> Iterator[tuple[OffloadKey, str, str]]:
+        """Every complete block file of the namespace; stale temporary files are deleted, fresh
+        ones (writes in progress in other processes) counted in :attr:`fresh_temporaries`."""
+        self.fresh_temporaries = 0
         now = time.time()
         try:
             subdirs = list(os.scandir(self.namespace))
@@ -285,7 +310,8 @@ class BlockFiles:
                 continue
             yield from self.scan_dir(sub.path, now)
 
-    def scan_dir(self, path: str, now: float) -> Iterator[tuple[OffloadKey, Path]]:
+    def scan_dir(self, path: str, now: float) -> Iterator[tuple[OffloadKey, str, str]]:
+        """``(key, directory, file name)`` of every block file in one hash directory."""
         try:
             entries = list(os.scandir(path))
         except FileNotFoundError:
@@ -297,11 +323,13 @@ class BlockFiles:
                     key = bytes.fromhex(name[: -len(SUFFIX)])
                 except ValueError:
                     continue
-                yield key, Path(entry.path)
+                yield key, path, name
             elif name.endswith(".tmp"):
                 try:
                     if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
                         os.unlink(entry.path)
+                    else:
+                        self.fresh_temporaries += 1
                 except FileNotFoundError:
                     pass
 
