@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_cases import one_thread  # noqa: F401 - autouse fixture
@@ -232,3 +233,19 @@ def test_repeats_interleave_and_keep_the_fastest(
     for result in payload["results"]:
         same = [r["elapsed_s"] for r in payload["all_runs"] if r["label"] == result["label"]]
         assert result["elapsed_s"] == min(same)
+
+
+def test_with_a_remote_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_server: Any
+) -> None:
+    """--kv-remote-url joins the offloading run: its blocks go to Redis (the password-free URL
+    of the session's test server)."""
+    args, n = _dataset_args("prefix_repetition", tmp_path)
+    out_json = tmp_path / "out.json"
+    flags = [*COMMON, *args, "--kv-remote-url", redis_server.url, "--output-json", str(out_json)]
+    assert main(flags) == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["label"] for r in results] == ["offloading + remote"]
+    assert results[0]["stats"]["offload_tier_remote_stored_blocks"] > 0
+    assert main([*COMMON, *args, "--kv-remote-ttl", "5"]) == 2  # a TTL without a URL
+    assert "kv_remote_ttl" in capsys.readouterr().err

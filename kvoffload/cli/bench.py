@@ -270,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.compare:
             runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
         remote: dict[str, Any] = {}
-        if args.kv_remote_url is not None:  # joins every offloading run
+        if args.kv_remote_url is not None or args.kv_remote_ttl is not None:  # every offloading run
             remote = {
                 "kv_remote_url": args.kv_remote_url,
                 "kv_remote_optional": args.kv_remote_optional,
