@@ -240,7 +240,7 @@ def test_with_a_remote_tier(
 ) -> None:
     """--kv-remote-url joins the offloading run: its blocks go to Redis (the password-free URL
     of the session's test server)."""
-    args, n = _dataset_args("prefix_repetition", tmp_path)
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
     out_json = tmp_path / "out.json"
     flags = [*COMMON, *args, "--kv-remote-url", redis_server.url, "--output-json", str(out_json)]
     assert main(flags) == 0
