@@ -21,7 +21,7 @@ from engine_cases import (
     reference_outputs,
     tiny_engine,
 )
-from redis_servers import RedisClusterServers, RedisServer, cluster_servers
+from redis_servers import RedisClusterServers, RedisServer, cluster_servers, standalone_server
 
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
@@ -157,3 +157,20 @@ def test_server_down_at_start_fails_or_degrades_with_optional() -> None:
         assert engine.tiering is None  # only the host tier
         out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(out[0].output_token_ids) == 2
+
+
+def test_server_eviction_during_the_run_never_changes_output() -> None:
+    """A server far too small for the blocks evicts while both engines run; B still generates
+    exactly the reference outputs, recomputing what vanished."""
+    rounds = cycling_rounds(num_prefixes=8, prefix_blocks=12, num_rounds=2, seed=34)
+    with standalone_server(
+        extra_args=("--maxmemory", "1200kb", "--maxmemory-policy", "allkeys-lru")
+    ) as server:
+        settings = engine_settings(server.url)
+        a = run_engine_process(settings, rounds)
+        b = run_engine_process(settings, rounds)
+        with server.client() as c:
+            evicted = c.info("stats")["evicted_keys"]
+    want = reference(rounds)
+    assert a["outputs"] == want and b["outputs"] == want
+    assert evicted > 0
