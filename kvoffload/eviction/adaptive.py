@@ -49,7 +49,7 @@ class AdaptivePolicy(S3FIFOPolicy):
     name = "adaptive"
 
     def __init__(
-        self, capacity: int, *, history_factor: int = 4, initial_small: float = 0.05
+        self, capacity: int, *, history_factor: int = 3, initial_small: float = 0.05
     ) -> None:
         super().__init__(capacity, initial_small)
         self.history_size = history_factor * capacity
