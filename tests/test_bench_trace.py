@@ -82,8 +82,7 @@ def test_agent_sessions_grow_one_context() -> None:
     # Most requests extend an earlier request's whole chain by a few blocks.
     chains = {tuple(ids) for ids in requests}
     extends = sum(
-        any(tuple(ids[:cut]) in chains for cut in range(len(ids) - 4, len(ids)))
-        for ids in requests
+        any(tuple(ids[:cut]) in chains for cut in range(len(ids) - 4, len(ids))) for ids in requests
     )
     assert extends / len(requests) > 0.8
 

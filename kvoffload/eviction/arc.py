@@ -13,6 +13,7 @@ from kvoffload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]
 
+
 def _next_evictable(
     scan: Iterator[tuple[OffloadKey, OffloadedBlock]], protected: Container[OffloadKey]
 ) -> tuple[OffloadKey, OffloadedBlock] | None:
@@ -85,7 +86,7 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         seen = keys_seen_by(ctx, self)
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        t1, t2 = self._t1, self._t2
         for key in reversed(keys):
             if key in seen:
                 continue
