@@ -27,7 +27,7 @@ def add_parser(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser(
         "trace",
         help="prefix-hit ratio of eviction policies on traces (choose a policy)",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        description=__doc__.split("\n\n")[1].replace("\n", " ").replace("``", ""),
     )
     p.add_argument(
         "--dataset-path",
