@@ -13,7 +13,8 @@ from kvoffload.keys import OffloadKey
 
 __all__ = ["AdaptivePolicy"]
 
-_MAX_FREQ = 3
+#: Reinsertion passes a block of ``main`` earns at most (S3-FIFO: 3).
+_MAX_FREQ = 2
 
 
 @register_eviction_policy
@@ -37,8 +38,12 @@ class AdaptivePolicy(S3FIFOPolicy):
       key stored again while remembered enters ``main``. Reuse of KV blocks is often far apart (a
       conversation's next turn comes thousands of new blocks later): a tier that only remembers
       its own size forgets such a block before it returns and keeps treating it as new.
-    * **Chains leave tail first**: on ``request_finished`` the keys the request stored, tail to
-      head, move to the new end of ``small`` (or of ``main`` if unused since entering it).
+    * **Recency in ``main``, chains tail first.** On ``request_finished`` the keys the request
+      stored, tail to head, move to the new end of ``small`` (or of ``main`` if unused since
+      entering it); then the blocks of ``main`` it used, tail to head, move to the new end of
+      ``main``. ``main`` is thus ordered by last use, and a block's frequency (capped at 2, not
+      S3-FIFO's 3) buys it at most two extra passes: a context that stopped being used (a
+      finished agent session) leaves after its last use ages out, as in LRU.
 
     A use is counted once per request per touched key list (a scheduler re-touching the same list
     each step counts once). Costs: ``touch``/``insert``/``request_finished`` O(1) per key;
@@ -109,6 +114,10 @@ class AdaptivePolicy(S3FIFOPolicy):
                 if key in small:
                     small.move_to_end(key)
                 elif main.get(key) == 0:
+                    main.move_to_end(key)
+        for keys in reversed(touched):  # then the chains it used: main's recency, head last
+            for key in reversed(keys):
+                if key in main:
                     main.move_to_end(key)
 
     def _replay(self, ops: list[tuple[int, OffloadKey]]) -> None:
