@@ -130,13 +130,13 @@ def report(
     title: str, results: dict[str, tuple[list[float], float]], n_blocks: int, base: str
 ) -> None:
     print(title)
-    print(f"{'loop':<14}{'us/block':>10}{'min-max':>16}{'x ' + base:>10}{'hit ratio':>11}")
+    print(f"{'loop':<14}{'us/block':>10}{'min-max':>16}{'x ' + base:>12}{'hit ratio':>11}")
     base_us = statistics.median(results[base][0]) / n_blocks * 1e6
     for name, (seconds, hit_ratio) in results.items():
         us = [s / n_blocks * 1e6 for s in seconds]
         med = statistics.median(us)
         spread = f"{min(us):.3f}-{max(us):.3f}"
-        print(f"{name:<14}{med:>10.3f}{spread:>16}{med / base_us:>10.2f}{hit_ratio:>11.4f}")
+        print(f"{name:<14}{med:>10.3f}{spread:>16}{med / base_us:>12.2f}{hit_ratio:>11.4f}")
     print()
 
 
