@@ -7,6 +7,7 @@ bound every policy, its outputs parse; the generators are deterministic and have
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,17 @@ def test_trace_files_are_checked_line_by_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a file"):
         load_trace(tmp_path / "missing.jsonl")
     assert load_trace(bad, limit=1) == [[1, 2]]
+
+
+def test_plot_without_matplotlib_is_refused_before_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like
+    out_json = tmp_path / "r.json"
+    rc = main(
+        ["bench", "trace", "--generate", "scans", "--num-requests", "20", "--no-progress",
+         "--plot", str(tmp_path / "p.png"), "--output-json", str(out_json)]
+    )  # fmt: skip
+    assert rc == 2
+    assert "matplotlib" in capsys.readouterr().err
+    assert not out_json.exists()

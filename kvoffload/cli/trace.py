@@ -81,6 +81,20 @@ def _writable(setting: str, path: str | None) -> None:
         raise ConfigError(setting, f"the directory of {path!r} does not exist")
 
 
+def _plotting_available(path: str | None) -> None:
+    """Refuse ``--plot`` without matplotlib before anything runs, not after the replay."""
+    from kvoffload.errors import ConfigError
+
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "plot", "needs matplotlib: pip install 'kvoffload[plot]' (or matplotlib)"
+        ) from None
+
+
 def _capacities(text: str) -> list[int]:
     from kvoffload.errors import ConfigError
 
@@ -247,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _writable("output_json", args.output_json)
         _writable("plot", args.plot)
+        _plotting_available(args.plot)
         capacities = _capacities(args.capacities)
         policies = _policies(args.policies)
         traces = _traces(args)
