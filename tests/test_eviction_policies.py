@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvoffload import ReqContext
 from kvoffload.eviction import (
+    AdaptivePolicy,
     ARCPolicy,
     EvictionPolicy,
     LRUPolicy,
@@ -162,6 +163,10 @@ class TestS3FIFOContract(PolicyContract):
     name = "s3fifo"
 
 
+class TestAdaptiveContract(PolicyContract):
+    name = "adaptive"
+
+
 class TestPrefixContract(PolicyContract):
     name = "prefix"
 
@@ -270,31 +275,35 @@ class TestARCOrder:
         assert list(p._t2) == [K[0]]
 
     def test_ghost_hits_move_the_target(self) -> None:
-        """T1 victims go to B1, T2 victims to B2; a B1 hit raises the target, a B2 hit lowers it."""
+        """T1 victims go to B1, T2 victims to B2; storing a B1 key again raises the target, a B2
+        key lowers it; touching a ghost key does nothing (touch ignores keys not held)."""
         p = ARCPolicy(4)
         fill(p, K[:4])
         p.touch([K[2], K[3]], ctx("a"))  # tail to head: T1 = 0 1, T2 = 3 2
         victims = p.evict(1, ())  # |T1| = 2 >= max(1, target 0): T1's oldest
         assert victims is not None and victims[0][0] == K[0] and list(p._b1) == [K[0]]
-        p.touch([K[0]], ctx("b"))  # B1 hit: target += max(1, |B2| / |B1|) = 1
-        assert p.target == 1.0
+        p.touch([K[0]], ctx("b"))
+        assert p.target == 0.0 and list(p._b1) == [K[0]]
         victims = p.evict(2, ())  # T1 = 1 >= 1: key 1 to B1; T1 empty: T2's oldest, 3, to B2
         assert victims is not None and [key for key, _ in victims] == [K[1], K[3]]
         assert list(p._b1) == [K[0], K[1]] and list(p._b2) == [K[3]]
+        fill(p, [K[0]])  # B1 hit: target += max(1, |B2| / |B1|) = 1
+        assert p.target == 1.0 and list(p._b1) == [K[1]]
         p.target = 3.0
-        p.touch([K[3]], ctx("c"))  # B2 hit: target -= max(1, |B1| / |B2|) = 2
-        assert p.target == 1.0
-        p.touch([K[1]], ctx("d"))  # B1 hit, clamped at the capacity
+        fill(p, [K[3]])  # B2 hit: target -= max(1, |B1| / |B2|) = 1
+        assert p.target == 2.0 and not p._b2
         p.target = 4.0
-        p.touch([K[0]], ctx("e"))
+        fill(p, [K[1]])  # B1 hit, clamped at the capacity
         assert p.target == 4.0
+        p.check_invariants()
 
-    def test_a_remembered_key_comes_back_into_t2(self) -> None:
+    def test_a_remembered_key_comes_back_into_t1(self) -> None:
+        """As in vLLM: a ghost key stored again is a new block of T1 (a later use promotes it)."""
         p = ARCPolicy(2)
         fill(p, K[:2])
         assert p.evict(1, ()) is not None
         fill(p, [K[0]])
-        assert K[0] in p._t2 and K[0] not in p._b1
+        assert K[0] in p._t1 and K[0] not in p._b1 and p.target == 1.0
 
     def test_ghost_lists_are_bounded_by_capacity(self) -> None:
         p = ARCPolicy(3)
@@ -368,6 +377,62 @@ class TestS3FIFOOrder:
             fill(p, K[i : i + 3])
             assert p.evict(3, ()) is not None
             assert len(p._ghost) <= 3
+
+
+# ------------------------------------------------------------------------------------- adaptive
+
+
+class TestAdaptiveOrder:
+    def test_the_history_is_longer_than_the_tier(self) -> None:
+        """S3-FIFO forgets a key after ``capacity`` later one-hit wonders; ``adaptive`` remembers
+        ``history_factor`` x ``capacity`` of them, so a block that comes back after that many new
+        blocks still enters main."""
+        for name, expected in (("s3fifo", "small"), ("adaptive", "main")):
+            p = create_eviction_policy(name, 4)
+            fill(p, [K[0]])
+            for i in range(1, 9):  # 8 newer blocks pass through, each evicting the oldest
+                assert p.evict(1, ()) is not None
+                fill(p, [K[i]])
+            assert K[0] not in p
+            fill(p, [K[0]])
+            assert K[0] in getattr(p, f"_{expected}"), name
+
+    def test_the_history_is_bounded(self) -> None:
+        p = AdaptivePolicy(3, history_factor=2)
+        for i in range(0, 60, 3):
+            fill(p, K[i : i + 3])
+            assert p.evict(3, ()) is not None
+            assert len(p._ghost) <= 6 and len(p._main_ghost) <= 3
+            p.check_invariants()
+
+    def test_a_key_that_a_larger_small_would_have_kept_grows_it(self) -> None:
+        p = AdaptivePolicy(512, initial_small=2 / 512)  # small target 2, step 1
+        fill(p, K[:3])
+        assert [k for k, _ in p.evict(1, ()) or []] == [K[0]]  # small holds 3 >= 2: K0 leaves
+        fill(p, [K[0]])  # it left 1 eviction ago, < target 2: a larger small would have hit
+        assert p.small_target == 3.0 and K[0] in p._main
+
+    def test_a_key_that_a_larger_main_would_have_kept_shrinks_small(self) -> None:
+        p = AdaptivePolicy(512, initial_small=4 / 512)  # small target 4, step 1
+        fill(p, K[:2])
+        p.touch(K[:2], ctx("reuse"))
+        p.small_target = 1.0
+        assert p.evict(2, ()) is not None  # both promoted to main... then evicted from it
+        p.small_target = 4.0
+        assert list(p._main_ghost) == [K[0], K[1]]
+        fill(p, [K[1]])  # left main 0 evictions ago, < target 4
+        assert p.small_target == 3.0 and K[1] in p._main and not p._main_ghost.get(K[1])
+
+    def test_a_key_list_touched_twice_by_a_request_counts_once(self) -> None:
+        p = AdaptivePolicy(8)
+        fill(p, K[:2])
+        c = ctx()
+        chain = K[:2]
+        p.touch(chain, c)
+        p.touch(chain, c)  # the scheduler re-touches the same list every step
+        assert p._small[K[0]] == 1
+        p.touch(chain, ctx("another request"))
+        assert p._small[K[0]] == 2
 
 
 # -------------------------------------------------------------------------------------- prefix
