@@ -91,11 +91,15 @@ class PrepareStoreOutput:
 
 @dataclass(slots=True, frozen=True)
 class OffloadingEvent:
-    """Blocks that became readable (``removed=False``) or left the tier (``removed=True``)."""
+    """Blocks that became readable (``removed=False``) or left the tier (``removed=True``).
+
+    ``locality`` is set by storage tiers (``"LOCAL"``, ``"REMOTE"``); ``None`` otherwise.
+    """
 
     keys: list[OffloadKey]
     medium: str
     removed: bool
+    locality: str | None = None
 
 
 class OffloadingManager(ABC):
@@ -168,6 +172,18 @@ class OffloadingManager(ABC):
 
     def request_finished(self, ctx: ReqContext) -> None:  # noqa: B027
         """Called once when the request ends, after its last call. Default: no-op."""
+
+    def step_begin(self) -> None:  # noqa: B027
+        """Once per engine step, before completions and lookups: apply background work that
+        finished (a tiering manager's promotions and cascades). Default: no-op."""
+
+    def step_end(self) -> None:  # noqa: B027
+        """Once per engine step, after scheduling: submit background work gathered during the
+        step. Default: no-op."""
+
+    def num_background_jobs(self) -> int:
+        """Background jobs (not worker transfers) still running. Default: 0."""
+        return 0
 
     @abstractmethod
     def reset(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +39,17 @@ from kvoffload.events.messages import (
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import HASH_SCHEMES, BlockHash, BlockHasher
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.managers.tiering import (
+    CASCADE_MODES,
+    TieringOffloadingManager,
+    validate_tier_params,
+)
 from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOffloadConfig
 from kvoffload.scheduler.connector import parse_kv_transfer_params
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.policy import STORE_POLICIES
+from kvoffload.tiers import KVLayout
+from kvoffload.tiers.factory import build_secondary_tiers, validate_disk_settings
 from kvoffload.worker import OffloadingConnectorWorker
 
 __all__ = ["Engine", "EngineConfig"]
@@ -58,7 +66,9 @@ class EngineConfig:
     ``None``, as many as ``kv_cache_memory`` GiB hold. Offloading is on when
     ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
     ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
-    that many requests have wanted it (reuse filter).
+    that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
+    ``kv_disk_path`` is set (``kv_disk_size`` GiB on disk; ``docs/disk-tier.md``); blocks cascade
+    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``).
     """
 
     model: str = "small"
@@ -77,6 +87,11 @@ class EngineConfig:
     eviction_policy: str = "lru"
     store_policy: str = "on_compute"
     store_threshold: int = 0
+    kv_disk_path: str | None = None
+    kv_disk_size: float = 0.0
+    kv_disk_eviction_policy: str | None = None
+    kv_disk_o_direct: bool = False
+    kv_tier_cascade: str = "write_through"
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -120,6 +135,24 @@ class EngineConfig:
         if not isinstance(self.store_threshold, int) or self.store_threshold < 0:
             raise ConfigError(
                 "store_threshold", f"must be an integer >= 0, got {self.store_threshold!r}"
+            )
+        validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
+        if self.kv_disk_path is not None and not self.offloading:
+            raise ConfigError(
+                "kv_disk_path", "a disk tier needs the host tier: set kv_offloading_size > 0"
+            )
+        if self.kv_disk_eviction_policy is not None and (
+            self.kv_disk_eviction_policy not in available_eviction_policies()
+        ):
+            raise ConfigError(
+                "kv_disk_eviction_policy",
+                f"unknown policy {self.kv_disk_eviction_policy!r}; "
+                f"choose from {available_eviction_policies()}",
+            )
+        if self.kv_tier_cascade not in CASCADE_MODES:
+            raise ConfigError(
+                "kv_tier_cascade",
+                f"unknown mode {self.kv_tier_cascade!r}; choose from {list(CASCADE_MODES)}",
             )
         if self.hash_scheme not in HASH_SCHEMES:
             raise ConfigError(
@@ -177,6 +210,7 @@ class Engine:
         self.connector: OffloadingConnectorScheduler | None = None
         self.worker: OffloadingConnectorWorker | None = None
         self.manager: OffloadingManager | None = None
+        self.tiering: TieringOffloadingManager | None = None
         if config.offloading:
             self._build_offloading()
         self.scheduler = EngineScheduler(
@@ -195,9 +229,23 @@ class Engine:
             config.block_size_factor, int(config.kv_offloading_size * _GIB)
         )
         worker.register_kv_caches([self.runner.kv_cache], num_blocks=self.num_device_blocks)
-        manager: OffloadingManager = CPUOffloadingManager(
+        host = CPUOffloadingManager(
             worker.num_host_blocks, config.eviction_policy, enable_events=self._events_on
         )
+        manager: OffloadingManager = host
+        try:
+            tiers = build_secondary_tiers(
+                config,
+                worker.host_pool.memoryview(),
+                self._kv_layout(worker.bytes_per_offloaded_block),
+                self._events_on,
+            )
+        except BaseException:
+            worker.shutdown()
+            raise
+        if tiers:
+            self.tiering = TieringOffloadingManager(host, tiers, config.kv_tier_cascade)
+            manager = self.tiering
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(manager, config.store_threshold)
         sched_config = SchedulerOffloadConfig.single_group(
@@ -209,6 +257,23 @@ class Engine:
         self.worker = worker
         self.manager = manager
         self.connector = OffloadingConnectorScheduler(sched_config, manager, describer)
+
+    def _kv_layout(self, block_bytes: int) -> KVLayout:
+        """What an offloaded block's bytes mean (stored with every block a secondary tier holds).
+        Preset models have random weights drawn from ``seed``, so the seed is part of the model."""
+        config, mc = self.config, self.model_config
+        model = config.model
+        if not Path(model).is_dir():
+            model = f"{model}@seed{config.seed}"
+        return KVLayout(
+            model=model,
+            dtype=str(self.runner.kv_cache.dtype),
+            tokens_per_block=config.block_size * config.block_size_factor,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_bytes=block_bytes,
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -243,6 +308,8 @@ class Engine:
             )
         if kv_transfer_params is not None:
             parse_kv_transfer_params(kv_transfer_params, self.config.store_policy)
+            if self.tiering is not None:
+                validate_tier_params(kv_transfer_params, self.tiering.tier_names)
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if req_id in self._requests or req_id in self.scheduler.held:
             # A finished request whose transfers still use its blocks keeps its id until they end.
@@ -302,7 +369,9 @@ class Engine:
         if not plan.scheduled and worker is not None:
             # Nothing to compute: wait for a transfer (a load to resume, a store whose blocks are
             # held) instead of spinning; returns at once when none is in flight.
-            worker.wait_for_any(timeout=0.05)
+            if not worker.wait_for_any(timeout=0.05) and self.tiering is not None:
+                if self.tiering.num_background_jobs():
+                    time.sleep(0.001)  # a promotion or cascade on a tier's threads: yield
         finished, self._finished = self._finished, []
         return finished
 
@@ -438,6 +507,9 @@ class Engine:
         return out
 
     def close(self) -> None:
+        if self.tiering is not None:
+            self.tiering.drain()
+            self.tiering.close()
         if self.worker is not None:
             self.worker.shutdown()
         self.publisher.shutdown()

@@ -9,7 +9,9 @@ more (`get_num_new_matched_tokens`); a request with tokens to load waits (``LOAD
 load completes, holding its blocks but no token budget. A waiting request whose next block is
 being loaded into the engine for another request shares that load: it is passed over until the
 load lands (its blocks then enter the prefix cache) instead of loading a second copy, and the
-requests behind it are admitted meanwhile, so nobody queues behind it.
+requests behind it are admitted meanwhile, so nobody queues behind it. A request whose offloaded
+hit is not known yet (the connector answers ``None``: blocks are being promoted from a secondary
+tier) is passed over the same way and asked again next step; the connector bounds how long.
 """
 
 from __future__ import annotations
@@ -148,7 +150,12 @@ class EngineScheduler:
             num_external, load_async = 0, False
             if self.connector is not None:
                 matched, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
-                num_external = matched or 0
+                if matched is None:
+                    # Not known yet (a block is being promoted from a secondary tier): ask again
+                    # next step; the requests behind it are admitted meanwhile.
+                    deferred.append(self.waiting.popleft())
+                    continue
+                num_external = matched
             num_cached = num_local + num_external
             n = 0 if load_async else min(req.num_tokens - num_cached, budget)
             need = _cdiv(num_cached + n, bs) - len(hits)

@@ -135,6 +135,15 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 ctx.pop_state(_KeysSeenByRequest)
         self._backing.request_finished(ctx)
 
+    def step_begin(self) -> None:
+        self._backing.step_begin()
+
+    def step_end(self) -> None:
+        self._backing.step_end()
+
+    def num_background_jobs(self) -> int:
+        return self._backing.num_background_jobs()
+
     def reset(self) -> None:
         self._backing.reset()
 

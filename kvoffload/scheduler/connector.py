@@ -16,7 +16,10 @@ Design choices where vLLM has known problems:
 * **No convoy** (vLLM #44294). A request never waits for another request's transfer: blocks
   being loaded for another request are ready in the tier, so it loads them too (the tier counts
   concurrent readers); blocks still being written (``HIT_PENDING``) end the hit, and the rest is
-  recomputed. ``get_num_new_matched_tokens`` therefore always answers at once.
+  recomputed. With a tiering manager a lookup may answer ``RETRY`` (a block is being promoted
+  from a secondary tier into the host): ``get_num_new_matched_tokens`` then answers ``None`` and
+  the engine asks again next step, for at most ``max_lookup_retry_seconds`` per request, after
+  which the request takes the prefix it has (``retry_timeouts``).
 * **Failures degrade** (vLLM #52838). A failed load is reported in ``ConnectorUpdate.failed_loads``
   and the engine recomputes; a failed store frees what it prepared. Nothing asserts on a result.
 * **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
@@ -28,6 +31,7 @@ Design choices where vLLM has known problems:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +51,7 @@ __all__ = ["OffloadingConnectorScheduler", "parse_kv_transfer_params"]
 logger = logging.getLogger(__name__)
 
 _HIT = LookupResult.HIT
+_RETRY = LookupResult.RETRY
 
 
 def parse_kv_transfer_params(
@@ -161,6 +166,8 @@ class OffloadingConnectorScheduler:
         self._counters = dict.fromkeys(
             (
                 "lookups",
+                "retries",
+                "retry_timeouts",
                 "hit_tokens",
                 "load_jobs",
                 "loaded_blocks",
@@ -192,11 +199,12 @@ class OffloadingConnectorScheduler:
         """Tokens beyond ``num_computed_tokens`` loadable from the tier, and whether to load async.
 
         Whole offloaded blocks only; never the last prompt token (the engine needs its logits).
-        Always known at once with tiers that answer synchronously (``None`` is reserved for tiers
-        whose lookups are asynchronous). Touches the request's blocks in the tier.
+        ``None`` when not known yet (a block answered ``RETRY``: being promoted from a secondary
+        tier): the engine defers the request and asks again next step; after
+        ``max_lookup_retry_seconds`` of deferral the answer is the prefix that is ready. Touches
+        the request's blocks in the tier once answered.
         """
         state = self._requests.get(request.request_id)
-        first_call = state is None
         if state is None:
             state = self._new_state(request)
         elif state.finished or state.request is not request:
@@ -204,24 +212,42 @@ class OffloadingConnectorScheduler:
                 f"request id {request.request_id!r} is still in use by a request whose transfers "
                 "have not finished; a request id may only be reused once it was freed"
             )
-        else:  # re-admitted: its engine blocks will be allocated anew
+        elif state.answered:  # re-admitted: its engine blocks will be allocated anew
             for group_state in state.group_states:
                 group_state.block_ids.clear()
         state.update_offload_keys()
         state.num_locally_computed_tokens = num_computed_tokens
-        hit_end = self._lookup(state, num_computed_tokens)
-        if first_call:
+        self._counters["lookups"] += 1
+        hit_end = self._lookup(state, num_computed_tokens, wait=self._may_wait(state))
+        if hit_end is None:
+            self._counters["retries"] += 1
+            return None, False
+        state.retry_since = None
+        if not state.answered:
+            state.answered = True
             for group, group_state in zip(self.config.groups, state.group_states, strict=True):
                 group_state.num_hit_blocks = (
                     max(hit_end, num_computed_tokens) // group.offloaded_block_size
                 )
         self._touch(state)
         num_hit = max(0, hit_end - num_computed_tokens)
-        self._counters["lookups"] += 1
         return num_hit, num_hit > 0
 
-    def _lookup(self, state: RequestKVState, num_computed: int) -> int:
-        """The token index up to which the request can be served from engine + tier."""
+    def _may_wait(self, state: RequestKVState) -> bool:
+        """Whether a ``RETRY`` may still defer the request (its retry budget is not spent)."""
+        now = time.monotonic()
+        if state.retry_since is None:
+            state.retry_since = now
+            return True
+        if now - state.retry_since <= self.config.max_lookup_retry_seconds:
+            return True
+        self._counters["retry_timeouts"] += 1
+        return False
+
+    def _lookup(self, state: RequestKVState, num_computed: int, wait: bool = True) -> int | None:
+        """The token index up to which the request can be served from engine + tier, or ``None``
+        when a block of the full-attention prefix answered ``RETRY`` and ``wait`` is set (the
+        scan goes on past it, so the tier sees every block it may prepare at once)."""
         bound = state.request.num_tokens - 1
         if state.max_load_tokens is not None:
             bound = min(bound, num_computed + state.max_load_tokens)
@@ -235,8 +261,16 @@ class OffloadingConnectorScheduler:
             keys = state.group_states[g].offload_keys
             i = num_computed // obs
             last = min(end // obs, len(keys))
-            while i < last and lookup(keys[i], ctx) is _HIT:
+            retry = False
+            while i < last:
+                answer = lookup(keys[i], ctx)
+                if answer is not _HIT:
+                    if answer is not _RETRY or not wait:
+                        break
+                    retry = True
                 i += 1
+            if retry:
+                return None
             end = min(end, i * obs) // align * align
             if end <= num_computed:
                 return num_computed
@@ -484,12 +518,14 @@ class OffloadingConnectorScheduler:
                 flush.extend(state.transfer_jobs)
         meta = ConnectorMetadata(self._load_jobs, store_jobs, flush)
         self._load_jobs, self._store_jobs, self._jobs_to_flush = [], [], []
+        self.manager.step_end()
         return meta
 
     # ------------------------------------------------------------------ completions
 
     def update_connector_output(self, results: Iterable[TransferResult]) -> ConnectorUpdate:
         """Apply worker results; a job completes when all ``num_workers`` workers reported it."""
+        self.manager.step_begin()
         update = ConnectorUpdate()
         if self._failed_before_submit:
             update.failed_loads.extend(self._failed_before_submit)
@@ -580,7 +616,13 @@ class OffloadingConnectorScheduler:
 
     def has_pending_jobs(self) -> bool:
         """True while any job is planned or in flight (the engine must keep stepping)."""
-        return bool(self._jobs or self._store_jobs or self._load_jobs or self._failed_before_submit)
+        return bool(
+            self._jobs
+            or self._store_jobs
+            or self._load_jobs
+            or self._failed_before_submit
+            or self.manager.num_background_jobs()
+        )
 
     def reset(self) -> None:
         """Empty the tier. Jobs in flight are flushed next step and their results ignored by the

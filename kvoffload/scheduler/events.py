@@ -16,6 +16,9 @@ from kvoffload.keys import BlockHash, OffloadKey, offload_key_group, offload_key
 
 __all__ = ["OffloadEventDescriber"]
 
+#: How many announced blocks' descriptions are kept for a later tier's stored event.
+RECENT_DESCRIPTIONS = 65536
+
 
 class _BlockDescription:
     __slots__ = ("block_size", "parent", "token_ids")
@@ -31,13 +34,16 @@ class OffloadEventDescriber:
 
     Descriptions are recorded when a store is planned and dropped when its stored event is
     converted or the store fails, so memory stays bounded by the blocks in flight.
-    ``locality`` is set on events of ``STORAGE`` tiers.
+    ``locality`` is set on events of ``STORAGE`` tiers (an event's own locality wins).
+    Descriptions of announced blocks are kept for the last :data:`RECENT_DESCRIPTIONS` blocks,
+    so a block that cascades to a further tier (host, then disk) is described there too.
     """
 
     def __init__(self, int_block_hashes: bool = False, locality: str | None = None) -> None:
         self._as_int = int_block_hashes
         self._locality = locality
         self._pending: dict[OffloadKey, _BlockDescription] = {}
+        self._recent: dict[OffloadKey, _BlockDescription] = {}
 
     def record(
         self, key: OffloadKey, parent: BlockHash | None, token_ids: list[int], block_size: int
@@ -53,13 +59,25 @@ class OffloadEventDescriber:
 
     def clear(self) -> None:
         self._pending.clear()
+        self._recent.clear()
+
+    def _describe(self, key: OffloadKey) -> _BlockDescription | None:
+        desc = self._pending.pop(key, None)
+        recent = self._recent
+        if desc is None:
+            return recent.get(key)
+        recent[key] = desc
+        if len(recent) > RECENT_DESCRIPTIONS:
+            del recent[next(iter(recent))]
+        return desc
 
     def convert(self, events: Sequence[OffloadingEvent]) -> list[KVCacheEvent]:
         """One ``BlockRemoved`` per group per removal event; one ``BlockStored`` per run of
         consecutive blocks (each block's parent is the previous block) per stored event."""
         out: list[KVCacheEvent] = []
-        ext, as_int, locality = external_block_hash, self._as_int, self._locality
+        ext, as_int = external_block_hash, self._as_int
         for event in events:
+            locality = event.locality or self._locality
             if event.removed:
                 by_group: dict[int, list[bytes | int]] = {}
                 for key in event.keys:
@@ -75,7 +93,7 @@ class OffloadEventDescriber:
             run_last: BlockHash | None = None
             run_group = -1
             for key in event.keys:
-                desc = self._pending.pop(key, None)
+                desc = self._describe(key)
                 h, group = offload_key_hash(key), offload_key_group(key)
                 if desc is None:  # not planned by this connector: announce what we know
                     desc = _BlockDescription(None, [], 0)

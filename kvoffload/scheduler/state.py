@@ -76,8 +76,14 @@ class SchedulerOffloadConfig:
     hash_block_size: int
     num_workers: int = 1
     store_policy: str = "on_compute"
+    #: How long one request may be deferred by RETRY lookups before it takes the prefix it has.
+    max_lookup_retry_seconds: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.max_lookup_retry_seconds >= 0:
+            raise ConfigError(
+                "max_lookup_retry_seconds", f"must be >= 0, got {self.max_lookup_retry_seconds!r}"
+            )
         if not self.groups:
             raise ConfigError("groups", "at least one KV-cache group is required")
         if self.hash_block_size <= 0:
@@ -155,6 +161,10 @@ class RequestKVState:
     transfer_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     num_hashes_seen: int = 0  # len(request.block_hashes) at the last update_offload_keys
+    #: Whether get_num_new_matched_tokens has answered (not None) for this request yet.
+    answered: bool = False
+    #: When the current run of RETRY answers began (monotonic seconds), or None.
+    retry_since: float | None = None
 
     def __post_init__(self) -> None:
         if not self.group_states:

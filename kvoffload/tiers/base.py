@@ -166,6 +166,10 @@ class SecondaryTier(ABC):
         """Blocks that became readable or left this tier since the last call."""
         return []
 
+    def reset(self) -> None:  # noqa: B027
+        """Forget every block (the engine's KV became invalid); finishes jobs in flight first.
+        Default: no-op (for tiers whose blocks stay valid)."""
+
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters and gauges: at least ``capacity_bytes``, ``used_bytes``, ``used_blocks``,

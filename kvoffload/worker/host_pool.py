@@ -90,6 +90,10 @@ class HostPool:
     def address(self) -> int:
         return self.buffer.data_ptr()
 
+    def memoryview(self) -> memoryview:
+        """The pool as a 2-D ``(num_slots, slot_bytes)`` byte view, for secondary tiers."""
+        return memoryview(self.slots.numpy())
+
     def close(self) -> None:
         """Unpin the buffer (when pinned). Idempotent; callers drop their views afterwards."""
         if self.pinned:

@@ -1,0 +1,454 @@
+"""The tiering manager: the host tier plus an ordered list of secondary tiers, as one manager.
+
+The host tier (:class:`~kvoffload.managers.cpu.CPUOffloadingManager`) is the only tier that
+exchanges blocks with the engine's cache; secondary tiers (:class:`~kvoffload.tiers.SecondaryTier`)
+exchange blocks with host slots only. Behind the unchanged :class:`OffloadingManager` contract:
+
+* **Lookup** answers the host first; a host miss asks the secondary tiers in order. A secondary
+  hit is *promoted*: host slots are reserved (host ``prepare_store``) and the tier loads into them
+  (``submit_load``); until it lands the answer is ``RETRY`` (the scheduler asks again next step),
+  then ``HIT`` from the host. A failed or refused promotion answers ``MISS`` to that request from
+  then on: it recomputes.
+* **Stores** go to the host. When a host store completes, its blocks *cascade* to the secondary
+  tiers (``cascade="write_through"``), or, with ``cascade="on_evict"``, only when the host runs
+  short of free slots (oldest-stored first; a block the host evicts before its turn is lost to
+  the secondary tiers and counted in ``cascade_lost_blocks``).
+* **Pins**: a host slot being read by a cascade is pinned (host ``prepare_load``) until the
+  tier's store reports; a slot being written by a promotion is pending in the host. Neither is
+  evicted.
+* **No convoy**: a promotion serves whoever wants its blocks: a second request wanting a block
+  being promoted waits for that same promotion (it would need the same I/O; it never starts a
+  second copy) and is bounded by its own retry budget in the scheduler, after which it takes the
+  prefix it has. A request never waits for anything it does not need.
+* **Per-request tiers**: ``kv_transfer_params["kv_load_tiers"]`` / ``["kv_store_tiers"]`` list
+  the secondary tier names a request may promote from / cascade to (default: all).
+
+Background work is batched per step: lookups and completed host stores only queue jobs;
+:meth:`step_end` submits them (one job per tier and request), :meth:`step_begin` applies the
+tiers' finished jobs. Events: the host's (medium ``CPU``) and each tier's (``STORAGE`` with its
+locality), in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvoffload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.tiers.base import SecondaryTier, TierJob
+
+__all__ = ["CASCADE_MODES", "TieringOffloadingManager", "validate_tier_params"]
+
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
+
+CASCADE_MODES = ("write_through", "on_evict")
+_QUEUED = -1  # a promotion gathered this step, not yet submitted
+
+
+def validate_tier_params(params: Mapping[str, Any] | None, names: Sequence[str]) -> None:
+    """Check ``kv_load_tiers`` / ``kv_store_tiers`` of a request: lists of known tier names."""
+    if not params:
+        return
+    for field in ("kv_load_tiers", "kv_store_tiers"):
+        value = params.get(field)
+        if value is None:
+            continue
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"kv_transfer_params.{field}", f"must be a list, got {value!r}")
+        unknown = [v for v in value if v not in names]
+        if unknown:
+            raise ConfigError(
+                f"kv_transfer_params.{field}",
+                f"unknown tiers {unknown}; this engine has {list(names)}",
+            )
+
+
+class _RequestTiers:
+    """Per-request state (on the ReqContext): allowed tiers, blocks it must not wait for, and
+    the host hits of its current lookup pass (protected while its promotions reserve slots)."""
+
+    __slots__ = ("failed", "load_tiers", "scan", "scan_step", "store_tiers")
+
+    def __init__(self, load_tiers: list[int], store_tiers: list[int]) -> None:
+        self.load_tiers = load_tiers
+        self.store_tiers = store_tiers
+        self.failed: set[OffloadKey] = set()
+        self.scan: list[OffloadKey] = []
+        self.scan_step = -1
+
+
+class _BackgroundJob:
+    __slots__ = ("ctx", "keys", "promotion", "tier")
+
+    def __init__(self, tier: int, keys: list[OffloadKey], ctx: ReqContext | None, promotion: bool):
+        self.tier = tier
+        self.keys = keys
+        self.ctx = ctx
+        self.promotion = promotion
+
+
+class TieringOffloadingManager(OffloadingManager):
+    """Host tier + secondary tiers behind one :class:`OffloadingManager` (module docstring).
+
+    Counters (:meth:`stats`): the host's, unprefixed; per tier ``<name>_<counter>``; and
+    ``promoted_blocks``, ``failed_promotion_blocks``, ``refused_promotion_blocks`` (no host room),
+    ``cascaded_blocks``, ``failed_cascade_blocks``, ``cascade_lost_blocks``, ``retry_answers``.
+    """
+
+    medium = "CPU"
+
+    def __init__(
+        self,
+        host: CPUOffloadingManager,
+        tiers: Sequence[SecondaryTier],
+        cascade: str = "write_through",
+        evict_headroom: float = 0.125,
+    ) -> None:
+        if cascade not in CASCADE_MODES:
+            raise ConfigError(
+                "kv_tier_cascade", f"unknown mode {cascade!r}; choose from {list(CASCADE_MODES)}"
+            )
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError("secondary_tiers", f"tier names must be unique, got {names}")
+        self.host = host
+        self.tiers = list(tiers)
+        self.tier_names = names
+        self.cascade = cascade
+        self._all_tiers = list(range(len(self.tiers)))
+        self._headroom = max(1, int(host.num_blocks * evict_headroom))
+        self._step = 0
+        self._next_job = 0
+        self._jobs: dict[int, _BackgroundJob] = {}
+        #: key -> job id of the promotion writing it into the host (``_QUEUED`` before submission)
+        self._promoting: dict[OffloadKey, int] = {}
+        self._promote_queue: list[dict[ReqContext, list[OffloadKey]]] = [{} for _ in self.tiers]
+        self._cascade_queue: list[tuple[list[OffloadKey], list[int]]] = [
+            ([], []) for _ in self.tiers
+        ]
+        self._dirty: dict[OffloadKey, None] = {}  # on_evict: stored in host, not yet cascaded
+        self._counters = dict.fromkeys(
+            (
+                "promoted_blocks",
+                "failed_promotion_blocks",
+                "refused_promotion_blocks",
+                "cascaded_blocks",
+                "failed_cascade_blocks",
+                "cascade_lost_blocks",
+                "retry_answers",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ per request
+
+    def _state(self, ctx: ReqContext) -> _RequestTiers:
+        state = ctx.get_state(_RequestTiers)
+        if state is None:
+            params = ctx.kv_transfer_params
+            state = _RequestTiers(
+                self._selected(params.get("kv_load_tiers")),
+                self._selected(params.get("kv_store_tiers")),
+            )
+            ctx.set_state(state)
+        return state
+
+    def _selected(self, names: Sequence[str] | None) -> list[int]:
+        if names is None:
+            return self._all_tiers
+        return [i for i, name in enumerate(self.tier_names) if name in names]
+
+    # ------------------------------------------------------------------ lookups and loads
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        result = self.host.lookup(key, ctx)
+        if result is _HIT:
+            state = self._state(ctx)
+            if state.scan_step != self._step:
+                state.scan_step = self._step
+                state.scan.clear()
+            state.scan.append(key)
+            return _HIT
+        if key in self._promoting:
+            self._counters["retry_answers"] += 1
+            return _RETRY
+        if result is _HIT_PENDING:
+            return _HIT_PENDING
+        state = self._state(ctx)
+        if key in state.failed:
+            return _MISS
+        tiers = self.tiers
+        for i in state.load_tiers:
+            answer = tiers[i].lookup(key, ctx)
+            if answer is _HIT:
+                self._promote_queue[i].setdefault(ctx, []).append(key)
+                self._promoting[key] = _QUEUED
+                self._counters["retry_answers"] += 1
+                return _RETRY
+            if answer is _RETRY:
+                self._counters["retry_answers"] += 1
+                return _RETRY
+        return _MISS
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+        return self.host.prepare_load(keys, ctx)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.host.complete_load(keys, ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.host.touch(keys, ctx)
+        for i in self._state(ctx).load_tiers:
+            self.tiers[i].touch(keys, ctx)
+
+    # ------------------------------------------------------------------ stores
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = self.host.prepare_store(keys, ctx)
+        if out is not None and out.evicted_keys and self._dirty:
+            self._forget_dirty(out.evicted_keys)
+        return out
+
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        self.host.complete_store(keys, ctx, success)
+        if not success or not self.tiers:
+            return
+        if self.cascade == "on_evict":
+            dirty = self._dirty
+            for key in keys:
+                dirty[key] = None
+            return
+        self._queue_cascade(keys, self._state(ctx).store_tiers, ctx)
+
+    def _queue_cascade(
+        self, keys: Sequence[OffloadKey], tiers: Sequence[int], ctx: ReqContext | None
+    ) -> None:
+        """Pin readable host copies of ``keys`` for each tier that lacks them; submitted at
+        :meth:`step_end`."""
+        host_lookup = self.host.lookup
+        probe = ctx if ctx is not None else _NO_REQUEST
+        for i in tiers:
+            tier_lookup = self.tiers[i].lookup
+            wanted = [
+                k
+                for k in keys
+                if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) is _MISS
+            ]
+            if not wanted:
+                continue
+            spec = self.host.prepare_load(wanted, probe)
+            queued_keys, queued_slots = self._cascade_queue[i]
+            queued_keys.extend(wanted)
+            queued_slots.extend(spec.block_ids)  # type: ignore[attr-defined]
+
+    def _forget_dirty(self, evicted: Sequence[OffloadKey]) -> None:
+        dirty, lost = self._dirty, 0
+        for key in evicted:
+            if key in dirty:
+                del dirty[key]
+                lost += 1
+        self._counters["cascade_lost_blocks"] += lost
+
+    # ------------------------------------------------------------------ per step
+
+    def step_begin(self) -> None:
+        host, jobs, counters = self.host, self._jobs, self._counters
+        for tier in self.tiers:
+            for result in tier.get_finished_jobs():
+                job = jobs.pop(result.job_id, None)
+                if job is None:
+                    continue
+                failed = result.failed_keys
+                if job.promotion:
+                    ok = [k for k in job.keys if k not in failed]
+                    ctx = job.ctx if job.ctx is not None else _NO_REQUEST
+                    for key in job.keys:
+                        self._promoting.pop(key, None)
+                    if ok:
+                        host.complete_store(ok, ctx, True)
+                    if failed:
+                        bad = [k for k in job.keys if k in failed]
+                        host.complete_store(bad, ctx, False)
+                        self._state(ctx).failed.update(bad)
+                    counters["promoted_blocks"] += len(ok)
+                    counters["failed_promotion_blocks"] += len(job.keys) - len(ok)
+                else:
+                    host.complete_load(job.keys, _NO_REQUEST)
+                    counters["cascaded_blocks"] += len(job.keys) - len(failed)
+                    counters["failed_cascade_blocks"] += len(failed)
+
+    def step_end(self) -> None:
+        self._step += 1
+        for i, queue in enumerate(self._promote_queue):
+            if queue:
+                self._promote_queue[i] = {}
+                for ctx, keys in queue.items():
+                    self._submit_promotion(i, ctx, keys)
+        if self._dirty:
+            self._cascade_dirty()
+        for i, (keys, slots) in enumerate(self._cascade_queue):
+            if keys:
+                self._cascade_queue[i] = ([], [])
+                job_id = self._new_job(_BackgroundJob(i, keys, None, promotion=False))
+                self.tiers[i].submit_store(TierJob(job_id, keys, slots))
+
+    def _submit_promotion(self, tier: int, ctx: ReqContext, keys: list[OffloadKey]) -> None:
+        state = self._state(ctx)
+        scan = state.scan if state.scan_step == self._step - 1 else []
+        promoting = self._promoting
+        # As many of the keys (a prefix: the rest is of no use without it) as the host has room
+        # for; halving costs O(log n) refusals, each O(1) when nothing is evictable.
+        n = len(keys)
+        out = self.host.prepare_store([*scan, *keys], ctx)
+        while out is None and n > 1:
+            n //= 2
+            out = self.host.prepare_store([*scan, *keys[:n]], ctx)
+        if out is None:
+            n = 0
+        if n < len(keys):
+            for key in keys[n:]:
+                promoting.pop(key, None)
+            state.failed.update(keys[n:])
+            self._counters["refused_promotion_blocks"] += len(keys) - n
+            keys = keys[:n]
+            if out is None:
+                return
+        if out.evicted_keys and self._dirty:
+            self._forget_dirty(out.evicted_keys)
+        wanted = set(keys)
+        slots: list[int] = []
+        promoted: list[OffloadKey] = []
+        stray: list[OffloadKey] = []
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):  # type: ignore[attr-defined]
+            if key in wanted:
+                promoted.append(key)
+                slots.append(slot)
+            else:
+                stray.append(key)  # a scan hit evicted meanwhile: give its slot back
+        if stray:
+            self.host.complete_store(stray, ctx, False)
+        declined = wanted.difference(promoted)
+        if declined:
+            for key in declined:
+                promoting.pop(key, None)
+            state.failed.update(declined)
+            self._counters["refused_promotion_blocks"] += len(declined)
+        if not promoted:
+            return
+        job_id = self._new_job(_BackgroundJob(tier, promoted, ctx, promotion=True))
+        for key in promoted:
+            promoting[key] = job_id
+        self.tiers[tier].submit_load(TierJob(job_id, promoted, slots), ctx)
+
+    def _cascade_dirty(self) -> None:
+        """``on_evict``: cascade the oldest dirty blocks while the host has less free room than
+        its headroom."""
+        host = self.host
+        free = host.num_blocks - len(host.policy)
+        n = self._headroom - free
+        if n <= 0:
+            return
+        dirty = self._dirty
+        batch = []
+        for key in dirty:
+            batch.append(key)
+            if len(batch) >= n:
+                break
+        for key in batch:
+            del dirty[key]
+        self._queue_cascade(batch, self._all_tiers, None)
+
+    def _new_job(self, job: _BackgroundJob) -> int:
+        job_id = self._next_job
+        self._next_job += 1
+        self._jobs[job_id] = job
+        return job_id
+
+    def num_background_jobs(self) -> int:
+        queued = any(self._promote_queue) or any(k for k, _ in self._cascade_queue)
+        return len(self._jobs) + int(queued)
+
+    def drain(self) -> None:
+        """Block until every tier job finished, and apply the results."""
+        self.step_end()
+        for tier in self.tiers:
+            tier.drain_jobs()
+        self.step_begin()
+
+    # ------------------------------------------------------------------ the rest
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self.host.take_events()
+        for tier in self.tiers:
+            more = tier.take_events()
+            if more:
+                events = [*events, *more]
+        return events
+
+    def request_finished(self, ctx: ReqContext) -> None:
+        self.host.request_finished(ctx)
+        for tier in self.tiers:
+            tier.request_finished(ctx)
+        ctx.pop_state(_RequestTiers)
+
+    def reset(self) -> None:
+        """Drop every block of every tier; background jobs finish first (their results are
+        discarded), so no tier still writes into a host slot afterwards."""
+        for tier in self.tiers:
+            tier.drain_jobs()
+            tier.get_finished_jobs()
+            tier.reset()
+        self._jobs.clear()
+        self._promoting.clear()
+        self._promote_queue = [{} for _ in self.tiers]
+        self._cascade_queue = [([], []) for _ in self.tiers]
+        self._dirty.clear()
+        self.host.reset()
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.host.stats())
+        out.update(self._counters)
+        out["promotions_in_flight"] = len(self._promoting)
+        for name, tier in zip(self.tier_names, self.tiers, strict=True):
+            for stat, value in tier.stats().items():
+                out[f"{name}_{stat}"] = value
+        return out
+
+    def close(self) -> None:
+        """Finish background jobs and close the tiers."""
+        for tier in self.tiers:
+            tier.close()
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if host pins or promotion records disagree (tests only)."""
+        self.host.check_invariants()
+        for key, job_id in self._promoting.items():
+            block = self.host.policy.get(key)
+            if job_id == _QUEUED:
+                assert block is None, f"{key.hex()}: queued promotion but held by the host"
+            else:
+                assert block is not None and block.ref_cnt < 0, (
+                    f"{key.hex()}: promotion in flight but its host slot is not pending"
+                )
+                assert job_id in self._jobs, f"{key.hex()}: promotion job {job_id} unknown"
+
+
+#: The context of background work that belongs to no request (cascades).
+_NO_REQUEST = ReqContext("<tiering>")

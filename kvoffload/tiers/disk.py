@@ -1,0 +1,537 @@
+"""The disk tier: blocks as self-checking files in a directory, bounded, crash-safe and shareable.
+
+See ``docs/disk-tier.md``. In short:
+
+* **Bounded.** The namespace's block files (header + payload, in whole 4 KiB blocks) and its ledger
+  never exceed ``capacity_bytes``. The byte count is shared by every process on the directory
+  (:class:`~kvoffload.tiers.diskfiles.SpaceLedger`); a writer reserves before it writes and evicts
+  its own index's blocks (by the eviction policy) when the directory is full.
+* **Crash-safe.** A file appears under its final name only complete (temporary name, then
+  ``link``); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
+  checksum of the payload. A bad file fails its load (cause counted) and is deleted.
+* **Warm restart.** The index is rebuilt from the file names at start (no file is read).
+* **Shareable.** Names are the deterministic block keys, so processes on one directory serve each
+  other's blocks; a background rescan (every ``rescan_interval`` s, only directories whose mtime
+  changed) learns of blocks other processes wrote. Eviction rule: any process may evict any block
+  file it knows of (the shared bound is enforced by whoever writes); a reader that already opened
+  a file keeps reading it intact after an unlink (POSIX), and one that opens too late gets
+  ``ENOENT``: a failed load, a recompute, never wrong bytes.
+
+Scheduler-thread methods touch only the in-memory index; all file I/O runs on a thread pool and
+moves payloads with ``os.preadv``/``os.pwritev`` straight to and from the host pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvoffload.base import LookupResult, OffloadingEvent, ReqContext
+from kvoffload.errors import ConfigError
+from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
+from kvoffload.eviction.base import PENDING
+from kvoffload.keys import OffloadKey
+from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.blockformat import CorruptBlockError
+from kvoffload.tiers.diskfiles import (
+    BlockFiles,
+    FaultHook,
+    SpaceLedger,
+    file_bytes,
+    is_no_space,
+)
+
+__all__ = ["DiskTier"]
+
+logger = logging.getLogger(__name__)
+
+_MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+#: The ledger file's share of the bound.
+LEDGER_BYTES = 4096
+_DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
+_CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
+
+
+class _Running:
+    """A submitted job until its last block finished (touched by I/O threads under ``lock``)."""
+
+    __slots__ = ("failed", "is_store", "job", "lock", "nbytes", "pinned", "remaining", "start")
+
+    def __init__(self, job: TierJob, is_store: bool, remaining: int) -> None:
+        self.job = job
+        self.is_store = is_store
+        self.failed: dict[OffloadKey, str] = {}
+        self.remaining = remaining
+        self.nbytes = 0
+        self.pinned: list[OffloadKey] = []  # a load's keys pinned in the index
+        self.start = time.perf_counter()
+        self.lock = threading.Lock()
+
+
+class DiskTier(SecondaryTier):
+    """A :class:`SecondaryTier` on a local or shared filesystem (see the module docstring).
+
+    ``capacity_bytes`` bounds the namespace on disk; ``eviction_policy`` is a registry name;
+    ``num_threads`` I/O threads; ``o_direct`` bypasses the page cache (needs 4 KiB aligned pool
+    and block size and a filesystem that supports it); ``rescan_interval`` (s, 0 = never) is how
+    often other processes' new files are looked for; ``fault_hook`` injects OS errors (tests).
+    Bad settings raise :class:`ConfigError` naming ``kv_disk_path`` / ``kv_disk_size``.
+    """
+
+    name = "disk"
+    locality = "LOCAL"
+
+    def __init__(
+        self,
+        pool: memoryview,
+        layout: KVLayout,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        eviction_policy: str | EvictionPolicy = "lru",
+        num_threads: int = 4,
+        o_direct: bool = False,
+        rescan_interval: float = 2.0,
+        enable_events: bool = False,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        super().__init__(pool, layout)
+        self.file_bytes = fb = file_bytes(layout.block_bytes)
+        if not capacity_bytes >= LEDGER_BYTES + fb:  # also rejects NaN
+            raise ConfigError(
+                "kv_disk_size",
+                f"{capacity_bytes!r} bytes do not hold one block file of {fb} bytes "
+                f"(+{LEDGER_BYTES} for the ledger)",
+            )
+        self.capacity_bytes = int(capacity_bytes)
+        self.capacity_blocks = (self.capacity_bytes - LEDGER_BYTES) // fb
+        self.root = Path(path)
+        self.namespace = _prepare_directory(self.root, layout)
+        flat = pool.cast("B") if pool.ndim != 1 else pool
+        if o_direct:
+            _check_o_direct(self.namespace, flat, layout.block_bytes)
+        self._files = BlockFiles(
+            self.namespace, layout.fingerprint(), flat, layout.block_bytes, o_direct, fault_hook
+        )
+        self._ledger = SpaceLedger(self.namespace / "ledger", self.capacity_bytes - LEDGER_BYTES)
+        self._policy = (
+            create_eviction_policy(eviction_policy, self.capacity_blocks)
+            if isinstance(eviction_policy, str)
+            else eviction_policy
+        )
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._done: collections.deque[_Running] = collections.deque()
+        self._discovered: collections.deque[list[OffloadKey]] = collections.deque()
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="kvoffload-disk")
+        self._num_threads = max(1, num_threads)
+        self._closed = False
+        self._counters: dict[str, int] = collections.defaultdict(int)
+        self._dir_used = 0  # the ledger's count as last seen (other processes' files included)
+        self.scan_seconds = self._warm_start()
+        self._stop = threading.Event()
+        self._rescanner: threading.Thread | None = None
+        if rescan_interval > 0:
+            self._rescanner = threading.Thread(
+                target=self._rescan_loop,
+                args=(rescan_interval,),
+                name="kvoffload-disk-rescan",
+                daemon=True,
+            )
+            self._rescanner.start()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _warm_start(self) -> float:
+        """Index every block file of the namespace; reconcile the ledger. Returns seconds taken."""
+        start = time.perf_counter()
+        policy, fb = self._policy, self.file_bytes
+        self._dir_mtimes: dict[str, float] = {}
+        self._seen: dict[str, set[str]] = {}
+        extra: list[Path] = []
+        on_disk = 0
+        for key, path in self._files.scan():
+            on_disk += fb
+            self._seen.setdefault(str(path.parent), set()).add(path.name)
+            if len(policy) < self.capacity_blocks and policy.get(key) is None:
+                block = OffloadedBlock.__new__(OffloadedBlock)
+                block.slot, block.ref_cnt = -1, 0
+                policy.insert(key, block)
+            else:
+                extra.append(path)
+        for sub in self._seen:
+            try:
+                self._dir_mtimes[sub] = os.stat(sub).st_mtime
+            except FileNotFoundError:
+                pass
+        # Files beyond the bound (a directory written with a larger size) are removed now.
+        for path in extra:
+            try:
+                path.unlink()
+                on_disk -= fb
+            except FileNotFoundError:
+                pass
+        self._ledger.reconcile(on_disk)
+        self._dir_used = on_disk
+        self._counters["scanned_blocks"] = len(policy)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ scheduler-thread API
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        block = self._policy.get(key)
+        if block is None:
+            return _MISS
+        return _HIT if block.ref_cnt >= 0 else _HIT_PENDING
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._policy.touch(keys, ctx)
+
+    def submit_store(self, job: TierJob, ctx: ReqContext | None = None) -> None:
+        policy, fb = self._policy, self.file_bytes
+        todo: list[tuple[OffloadKey, int]] = []
+        seen: set[OffloadKey] = set()
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            if key not in seen and policy.get(key) is None:
+                todo.append((key, slot))
+            seen.add(key)
+        running = _Running(job, True, len(todo))
+        if not todo:
+            self._finish(running)
+            return
+        # Room: the local index and the shared directory (as last seen) must both take the keys.
+        need_local = len(policy) + len(todo) - self.capacity_blocks
+        need_dir = (self._dir_used + len(todo) * fb - self._ledger.capacity) // fb
+        need = max(0, need_local, need_dir)
+        victims: list[Path] = []
+        if need:
+            evicted = policy.evict(min(need, len(policy)), seen)
+            if evicted is None:
+                for key, _ in todo:
+                    running.failed[key] = "full"
+                running.remaining = 0
+                self._counters["rejected_stores"] += 1
+                self._finish(running)
+                return
+            keys = [key for key, _ in evicted]
+            victims = [self._files.path_of(key) for key in keys]
+            self._counters["evicted_blocks"] += len(keys)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
+        for key, _ in todo:
+            block = OffloadedBlock.__new__(OffloadedBlock)
+            block.slot, block.ref_cnt = -1, PENDING
+            policy.insert(key, block)
+        self._dispatch(running, todo, victims)
+
+    def submit_load(self, job: TierJob, ctx: ReqContext | None = None) -> None:
+        get = self._policy.get
+        todo: list[tuple[OffloadKey, int]] = []
+        running = _Running(job, False, 0)
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            block = get(key)
+            if block is None or block.ref_cnt < 0:
+                running.failed[key] = "missing"
+                continue
+            block.ref_cnt += 1
+            todo.append((key, slot))
+        running.remaining = len(todo)
+        running.pinned = [key for key, _ in todo]
+        if not todo:
+            self._finish(running)
+            return
+        self._dispatch(running, todo, [])
+
+    def _dispatch(
+        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[Path]
+    ) -> None:
+        with self._idle:
+            self._inflight += 1
+        n = len(items)
+        chunk = max(1, -(-n // self._num_threads))
+        work = self._store_blocks if running.is_store else self._load_blocks
+        for i in range(0, n, chunk):
+            self._pool.submit(work, running, items[i : i + chunk], victims if i == 0 else [])
+
+    def get_finished_jobs(self) -> list[TierJobResult]:
+        while self._discovered:
+            self._index_discovered(self._discovered.popleft())
+        results: list[TierJobResult] = []
+        done = self._done
+        while done:
+            running = done.popleft()
+            results.append(self._apply(running))
+        return results
+
+    def _apply(self, running: _Running) -> TierJobResult:
+        """Update the index for a finished job (scheduler thread) and build its result."""
+        policy, counters, failed = self._policy, self._counters, running.failed
+        job = running.job
+        dropped: list[OffloadKey] = []
+        if running.is_store:
+            stored: list[OffloadKey] = []
+            for key in dict.fromkeys(job.keys):
+                block = policy.get(key)
+                if block is None or block.ref_cnt != PENDING:
+                    continue  # skipped (already held) or not ours
+                if key in failed:
+                    policy.remove(key)
+                else:
+                    block.ref_cnt = 0
+                    stored.append(key)
+            counters["stored_blocks"] += len(stored)
+            counters["failed_store_blocks"] += len(failed)
+            for cause in failed.values():
+                counters[f"failed_store_{cause}"] += 1
+            if stored and self._events is not None:
+                self._events.append(OffloadingEvent(stored, self.medium, False, self.locality))
+        else:
+            for key in running.pinned:
+                block = policy.get(key)
+                if block is not None and block.ref_cnt > 0:
+                    block.ref_cnt -= 1
+            counters["loaded_blocks"] += len(job.keys) - len(failed)
+            counters["failed_load_blocks"] += len(failed)
+            for key, cause in failed.items():
+                counters[f"failed_load_{cause}"] += 1
+                block = policy.get(key)
+                if block is not None and cause in _DROP_CAUSES and block.ref_cnt == 0:
+                    policy.remove(key)
+                    dropped.append(key)
+            if dropped and self._events is not None:
+                self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
+        return TierJobResult(
+            job.job_id,
+            running.is_store,
+            dict(failed),
+            running.nbytes,
+            time.perf_counter() - running.start,
+        )
+
+    def _index_discovered(self, keys: list[OffloadKey]) -> None:
+        policy = self._policy
+        for key in keys:
+            if len(policy) >= self.capacity_blocks:
+                return
+            if policy.get(key) is None:
+                block = OffloadedBlock.__new__(OffloadedBlock)
+                block.slot, block.ref_cnt = -1, 0
+                policy.insert(key, block)
+                self._counters["discovered_blocks"] += 1
+
+    def drain_jobs(self) -> None:
+        with self._idle:
+            while self._inflight:
+                self._idle.wait()
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def reset(self) -> None:
+        """Drop every block of this tier's index and delete its files (pinned loads finish first)."""
+        self.drain_jobs()
+        self.get_finished_jobs()
+        keys = list(self._policy)
+        for key in keys:
+            self._ledger.remove(self._files.path_of(key), self.file_bytes)
+        self._policy.clear()
+        self._dir_used = self._ledger.read()
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
+
+    def stats(self) -> dict[str, int]:
+        out = {
+            "capacity_bytes": self.capacity_bytes,
+            "capacity_blocks": self.capacity_blocks,
+            "used_blocks": len(self._policy),
+            "used_bytes": len(self._policy) * self.file_bytes + LEDGER_BYTES,
+            "dir_used_bytes": self._dir_used + LEDGER_BYTES,
+            "scan_ms": int(self.scan_seconds * 1000),
+        }
+        for name in (
+            "stored_blocks",
+            "loaded_blocks",
+            "evicted_blocks",
+            "failed_load_blocks",
+            "failed_store_blocks",
+            "rejected_stores",
+            "scanned_blocks",
+            "discovered_blocks",
+        ):
+            out[name] = self._counters[name]
+        for cause in _CAUSES:
+            out[f"failed_load_{cause}"] = self._counters[f"failed_load_{cause}"]
+            out[f"failed_store_{cause}"] = self._counters[f"failed_store_{cause}"]
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.drain_jobs()
+        self._pool.shutdown(wait=True)
+        if self._rescanner is not None:
+            self._rescanner.join()
+        self._ledger.close()
+
+    # ------------------------------------------------------------------ I/O threads
+
+    def _store_blocks(
+        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[Path]
+    ) -> None:
+        files, ledger, fb = self._files, self._ledger, self.file_bytes
+        failed: dict[OffloadKey, str] = {}
+        nbytes = 0
+        for key, slot in items:
+            try:
+                ok, used = ledger.reserve(fb, victims, fb)
+                victims = []
+                self._dir_used = used
+                if not ok:
+                    failed[key] = "full"
+                    continue
+                try:
+                    if not files.write(key, slot):
+                        self._dir_used = ledger.release(fb)  # another process published it
+                    nbytes += self.layout.block_bytes
+                except BaseException:
+                    self._dir_used = ledger.release(fb)
+                    raise
+            except OSError as exc:
+                failed[key] = "full" if is_no_space(exc) else "io"
+                logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+            except Exception as exc:  # never lose a job: report it failed
+                failed[key] = "io"
+                logger.exception("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+        self._chunk_done(running, len(items), failed, nbytes)
+
+    def _load_blocks(
+        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[Path]
+    ) -> None:
+        files = self._files
+        failed: dict[OffloadKey, str] = {}
+        nbytes = 0
+        for key, slot in items:
+            try:
+                files.read(key, slot)
+                nbytes += self.layout.block_bytes
+            except FileNotFoundError:
+                failed[key] = "missing"
+            except CorruptBlockError as exc:
+                failed[key] = exc.cause
+                logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
+                try:
+                    self._ledger.remove(files.path_of(key), self.file_bytes)
+                except OSError:
+                    pass
+            except OSError as exc:
+                failed[key] = "io"
+                logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)
+            except Exception as exc:
+                failed[key] = "io"
+                logger.exception("disk tier: loading %s failed: %s", key.hex()[:16], exc)
+        self._chunk_done(running, len(items), failed, nbytes)
+
+    def _chunk_done(
+        self, running: _Running, n: int, failed: dict[OffloadKey, str], nbytes: int
+    ) -> None:
+        with running.lock:
+            running.failed.update(failed)
+            running.nbytes += nbytes
+            running.remaining -= n
+            last = running.remaining == 0
+        if last:
+            self._finish(running, dispatched=True)
+
+    def _finish(self, running: _Running, dispatched: bool = False) -> None:
+        self._done.append(running)
+        if dispatched:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def _rescan_loop(self, interval: float) -> None:
+        """Find block files other processes wrote: rescan hash directories whose mtime changed."""
+        while not self._stop.wait(interval):
+            try:
+                self._rescan_once()
+            except Exception:  # never let a transient filesystem error kill discovery
+                logger.exception("disk tier: rescan failed")
+
+    def _rescan_once(self) -> None:
+        now = time.time()
+        found: list[OffloadKey] = []
+        try:
+            subdirs = list(os.scandir(self.namespace))
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            mtime = sub.stat().st_mtime
+            if self._dir_mtimes.get(sub.path) == mtime:
+                continue
+            self._dir_mtimes[sub.path] = mtime
+            seen = self._seen.setdefault(sub.path, set())
+            names = set()
+            for key, path in self._files.scan_dir(sub.path, now):
+                names.add(path.name)
+                if path.name not in seen:
+                    found.append(key)
+            self._seen[sub.path] = names
+        if found:
+            self._discovered.append(found)
+
+
+def _prepare_directory(root: Path, layout: KVLayout) -> Path:
+    """Create (if needed) and check the namespace directory for ``layout`` under ``root``."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError("kv_disk_path", f"{str(root)!r} exists and is not a directory")
+    namespace = root / "kvoffload-v1" / layout.fingerprint().hex()
+    try:
+        namespace.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("kv_disk_path", f"cannot create {str(namespace)!r}: {exc}") from exc
+    probe = namespace / f".probe.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("kv_disk_path", f"{str(root)!r} is not writable: {exc}") from exc
+    return namespace
+
+
+def _check_o_direct(namespace: Path, pool: memoryview, block_bytes: int) -> None:
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(pool)) if not pool.readonly else 0
+    if block_bytes % 4096 or address % 4096:
+        raise ConfigError(
+            "kv_disk_o_direct",
+            f"O_DIRECT needs 4 KiB aligned blocks and pool (block {block_bytes} bytes, "
+            f"pool at {address:#x})",
+        )
+    probe = namespace / f".odirect.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+        os.close(fd)
+    except OSError as exc:
+        raise ConfigError(
+            "kv_disk_o_direct", f"the filesystem of {str(namespace)!r} refuses O_DIRECT: {exc}"
+        ) from exc
+    finally:
+        try:
+            probe.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,312 @@
+"""The disk tier's files: names, atomic block writes, verified block reads, the shared space ledger.
+
+Directory layout under the tier's root (one namespace per KV layout, so models never mix)::
+
+    <root>/kvoffload-v1/<fingerprint hex>/ledger        shared byte count (8 bytes, under flock)
+    <root>/kvoffload-v1/<fingerprint hex>/<aa>/<key hex>.kvb   one block: header + payload
+    <root>/kvoffload-v1/<fingerprint hex>/<aa>/.<key hex>.<pid>.<n>.tmp   a write in progress
+
+``<aa>`` is the first byte of the key's hash, so no directory holds more than ~1/256 of the files.
+A block file appears under its final name only complete: it is written under a temporary name
+and published with :func:`os.link`, which fails when the name exists, so two processes writing the
+same block never replace or mix each other's file (the second drops its copy).
+
+Every function here runs on the tier's I/O threads, never on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from kvoffload.keys import OffloadKey
+from kvoffload.tiers.blockformat import (
+    HEADER_ALIGN,
+    CorruptBlockError,
+    encode_header,
+    header_size,
+    parse_header,
+    payload_checksum,
+    verify_payload,
+)
+
+__all__ = [
+    "BlockFiles",
+    "SpaceLedger",
+    "file_bytes",
+]
+
+SUFFIX = ".kvb"
+_U64 = struct.Struct("<Q")
+#: Temporary files older than this (seconds) at a scan are leftovers of a killed writer.
+STALE_TMP_SECONDS = 60.0
+_DISK_BLOCK = 4096
+#: The fault hook: called as ``hook(op, key)`` before each block's I/O (``op`` is ``"write"`` or
+#: ``"read"``); raising ``OSError`` makes that block's I/O fail exactly as the OS would.
+FaultHook = Callable[[str, OffloadKey], None]
+
+
+#: Keys up to this many bytes fit the one-page header every block file has.
+MAX_KEY_BYTES = HEADER_ALIGN - header_size(0, 1)
+
+
+def file_bytes(block_bytes: int) -> int:
+    """Bytes one block file occupies on disk: a 4 KiB header + the payload in whole 4 KiB blocks."""
+    return HEADER_ALIGN + -(-block_bytes // _DISK_BLOCK) * _DISK_BLOCK
+
+
+class SpaceLedger:
+    """The bytes of block files in one namespace, shared by every process using it.
+
+    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
+    file, so processes never both take the last free bytes. A writer reserves a file's bytes
+    before writing it and returns them if the write fails; an evictor returns a file's bytes only
+    when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
+    """
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        self.capacity = capacity
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def _locked(self) -> _LedgerLock:
+        return _LedgerLock(self._fd)
+
+    def read(self) -> int:
+        with self._locked():
+            return self._get()
+
+    def _get(self) -> int:
+        raw = os.pread(self._fd, 8, 0)
+        return _U64.unpack(raw)[0] if len(raw) == 8 else 0
+
+    def _set(self, value: int) -> None:
+        os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+
+    def reserve(self, nbytes: int, victims: list[Path], victim_bytes: int) -> tuple[bool, int]:
+        """Unlink ``victims`` (each ``victim_bytes``), then take ``nbytes`` if they fit.
+
+        Returns ``(reserved, used_after)``. Atomic with respect to every other process.
+        """
+        with self._locked():
+            used = self._get()
+            for path in victims:
+                try:
+                    path.unlink()
+                    used -= victim_bytes
+                except FileNotFoundError:
+                    pass
+            ok = used + nbytes <= self.capacity
+            if ok:
+                used += nbytes
+            self._set(used)
+            return ok, used
+
+    def release(self, nbytes: int) -> int:
+        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
+        with self._locked():
+            used = self._get() - nbytes
+            self._set(used)
+            return max(0, used)
+
+    def remove(self, path: Path, nbytes: int) -> bool:
+        """Unlink ``path`` and return its bytes if this call removed it."""
+        with self._locked():
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            self._set(self._get() - nbytes)
+            return True
+
+    def reconcile(self, nbytes: int) -> None:
+        """Set the count to ``nbytes`` (what a scan found on disk)."""
+        with self._locked():
+            self._set(nbytes)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _LedgerLock:
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+class BlockFiles:
+    """Reads and writes block files of one namespace (see the module docstring).
+
+    ``pool`` is the host pool as a flat byte view; slot ``s`` is ``pool[s*B:(s+1)*B]`` with
+    ``B = block_bytes``. Payloads move between the pool and the files with ``os.preadv`` /
+    ``os.pwritev``: no copy in Python. ``o_direct`` opens files with ``O_DIRECT`` (the pool and
+    the block size must be 4 KiB aligned; the tier checks).
+    """
+
+    def __init__(
+        self,
+        namespace: Path,
+        fingerprint: bytes,
+        pool: memoryview,
+        block_bytes: int,
+        o_direct: bool = False,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.fingerprint = fingerprint
+        self.pool = pool
+        self.block_bytes = block_bytes
+        self.o_direct = o_direct
+        self.fault_hook = fault_hook
+        self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
+        self._tmp_counter = 0
+
+    def path_of(self, key: OffloadKey) -> Path:
+        name = key.hex()
+        return self.namespace / name[:2] / (name + SUFFIX)
+
+    def _slot(self, slot: int) -> memoryview:
+        b = self.block_bytes
+        return self.pool[slot * b : (slot + 1) * b]
+
+    @staticmethod
+    def _aligned_buffer(size: int) -> mmap.mmap:
+        """A page-aligned scratch buffer (O_DIRECT needs aligned memory)."""
+        return mmap.mmap(-1, size)
+
+    def write(self, key: OffloadKey, slot: int) -> bool:
+        """Write slot ``slot`` as the block of ``key``; True if this call published the file,
+        False if the file already existed (written by someone else: equal bytes by construction).
+
+        Raises ``OSError`` on I/O errors (the temporary file is removed).
+        """
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"keys of {len(key)} bytes do not fit a block header")
+        if self.fault_hook is not None:
+            self.fault_hook("write", key)
+        payload = self._slot(slot)
+        header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
+        final = self.path_of(key)
+        self._tmp_counter += 1
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{self._tmp_counter}.tmp")
+        iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
+        head_buf = None
+        if self.o_direct:
+            head_buf = self._aligned_buffer(len(header))
+            head_buf[:] = header
+            iov = [head_buf, payload]
+        try:
+            fd = self._open_new(tmp)
+            try:
+                total = len(header) + len(payload)
+                written = os.pwritev(fd, iov, 0)
+                while written < total:  # rare short write: finish it
+                    written += os.pwrite(fd, _tail(iov, written), written)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, final)
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            if head_buf is not None:
+                head_buf.close()
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _open_new(self, tmp: Path) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
+        try:
+            return os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # its hash directory is not there yet
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(tmp, flags, 0o644)
+
+    def read(self, key: OffloadKey, slot: int) -> None:
+        """Read the block of ``key`` into slot ``slot``, verified.
+
+        Raises :class:`CorruptBlockError` (``corrupt``/``layout``/``checksum``),
+        ``FileNotFoundError`` (missing) or ``OSError``. On failure the slot holds garbage.
+        """
+        if self.fault_hook is not None:
+            self.fault_hook("read", key)
+        payload = self._slot(slot)
+        head_len = header_size(len(key))
+        head_buf = self._aligned_buffer(head_len)
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY | self._flags)
+            try:
+                got = os.preadv(fd, [head_buf, payload], 0)
+            finally:
+                os.close(fd)
+            if got < head_len:
+                raise CorruptBlockError("corrupt", f"file is {got} bytes, shorter than its header")
+            header = parse_header(memoryview(head_buf), self.fingerprint, key, HEADER_ALIGN)
+            if got - head_len != header.payload_len or header.payload_len != len(payload):
+                raise CorruptBlockError(
+                    "corrupt",
+                    f"payload is {got - head_len} bytes, expected {header.payload_len} "
+                    f"(slot {len(payload)})",
+                )
+            verify_payload(header, payload)
+        finally:
+            head_buf.close()
+
+    def scan(self) -> Iterator[tuple[OffloadKey, Path]]:
+        """Every complete block file of the namespace; stale temporary files are deleted."""
+        now = time.time()
+        try:
+            subdirs = list(os.scandir(self.namespace))
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            yield from self.scan_dir(sub.path, now)
+
+    def scan_dir(self, path: str, now: float) -> Iterator[tuple[OffloadKey, Path]]:
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            name = entry.name
+            if name.endswith(SUFFIX):
+                try:
+                    key = bytes.fromhex(name[: -len(SUFFIX)])
+                except ValueError:
+                    continue
+                yield key, Path(entry.path)
+            elif name.endswith(".tmp"):
+                try:
+                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+                        os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+
+
+def _tail(iov: list, offset: int) -> bytes:
+    """The bytes of the concatenated buffers ``iov`` from ``offset`` on (short-write recovery)."""
+    joined = b"".join(bytes(b) for b in iov)
+    return joined[offset:]
+
+
+def is_no_space(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
