@@ -36,3 +36,27 @@ def keys() -> list[OffloadKey]:
 def ctx() -> ReqContext:
     """A fresh request context."""
     return ReqContext("req-0")
+
+
+@pytest.fixture(scope="session")
+def redis_server():  # type: ignore[no-untyped-def]
+    """A standalone ``redis-server`` for the whole session (fails, never skips, when missing)."""
+    from redis_servers import RedisUnavailableError, standalone_server
+
+    try:
+        with standalone_server() as server:
+            yield server
+    except RedisUnavailableError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():  # type: ignore[no-untyped-def]
+    """A Cluster of 3 masters + 3 replicas for the whole session; tests must not break it."""
+    from redis_servers import RedisUnavailableError, cluster_servers
+
+    try:
+        with cluster_servers(masters=3) as cluster:
+            yield cluster
+    except RedisUnavailableError as exc:
+        pytest.fail(str(exc), pytrace=False)
