@@ -1,4 +1,5 @@
-"""``kvoffload bench throughput``: flags modelled on ``vllm bench throughput``."""
+"""``kvoffload bench throughput``: flags modelled on ``vllm bench throughput``; ``bench trace`` is
+in :mod:`kvoffload.cli.trace`."""
 
 from __future__ import annotations
 
@@ -121,6 +122,10 @@ def add_parser(subparsers: Any) -> None:
         help="run every configuration this many times, interleaved; report the fastest of each",
     )
     p.set_defaults(func=_run)
+
+    from kvoffload.cli.trace import add_parser as add_trace_parser
+
+    add_trace_parser(sub)
 
 
 def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:

@@ -9,11 +9,12 @@ policy instance, or hand out request numbers that are unique across instances.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from kvoffload.base import ReqContext
 from kvoffload.keys import OffloadKey
 
-__all__ = ["keys_seen_by", "request_serial"]
+__all__ = ["keys_seen_by", "request_serial", "take_uses", "uses_recorded_by"]
 
 _serials = itertools.count(1)  # process-wide: serials never repeat, whichever policy asks
 
@@ -23,6 +24,13 @@ class _KeysSeen:
 
     def __init__(self) -> None:
         self.by_owner: dict[object, set[OffloadKey]] = {}
+
+
+class _Uses:
+    __slots__ = ("by_owner",)
+
+    def __init__(self) -> None:
+        self.by_owner: dict[object, list[Sequence[OffloadKey]]] = {}
 
 
 class _Serial:
@@ -51,3 +59,26 @@ def request_serial(ctx: ReqContext) -> int:
         state = _Serial()
         ctx.set_state(state)
     return state.serial
+
+
+def uses_recorded_by(ctx: ReqContext, owner: object) -> list[Sequence[OffloadKey]]:
+    """The (mutable) list of key sequences ``owner`` recorded for this request, in call order."""
+    state = ctx.get_state(_Uses)
+    if state is None:
+        state = _Uses()
+        ctx.set_state(state)
+    uses = state.by_owner.get(owner)
+    if uses is None:
+        uses = state.by_owner[owner] = []
+    return uses
+
+
+def take_uses(ctx: ReqContext, owner: object) -> list[Sequence[OffloadKey]]:
+    """Detach and return what ``owner`` recorded for this request (empty if nothing)."""
+    state = ctx.get_state(_Uses)
+    if state is None:
+        return []
+    uses = state.by_owner.pop(owner, [])
+    if not state.by_owner:
+        ctx.pop_state(_Uses)
+    return uses

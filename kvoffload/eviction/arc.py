@@ -12,9 +12,6 @@ from kvoffload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]
 
-_ABSENT = object()
-
-
 def _next_evictable(
     scan: Iterator[tuple[OffloadKey, OffloadedBlock]], protected: Container[OffloadKey]
 ) -> tuple[OffloadKey, OffloadedBlock] | None:
@@ -32,14 +29,17 @@ class ARCPolicy(EvictionPolicy):
     ``B1``/``B2`` remember the keys last evicted from ``T1``/``T2`` (at most ``capacity`` each,
     oldest dropped first). ``target`` (0 <= target <= capacity) is the size ``T1`` should have.
 
-    * ``insert``: a key remembered in ``B1``/``B2`` (used again soon after eviction) goes to the
-      new end of ``T2`` and leaves the ghost list; any other key to the new end of ``T1``.
-    * ``touch`` (tail to head, so the prefix head ends most recent; each key once per request):
-      a ready (``ref_cnt >= 0``) ``T1`` block moves to the new end of ``T2``, a pending one only
-      to the new end of ``T1`` (its store, not a second use, put it there); a ``T2`` block moves
-      to the new end of ``T2``; a ``B1`` hit raises ``target`` by ``max(1, |B2| / |B1|)``, a ``B2``
-      hit lowers it by ``max(1, |B1| / |B2|)`` (clamped), and the key becomes the newest in its
-      ghost list.
+    * ``insert``: the key enters the new end of ``T1``. A key remembered in ``B1`` (evicted from
+      ``T1`` recently and stored again) raises ``target`` by ``max(1, |B2| / |B1|)``, one in ``B2``
+      lowers it by ``max(1, |B1| / |B2|)`` (clamped); either way it leaves the ghost list. A ghost
+      hit is a store miss: it is seen where the block comes back, ``prepare_store``, as in vLLM.
+    * ``touch`` (tail to head, so the prefix head ends most recent; each key once per request;
+      keys not held are ignored): a ready (``ref_cnt >= 0``) ``T1`` block moves to the new end of
+      ``T2``, a pending one only to the new end of ``T1`` (its store, not a second use, put it
+      there); a ``T2`` block moves to the new end of ``T2``.
+    * ``request_finished``: the request's keys, walked tail to head, move to the new end of the
+      list they are in (no promotion: the use was counted by ``touch``), so that the chain it
+      stored or used leaves ``T1`` / ``T2`` tail first.
     * Eviction rule: for each victim, take the oldest evictable block of ``T1`` if ``T1`` (less
       the victims already taken from it) has at least ``max(1, int(target))`` blocks, else the
       oldest evictable of ``T2``; if the preferred list has none, the other one. Victims from
@@ -68,10 +68,14 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
         self._blocks[key] = block
-        if self._b1.pop(key, _ABSENT) is not _ABSENT or self._b2.pop(key, _ABSENT) is not _ABSENT:
-            self._t2[key] = block
-        else:
-            self._t1[key] = block
+        self._t1[key] = block
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.target = min(self.target + max(1.0, len(b2) / len(b1)), float(self.capacity))
+            del b1[key]
+        elif key in b2:
+            self.target = max(self.target - max(1.0, len(b1) / len(b2)), 0.0)
+            del b2[key]
 
     def remove(self, key: OffloadKey) -> None:
         del self._blocks[key]
@@ -94,12 +98,15 @@ class ARCPolicy(EvictionPolicy):
                     t1.move_to_end(key)
             elif key in t2:
                 t2.move_to_end(key)
-            elif key in b1:
-                self.target = min(self.target + max(1.0, len(b2) / len(b1)), float(self.capacity))
-                b1.move_to_end(key)
-            elif key in b2:
-                self.target = max(self.target - max(1.0, len(b1) / len(b2)), 0.0)
-                b2.move_to_end(key)
+
+    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+        t1, t2 = self._t1, self._t2
+        for keys in reversed(uses):  # the earliest use (the whole chain, touched) is walked last
+            for key in reversed(keys):
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
 
     def evict(
         self, n: int, protected: Container[OffloadKey]

@@ -54,7 +54,8 @@ class EvictionPolicy(ABC):
 
     Subclasses must implement :meth:`get`, :meth:`insert`, :meth:`remove`, :meth:`touch`,
     :meth:`evict`, :meth:`clear`, :meth:`__len__` and :meth:`__iter__`; they may override
-    :meth:`admit` (admission control) and :meth:`check_invariants`.
+    :meth:`admit` (admission control), :meth:`request_finished` (commit a request's use once it
+    ends) and :meth:`check_invariants`.
 
     A block is *evictable* when its ``ref_cnt == 0`` and its key is not in the ``protected``
     container passed to :meth:`evict`. Not thread-safe.
@@ -109,6 +110,16 @@ class EvictionPolicy(ABC):
         Default: admit all. The manager skips the call entirely for policies that don't override it.
         """
         return keys
+
+    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """The request of ``ctx`` ended: commit its use of the keys it touched and stored.
+
+        ``uses`` lists, in call order, every key sequence the request passed to ``touch`` and every
+        run of keys it had stored (each in prefix order, head first); keys may repeat and some may
+        no longer be held. A policy where recency matters orders them so that, within the chain,
+        the tail leaves first and the head last. Default: nothing. The manager records ``uses``
+        only for policies that override this.
+        """
 
     def check_invariants(self) -> None:  # noqa: B027 - optional hook
         """Raise ``AssertionError`` if internal structures disagree (tests only)."""

@@ -18,6 +18,9 @@ class LRUPolicy(EvictionPolicy):
 
     One ``OrderedDict`` in recency order (oldest first). :meth:`touch` walks a prefix tail to head,
     so the head of a prefix, which every longer hit needs, ends up most recent and leaves last.
+    :meth:`request_finished` commits the whole request the same way, the blocks it stored
+    included (a new block enters at the recent end in store order, head first, until then), so
+    that after a request the chain it used leaves tail first.
     Eviction scans from the oldest end and skips pinned, pending and protected blocks; those sit
     near the recent end (just stored or just touched), so the scan rarely passes many.
     """
@@ -49,6 +52,14 @@ class LRUPolicy(EvictionPolicy):
         for key in reversed(keys):
             if key in blocks:  # a membership test: cheaper than catching KeyError for absent keys
                 move(key)
+
+    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+        blocks = self._blocks
+        move = blocks.move_to_end
+        for keys in reversed(uses):  # the earliest use (the whole chain, touched) is walked last
+            for key in reversed(keys):
+                if key in blocks:
+                    move(key)
 
     def evict(
         self, n: int, protected: Container[OffloadKey]

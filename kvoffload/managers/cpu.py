@@ -14,6 +14,7 @@ from kvoffload.base import (
 )
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
+from kvoffload.eviction._request_state import take_uses, uses_recorded_by
 from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
 from kvoffload.mediums import CPULoadStoreSpec
@@ -65,6 +66,13 @@ class CPUOffloadingManager(OffloadingManager):
         self._get = policy.get
         # Admission is skipped entirely (not called as a no-op) for policies that admit everything.
         self._admit = policy.admit if type(policy).admit is not EvictionPolicy.admit else None
+        # Likewise, a request's touches and stores are recorded only for policies that commit them
+        # when the request finishes (recency policies: the chain's tail must leave first).
+        self._commit = (
+            policy.request_finished
+            if type(policy).request_finished is not EvictionPolicy.request_finished
+            else None
+        )
         self._num_blocks = num_blocks
         self._num_allocated = 0  # bump pointer over never-used slot ids
         self._free_slots: list[int] = []  # freed ids, reused LIFO
@@ -115,6 +123,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys, ctx)
+        if self._commit is not None and keys:
+            uses = uses_recorded_by(ctx, self)
+            if not uses or uses[-1] is not keys:  # the scheduler re-touches one list every step
+                uses.append(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         blocks = list(map(self._get, keys))
@@ -176,6 +188,8 @@ class CPUOffloadingManager(OffloadingManager):
             block.slot = slot
             block.ref_cnt = PENDING
             insert(key, block)
+        if self._commit is not None:
+            uses_recorded_by(ctx, self).append(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted)
 
     def complete_store(
@@ -199,6 +213,13 @@ class CPUOffloadingManager(OffloadingManager):
                     remove(key)
                     self._free_slots.append(block.slot)
                     self._failed += 1
+
+    def request_finished(self, ctx: ReqContext) -> None:
+        """Hand the policy what the request touched and stored, so that it commits that use."""
+        if self._commit is not None:
+            uses = take_uses(ctx, self)
+            if uses:
+                self._commit(uses, ctx)
 
     def take_events(self) -> list[OffloadingEvent]:
         events = self._events

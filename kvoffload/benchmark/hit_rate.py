@@ -1,0 +1,178 @@
+"""Block-level prefix-hit ratio of eviction policies on a trace, with clairvoyant references.
+
+A trace is a list of requests, each the list of its block ids in prefix order (the ``hash_ids``
+of a Mooncake-format JSONL file). :func:`replay` serves every request through a real
+:class:`~kvoffload.managers.CPUOffloadingManager` with :func:`~kvoffload.benchmark.replay.serve_request`
+(lookup until the first miss, load the hits, touch every key, store the rest, finish); the figure
+is hits / blocks over the whole trace. Two references run outside the manager:
+
+``infinite``
+    A cache that never evicts: a block is a hit if it and its whole prefix were seen before.
+``belady``
+    Clairvoyant eviction: after each request, while over capacity, drop the block whose next use
+    (counted in block references, so later positions of one request come later) is farthest, the
+    request's own new blocks included (an optimal cache may decline to keep them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvoffload.base import ReqContext
+from kvoffload.benchmark.replay import serve_request
+from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.managers import CPUOffloadingManager
+
+__all__ = [
+    "belady_hit_ratio",
+    "block_keys",
+    "gap_closed",
+    "infinite_hit_ratio",
+    "load_trace",
+    "parse_trace",
+    "replay",
+]
+
+_NEVER = 1 << 62
+# Requests between two progress reports (a callback per request would cost more than LRU's work).
+_PROGRESS_EVERY = 256
+
+
+def parse_trace(lines: Sequence[str], source: str) -> list[list[int]]:
+    """The ``hash_ids`` of every JSONL record of ``lines``; ``source`` names the input in errors."""
+    requests: list[list[int]] = []
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["hash_ids"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                "dataset_path", f"{source}:{line_no}: not a JSON object with 'hash_ids' ({exc})"
+            ) from None
+        if not isinstance(ids, list) or not all(
+            type(i) is int and 0 <= i < 1 << 63 for i in ids
+        ):
+            raise ConfigError(
+                "dataset_path",
+                f"{source}:{line_no}: 'hash_ids' must be a list of integers in [0, 2**63)",
+            )
+        if ids:
+            requests.append(ids)
+    return requests
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[list[int]]:
+    """The requests of a Mooncake-format JSONL trace (at most ``limit`` of them)."""
+    trace = Path(path)
+    if not trace.is_file():
+        raise ConfigError("dataset_path", f"{str(path)!r} is not a file")
+    try:
+        with trace.open(encoding="utf-8") as f:
+            lines = f.readlines() if limit is None else _first_lines(f, limit)
+    except UnicodeDecodeError as exc:
+        raise ConfigError("dataset_path", f"{trace} is not UTF-8 text ({exc})") from None
+    requests = parse_trace(lines, str(trace))
+    if not requests:
+        raise ConfigError("dataset_path", f"{trace} holds no requests")
+    return requests if limit is None else requests[:limit]
+
+
+def _first_lines(f: object, limit: int) -> list[str]:
+    lines: list[str] = []
+    for line in f:  # type: ignore[attr-defined]
+        lines.append(line)
+        if line.strip():
+            limit -= 1
+            if limit == 0:
+                break
+    return lines
+
+
+def block_keys(requests: Sequence[Sequence[int]]) -> dict[int, OffloadKey]:
+    """The offload key of every block id of the trace."""
+    return {b: make_offload_key(b.to_bytes(8, "big")) for ids in requests for b in ids}
+
+
+def infinite_hit_ratio(requests: Sequence[Sequence[int]]) -> float:
+    """Hit ratio of a cache that never evicts."""
+    seen: set[int] = set()
+    hits = total = 0
+    for ids in requests:
+        for block_id in ids:
+            if block_id not in seen:
+                break
+            hits += 1
+        total += len(ids)
+        seen.update(ids)
+    return hits / max(total, 1)
+
+
+def belady_hit_ratio(requests: Sequence[Sequence[int]], capacity: int) -> float:
+    """Clairvoyant (farthest next use first, bypass allowed) prefix-hit ratio."""
+    # next_use[i][id]: block-reference time of the next request that names id after request i.
+    next_use: list[dict[int, int]] = [{}] * len(requests)
+    last: dict[int, int] = {}
+    clock = sum(len(ids) for ids in requests)
+    for i in range(len(requests) - 1, -1, -1):
+        ids = requests[i]
+        clock -= len(ids)
+        next_use[i] = {b: last.get(b, _NEVER) for b in ids}
+        for pos, b in enumerate(ids):
+            last[b] = clock + pos
+    cached: dict[int, int] = {}  # id -> next use; the heap holds stale entries too
+    heap: list[tuple[int, int]] = []
+    hits = total = 0
+    for i, ids in enumerate(requests):
+        for block_id in ids:
+            if block_id not in cached:
+                break
+            hits += 1
+        total += len(ids)
+        for block_id, t in next_use[i].items():
+            cached[block_id] = t
+            heapq.heappush(heap, (-t, block_id))
+        while len(cached) > capacity:
+            neg_t, block_id = heapq.heappop(heap)
+            if cached.get(block_id) == -neg_t:
+                del cached[block_id]
+        if len(heap) > 4 * capacity + 1024:  # drop stale entries: memory stays O(capacity)
+            heap = [(-t, b) for b, t in cached.items()]
+            heapq.heapify(heap)
+    return hits / max(total, 1)
+
+
+def replay(
+    requests: Sequence[Sequence[int]],
+    keys: dict[int, OffloadKey],
+    policy: str,
+    capacity: int,
+    progress: Callable[[int], object] | None = None,
+) -> float:
+    """Prefix-hit ratio of ``policy`` at ``capacity`` blocks, through the real manager.
+
+    ``progress(n)`` is called now and then with the number of requests served since its last call.
+    """
+    manager = CPUOffloadingManager(capacity, eviction_policy=policy)
+    hits = total = 0
+    done = 0
+    for i, ids in enumerate(requests):
+        hits += serve_request(manager, [keys[b] for b in ids], ReqContext(f"req-{i}"))
+        total += len(ids)
+        if progress is not None and i - done + 1 >= _PROGRESS_EVERY:
+            progress(i - done + 1)
+            done = i + 1
+    if progress is not None and len(requests) > done:
+        progress(len(requests) - done)
+    return hits / max(total, 1)
+
+
+def gap_closed(value: float, lru: float, belady: float) -> float:
+    """The share of the LRU -> Belady gap that ``value`` closes (NaN when there is no gap)."""
+    gap = belady - lru
+    return (value - lru) / gap if gap > 1e-12 else math.nan
