@@ -11,9 +11,11 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
   as they are and eviction honours vLLM's pins by the same rule as in kvoffload.
 * vLLM's scheduler never calls ``touch``; uses arrive as ``on_request_access`` (keys first
   seen by a request: its loaded hits, its offered stores), ``on_store_miss`` (absent keys
-  about to be inserted) and ``on_request_finished`` (the request's keys in prefix order). Each
-  is forwarded as our ``touch`` in prefix order, with the key before the new ones so that
-  prefix-aware policies link each key to its parent. Our policies count a use once per request
+  about to be inserted) and ``on_request_finished`` (the request's keys per KV-cache group in
+  prefix order). The first two are forwarded as our ``touch`` in prefix order, with the key
+  before the new ones so that prefix-aware policies link each key to its parent; the last as
+  our ``request_finished`` (the request's whole use, committed: its tail leaves first) for
+  policies that commit, as ``touch`` for the others. Our policies count a use once per request
   (state on our :class:`~kvoffload.base.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
 * vLLM has no admission hook: it inserts every absent key it offers. For a policy with
@@ -83,6 +85,7 @@ class KVOffloadCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self._policy: EvictionPolicy = create_eviction_policy(self.policy_name, cache_capacity)
         self._admits = type(self._policy).admit is not EvictionPolicy.admit
+        self._commits = type(self._policy).request_finished is not EvictionPolicy.request_finished
         # Stored by vLLM although our policy declined them: evicted first, oldest first.
         self._probation: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
 
@@ -177,8 +180,12 @@ class KVOffloadCachePolicy(CachePolicy):
         req_context: VllmReqContext,
     ) -> None:
         ctx = kvoffload_context(req_context)
-        for keys in key_groups:
-            self._policy.touch(list(keys), ctx)
+        uses = [list(keys) for keys in key_groups]
+        if self._commits:
+            self._policy.request_finished(uses, ctx)
+        else:
+            for keys in uses:
+                self._policy.touch(keys, ctx)
         chains = ctx.get_state(_Chains)
         if chains is not None:
             chains.by_owner.pop(self, None)
