@@ -346,10 +346,12 @@ class TieringOffloadingManager(OffloadingManager):
             self.host.complete_store(stray, ctx, False)
         declined = wanted.difference(promoted)
         if declined:
+            host_lookup = self.host.lookup
             for key in declined:
                 promoting.pop(key, None)
-            state.failed.update(declined)
-            self._counters["refused_promotion_blocks"] += len(declined)
+                if host_lookup(key, ctx) is _MISS:  # not admitted; else a device store won
+                    state.failed.add(key)
+                    self._counters["refused_promotion_blocks"] += 1
         if not promoted:
             return
         job_id = self._new_job(_BackgroundJob(tier, promoted, ctx, promotion=True))
@@ -441,9 +443,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.host.check_invariants()
         for key, job_id in self._promoting.items():
             block = self.host.policy.get(key)
-            if job_id == _QUEUED:
-                assert block is None, f"{key.hex()}: queued promotion but held by the host"
-            else:
+            if job_id != _QUEUED:  # a queued one may meet a device store of the same block
                 assert block is not None and block.ref_cnt < 0, (
                     f"{key.hex()}: promotion in flight but its host slot is not pending"
                 )

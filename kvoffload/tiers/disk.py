@@ -61,7 +61,17 @@ _CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
 class _Running:
     """A submitted job until its last block finished (touched by I/O threads under ``lock``)."""
 
-    __slots__ = ("failed", "is_store", "job", "lock", "nbytes", "pinned", "remaining", "start")
+    __slots__ = (
+        "failed",
+        "is_store",
+        "job",
+        "lock",
+        "nbytes",
+        "pinned",
+        "remaining",
+        "reserved",
+        "start",
+    )
 
     def __init__(self, job: TierJob, is_store: bool, remaining: int) -> None:
         self.job = job
@@ -70,6 +80,7 @@ class _Running:
         self.remaining = remaining
         self.nbytes = 0
         self.pinned: list[OffloadKey] = []  # a load's keys pinned in the index
+        self.reserved = 0  # a store's net bytes, counted in DiskTier._dir_submitted until reported
         self.start = time.perf_counter()
         self.lock = threading.Lock()
 
@@ -133,7 +144,11 @@ class DiskTier(SecondaryTier):
         self._num_threads = max(1, num_threads)
         self._closed = False
         self._counters: dict[str, int] = collections.defaultdict(int)
-        self._dir_used = 0  # the ledger's count as last seen (other processes' files included)
+        # The ledger's count (every process's files) as the I/O threads last saw it, the copy the
+        # scheduler thread took at the last poll, and the bytes of stores submitted since.
+        self._ledger_seen = 0
+        self._dir_used = 0
+        self._dir_submitted = 0
         self.scan_seconds = self._warm_start()
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
@@ -178,7 +193,7 @@ class DiskTier(SecondaryTier):
             except FileNotFoundError:
                 pass
         self._ledger.reconcile(on_disk)
-        self._dir_used = on_disk
+        self._ledger_seen = self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)
         return time.perf_counter() - start
 
@@ -207,7 +222,8 @@ class DiskTier(SecondaryTier):
             return
         # Room: the local index and the shared directory (as last seen) must both take the keys.
         need_local = len(policy) + len(todo) - self.capacity_blocks
-        need_dir = (self._dir_used + len(todo) * fb - self._ledger.capacity) // fb
+        new_bytes = len(todo) * fb
+        need_dir = -(-(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb)
         need = max(0, need_local, need_dir)
         victims: list[Path] = []
         if need:
@@ -228,6 +244,8 @@ class DiskTier(SecondaryTier):
             block = OffloadedBlock.__new__(OffloadedBlock)
             block.slot, block.ref_cnt = -1, PENDING
             policy.insert(key, block)
+        running.reserved = new_bytes - len(victims) * fb
+        self._dir_submitted += running.reserved
         self._dispatch(running, todo, victims)
 
     def submit_load(self, job: TierJob, ctx: ReqContext | None = None) -> None:
@@ -267,6 +285,8 @@ class DiskTier(SecondaryTier):
         while done:
             running = done.popleft()
             results.append(self._apply(running))
+        if results:
+            self._dir_used = self._ledger_seen
         return results
 
     def _apply(self, running: _Running) -> TierJobResult:
@@ -274,6 +294,7 @@ class DiskTier(SecondaryTier):
         policy, counters, failed = self._policy, self._counters, running.failed
         job = running.job
         dropped: list[OffloadKey] = []
+        self._dir_submitted -= running.reserved
         if running.is_store:
             stored: list[OffloadKey] = []
             for key in dict.fromkeys(job.keys):
@@ -343,9 +364,9 @@ class DiskTier(SecondaryTier):
         self.get_finished_jobs()
         keys = list(self._policy)
         for key in keys:
-            self._ledger.remove(self._files.path_of(key), self.file_bytes)
+            self._ledger_seen = self._ledger.remove(self._files.path_of(key), self.file_bytes)
+        self._dir_used, self._dir_submitted = self._ledger_seen, 0
         self._policy.clear()
-        self._dir_used = self._ledger.read()
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
 
@@ -395,18 +416,17 @@ class DiskTier(SecondaryTier):
         nbytes = 0
         for key, slot in items:
             try:
-                ok, used = ledger.reserve(fb, victims, fb)
+                ok, self._ledger_seen = ledger.reserve(fb, victims, fb)
                 victims = []
-                self._dir_used = used
                 if not ok:
                     failed[key] = "full"
                     continue
                 try:
                     if not files.write(key, slot):
-                        self._dir_used = ledger.release(fb)  # another process published it
+                        self._ledger_seen = ledger.release(fb)  # another process published it
                     nbytes += self.layout.block_bytes
                 except BaseException:
-                    self._dir_used = ledger.release(fb)
+                    self._ledger_seen = ledger.release(fb)
                     raise
             except OSError as exc:
                 failed[key] = "full" if is_no_space(exc) else "io"
@@ -432,7 +452,7 @@ class DiskTier(SecondaryTier):
                 failed[key] = exc.cause
                 logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
                 try:
-                    self._ledger.remove(files.path_of(key), self.file_bytes)
+                    self._ledger_seen = self._ledger.remove(files.path_of(key), self.file_bytes)
                 except OSError:
                     pass
             except OSError as exc:

@@ -114,15 +114,17 @@ class SpaceLedger:
             self._set(used)
             return max(0, used)
 
-    def remove(self, path: Path, nbytes: int) -> bool:
-        """Unlink ``path`` and return its bytes if this call removed it."""
+    def remove(self, path: Path, nbytes: int) -> int:
+        """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
         with self._locked():
+            used = self._get()
             try:
                 path.unlink()
             except FileNotFoundError:
-                return False
-            self._set(self._get() - nbytes)
-            return True
+                return used
+            used = max(0, used - nbytes)
+            self._set(used)
+            return used
 
     def reconcile(self, nbytes: int) -> None:
         """Set the count to ``nbytes`` (what a scan found on disk)."""
@@ -249,25 +251,27 @@ class BlockFiles:
             self.fault_hook("read", key)
         payload = self._slot(slot)
         head_len = header_size(len(key))
-        head_buf = self._aligned_buffer(head_len)
+        head_buf = self._aligned_buffer(head_len) if self.o_direct else bytearray(head_len)
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY | self._flags)
             try:
                 got = os.preadv(fd, [head_buf, payload], 0)
             finally:
                 os.close(fd)
-            if got < head_len:
-                raise CorruptBlockError("corrupt", f"file is {got} bytes, shorter than its header")
-            header = parse_header(memoryview(head_buf), self.fingerprint, key, HEADER_ALIGN)
-            if got - head_len != header.payload_len or header.payload_len != len(payload):
-                raise CorruptBlockError(
-                    "corrupt",
-                    f"payload is {got - head_len} bytes, expected {header.payload_len} "
-                    f"(slot {len(payload)})",
-                )
-            verify_payload(header, payload)
+            head = bytes(head_buf[:head_len])
         finally:
-            head_buf.close()
+            if isinstance(head_buf, mmap.mmap):
+                head_buf.close()
+        if got < head_len:
+            raise CorruptBlockError("corrupt", f"file is {got} bytes, shorter than its header")
+        header = parse_header(head, self.fingerprint, key, HEADER_ALIGN)
+        if got - head_len != header.payload_len or header.payload_len != len(payload):
+            raise CorruptBlockError(
+                "corrupt",
+                f"payload is {got - head_len} bytes, expected {header.payload_len} "
+                f"(slot {len(payload)})",
+            )
+        verify_payload(header, payload)
 
     def scan(self) -> Iterator[tuple[OffloadKey, Path]]:
         """Every complete block file of the namespace; stale temporary files are deleted."""

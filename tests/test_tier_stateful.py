@@ -1,0 +1,321 @@
+"""The secondary-tier contract (docs/tiers.md) and the tiering manager under random call sequences.
+
+``DiskTierMachine`` drives a small disk tier on real files: stores, loads, outside damage (a
+flipped byte, a file another process deleted) and completions; it checks the five invariants of
+``kvoffload/tiers/base.py``. ``TieringMachine`` drives a host tier + disk tier through the
+:class:`OffloadingManager` contract as the connector and worker would (lookups that may answer
+``RETRY``, device stores written into host slots, device loads read from them, one step hook per
+step) and checks that every readable host block holds exactly its own bytes: promotions write
+the right bytes, cascades never read a slot that was reused, nothing pinned is evicted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from tier_cases import BLOCK_BYTES, dir_bytes, host_pool, key, layout, slot_bytes
+
+from kvoffload.base import LookupResult, ReqContext
+from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers.tiering import TieringOffloadingManager
+from kvoffload.tiers import TierJob
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.diskfiles import file_bytes
+
+MISS, HIT, HIT_PENDING, RETRY = (
+    LookupResult.MISS,
+    LookupResult.HIT,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
+UNIVERSE = [key(i) for i in range(10)]
+POOL_SLOTS = 24
+DISK_BLOCKS = 5
+FILE = file_bytes(BLOCK_BYTES)
+SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def content(k: bytes) -> bytes:
+    """The one right payload of block ``k`` (so stale or mixed bytes are always noticed)."""
+    return (k * (BLOCK_BYTES // len(k) + 1))[:BLOCK_BYTES]
+
+
+def write_slot(pool: memoryview, slot: int, data: bytes) -> None:
+    pool.cast("B")[slot * BLOCK_BYTES : (slot + 1) * BLOCK_BYTES] = data
+
+
+class DiskTierMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvo-tier-"))
+        self.pool = host_pool(POOL_SLOTS)
+        self.tier = DiskTier(
+            self.pool, layout(), self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0
+        )
+        self.ctx = ReqContext("machine")
+        self.next_job = 0
+        self.free_slots = list(range(POOL_SLOTS))
+        self.jobs: dict[int, tuple[bool, list[bytes], list[int]]] = {}  # unreported
+        self.reported: set[int] = set()
+        self.pending: Counter[bytes] = Counter()  # keys a store of ours is writing
+        self.stored: set[bytes] = set()  # reported stored at least once (may be evicted since)
+        self.pins: Counter[bytes] = Counter()  # keys read by unreported loads
+        self.damaged: set[bytes] = set()
+
+    def teardown(self) -> None:
+        self.tier.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _job(self, is_store: bool, keys: list[bytes]) -> TierJob | None:
+        if len(keys) > len(self.free_slots):
+            return None
+        slots = [self.free_slots.pop() for _ in keys]
+        self.next_job += 1
+        self.jobs[self.next_job] = (is_store, keys, slots)
+        return TierJob(self.next_job, keys, slots)
+
+    @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4))
+    def store(self, keys: list[bytes]) -> None:
+        new = [k for k in dict.fromkeys(keys) if self.tier.lookup(k, self.ctx) is MISS]
+        job = self._job(True, keys)
+        if job is None:
+            return
+        for k, slot in zip(keys, job.slots, strict=True):
+            write_slot(self.pool, slot, content(k))
+        self.tier.submit_store(job, self.ctx)
+        for k in new:
+            self.pending[k] += 1
+            # A key being written is never readable before its write completed (invariant 1).
+            assert self.tier.lookup(k, self.ctx) in (HIT_PENDING, MISS)
+
+    @rule(data=st.data())
+    def load(self, data: st.DataObject) -> None:
+        readable = [k for k in UNIVERSE if self.tier.lookup(k, self.ctx) is HIT]
+        if not readable:
+            return
+        keys = data.draw(st.lists(st.sampled_from(readable), min_size=1, max_size=3))
+        job = self._job(False, keys)
+        if job is None:
+            return
+        for slot in job.slots:
+            write_slot(self.pool, slot, bytes(BLOCK_BYTES))
+        self.tier.submit_load(job, self.ctx)
+        self.pins.update(keys)
+
+    @rule(k=st.sampled_from(UNIVERSE), how=st.sampled_from(["flip", "delete"]))
+    def damage(self, k: bytes, how: str) -> None:
+        """Another process (or the disk) changes a file behind the tier's back."""
+        if self.tier.lookup(k, self.ctx) is not HIT or self.pins[k] or k in self.damaged:
+            return
+        path = self.tier._files.path_of(k)
+        if how == "delete":
+            self.tier._ledger.remove(path, FILE)
+        else:
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 1
+            path.write_bytes(bytes(raw))
+        self.damaged.add(k)
+
+    @rule(keys=st.lists(st.sampled_from(UNIVERSE), max_size=4))
+    def touch(self, keys: list[bytes]) -> None:
+        self.tier.touch(keys, self.ctx)
+
+    @rule()
+    def finish(self) -> None:
+        # Always after draining: what the machine draws next must not depend on thread timing.
+        self.tier.drain_jobs()
+        for result in self.tier.get_finished_jobs():
+            # Every job is reported exactly once (invariant 5).
+            assert result.job_id in self.jobs and result.job_id not in self.reported
+            self.reported.add(result.job_id)
+            is_store, keys, slots = self.jobs.pop(result.job_id)
+            assert result.is_store == is_store
+            assert set(result.failed_keys) <= set(keys)
+            if is_store:
+                for k in dict.fromkeys(keys):
+                    if self.pending[k]:
+                        self.pending[k] -= 1
+                    if k not in result.failed_keys:
+                        self.stored.add(k)
+                        self.damaged.discard(k)
+            else:
+                for k, slot in zip(keys, slots, strict=True):
+                    self.pins[k] -= 1
+                    if k in result.failed_keys:
+                        cause = result.failed_keys[k]
+                        assert k in self.damaged, f"load of an intact block failed: {cause}"
+                        assert cause in ("missing", "checksum")
+                    else:
+                        # A load returns exactly the stored bytes (invariant 2).
+                        assert slot_bytes(self.pool, slot) == content(k)
+                for k in result.failed_keys:
+                    if not self.pins[k]:
+                        assert self.tier.lookup(k, self.ctx) is MISS  # dropped
+                        self.damaged.discard(k)
+            self.free_slots.extend(slots)  # the tier no longer touches them (invariant 3)
+
+    @invariant()
+    def pinned_blocks_stay(self) -> None:
+        # Never evicted while a load reads it (invariant 4).
+        for k, n in self.pins.items():
+            if n:
+                assert self.tier.lookup(k, self.ctx) is HIT
+
+    @invariant()
+    def bounded(self) -> None:
+        stats = self.tier.stats()
+        assert stats["used_blocks"] <= DISK_BLOCKS
+        assert dir_bytes(self.dir) <= self.tier.capacity_bytes
+
+
+def test_disk_tier_contract() -> None:
+    run_state_machine_as_test(DiskTierMachine, settings=SETTINGS)
+
+
+HOST_BLOCKS = 4
+TIERING_TOTALS: Counter[str] = Counter()  # summed over every run: the rules reach every path
+
+
+class TieringMachine(RuleBasedStateMachine):
+    """The connector's and the worker's part, played by the machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvo-tiering-"))
+        self.pool = host_pool(HOST_BLOCKS)
+        self.host = CPUOffloadingManager(HOST_BLOCKS, "lru", enable_events=True)
+        self.disk = DiskTier(
+            self.pool,
+            layout(),
+            self.dir,
+            LEDGER_BYTES + DISK_BLOCKS * FILE,
+            rescan_interval=0,
+            enable_events=True,
+        )
+        self.manager = TieringOffloadingManager(self.host, [self.disk])
+        self.ctxs = [ReqContext(f"req-{i}") for i in range(3)]
+        self.device_pins: list[tuple[ReqContext, list[bytes]]] = []
+        self.stores: list[tuple[ReqContext, list[bytes]]] = []  # prepared device stores
+        self.in_host: set[bytes] = set()  # replayed from host events
+        self.on_disk: set[bytes] = set()  # replayed from disk events
+
+    def teardown(self) -> None:
+        self.manager.close()
+        for name, value in self.manager.stats().items():
+            TIERING_TOTALS[name] += value
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(r=st.integers(0, 2), keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=4))
+    def lookup_chain(self, r: int, keys: list[bytes]) -> None:
+        """The connector's scan: on past RETRY answers, stop at MISS / HIT_PENDING."""
+        ctx = self.ctxs[r]
+        for k in keys:
+            answer = self.manager.lookup(k, ctx)
+            if answer is HIT:
+                assert self.host.lookup(k, ctx) is HIT
+            if answer in (MISS, HIT_PENDING):
+                break
+
+    @rule(
+        r=st.integers(0, 2),
+        keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=3),
+        now=st.sampled_from([True, True, False]),
+    )
+    def device_store(self, r: int, keys: list[bytes], now: bool) -> None:
+        """Prepare a device -> host store; complete it at once (``now``) or in a later rule."""
+        ctx = self.ctxs[r]
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None or not out.keys_to_store:
+            return
+        for k, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            write_slot(self.pool, slot, content(k))  # the worker's device -> host copy
+        if now:
+            self.manager.complete_store(out.keys_to_store, ctx)
+        else:
+            self.stores.append((ctx, out.keys_to_store))
+
+    @precondition(lambda self: self.stores)
+    @rule(i=st.integers(0, 10), ok=st.booleans())
+    def complete_device_store(self, i: int, ok: bool) -> None:
+        ctx, keys = self.stores.pop(i % len(self.stores))
+        self.manager.complete_store(keys, ctx, success=ok)
+
+    @rule(r=st.integers(0, 2), data=st.data())
+    def device_load(self, r: int, data: st.DataObject) -> None:
+        ctx = self.ctxs[r]
+        readable = [k for k in UNIVERSE if self.manager.lookup(k, ctx) is HIT]
+        if not readable:
+            return
+        keys = data.draw(st.lists(st.sampled_from(readable), min_size=1, max_size=3))
+        spec = self.manager.prepare_load(keys, ctx)
+        for k, slot in zip(keys, spec.block_ids, strict=True):
+            assert slot_bytes(self.pool, slot) == content(k), "a host block holds wrong bytes"
+        self.device_pins.append((ctx, keys))
+
+    @precondition(lambda self: self.device_pins)
+    @rule(i=st.integers(0, 10))
+    def complete_device_load(self, i: int) -> None:
+        ctx, keys = self.device_pins.pop(i % len(self.device_pins))
+        self.manager.complete_load(keys, ctx)
+
+    @rule()
+    def step(self) -> None:
+        self.manager.step_end()
+        self.disk.drain_jobs()  # deterministic: the next draws must not depend on thread timing
+        self.manager.step_begin()
+        for event in self.manager.take_events():
+            target = self.on_disk if event.medium == "STORAGE" else self.in_host
+            if event.medium == "STORAGE":
+                assert event.locality == "LOCAL"
+            if event.removed:
+                target.difference_update(event.keys)
+            else:
+                target.update(event.keys)
+        # Replayed events name only blocks each tier holds.
+        probe = ReqContext("probe")
+        for k in self.in_host:
+            assert self.host.lookup(k, probe) is not MISS
+        for k in self.on_disk:
+            assert self.disk.lookup(k, probe) is not MISS
+
+    @rule(r=st.integers(0, 2))
+    def finish_request(self, r: int) -> None:
+        ctx = self.ctxs[r]
+        if any(c is ctx for c, _ in (*self.device_pins, *self.stores)):
+            return
+        self.manager.request_finished(ctx)
+        self.ctxs[r] = ReqContext(f"{ctx.req_id}+")
+
+    @invariant()
+    def consistent(self) -> None:
+        self.manager.check_invariants()
+        probe = ReqContext("probe")
+        for k in UNIVERSE:
+            if self.host.lookup(k, probe) is HIT:
+                slot = self.host.policy.get(k).slot
+                assert slot_bytes(self.pool, slot) == content(k), f"host block {k.hex()} is wrong"
+        assert self.disk.stats()["used_blocks"] <= DISK_BLOCKS
+
+
+def test_tiering_manager_contract() -> None:
+    TIERING_TOTALS.clear()
+    run_state_machine_as_test(TieringMachine, settings=SETTINGS)
+    for path in ("promoted_blocks", "cascaded_blocks", "retry_answers", "disk_evicted_blocks"):
+        assert TIERING_TOTALS[path] > 0, f"no run reached {path}: {dict(TIERING_TOTALS)}"

@@ -1,0 +1,85 @@
+"""Helpers for the secondary-tier tests: host pools as real byte buffers, layouts, keys, and
+waiting for a tier's jobs (tiers report asynchronously; waits are bounded, never timed asserts)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.tiers import KVLayout, SecondaryTier, TierJobResult
+
+BLOCK_BYTES = 2048
+
+
+def layout(model: str = "test-model", block_bytes: int = BLOCK_BYTES) -> KVLayout:
+    return KVLayout(model, "float32", 4, 2, 2, 16, block_bytes)
+
+
+def host_pool(num_slots: int, block_bytes: int = BLOCK_BYTES) -> memoryview:
+    """A host pool: ``num_slots`` rows of ``block_bytes`` bytes (a 2-D byte view)."""
+    return memoryview(bytearray(num_slots * block_bytes)).cast("B", (num_slots, block_bytes))
+
+
+def slot_bytes(pool: memoryview, slot: int) -> bytes:
+    b = pool.shape[1]
+    return bytes(pool.cast("B")[slot * b : (slot + 1) * b])
+
+
+def fill_slot(pool: memoryview, slot: int, seed: int) -> bytes:
+    """Fill ``slot`` with bytes derived from ``seed``; returns them."""
+    b = pool.shape[1]
+    data = random.Random(seed).randbytes(b)
+    pool.cast("B")[slot * b : (slot + 1) * b] = data
+    return data
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(32, "big"), 0)
+
+
+def wait_jobs(tier: SecondaryTier) -> list[TierJobResult]:
+    """Every result the tier has after all its submitted jobs finished."""
+    tier.drain_jobs()
+    return tier.get_finished_jobs()
+
+
+def tier_file(root: Path, k: OffloadKey) -> Path:
+    """Where the disk tier keeps ``k`` (its only file with that name under ``root``)."""
+    found = list(root.rglob(k.hex() + ".kvb"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes the tier's files take: block files and ledger, as the bound counts them."""
+    total = 0
+    for path in root.rglob("*"):
+        if path.is_file():
+            total += -(-path.stat().st_size // 4096) * 4096
+    return total
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A size-limited tmpfs at ``path`` (root only; skips otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
