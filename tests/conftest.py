@@ -13,6 +13,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from kvoffload import OffloadKey, ReqContext, make_offload_key
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    from vllm_cases import VLLM_VERSION, installed_problem, skip_reason
+
+    problem = installed_problem()
+    return f"vllm {VLLM_VERSION}: installed" if problem is None else f"!!! {skip_reason(problem)}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    from vllm_cases import import_problem, installed_problem, skip_reason
+
+    # Only what this run found out: importing vLLM just to report costs ~10 s.
+    problem = installed_problem() or (import_problem() if import_problem.cache_info().currsize else None)
+    if problem is not None:
+        terminalreporter.write_sep("!", skip_reason(problem), red=True, bold=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items:
