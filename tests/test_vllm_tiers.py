@@ -11,6 +11,7 @@ at ``on_schedule_end``; our tier's I/O threads are waited for with ``drain_jobs`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,44 +34,55 @@ from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E4
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 
 from kvoffload.errors import ConfigError  # noqa: E402
-from kvoffload.integrations.vllm.tiers import METRIC_PREFIX, KVOffloadDiskTier  # noqa: E402
+from kvoffload.integrations.vllm.tiers import METRIC_PREFIX, KVOffloadTier  # noqa: E402
 
 CHUNK = 4096
 NUM_CHUNKS = 8
 STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def disk_tier_config(path: Path, **options: Any) -> dict[str, Any]:
+def tiering_config(tier: dict[str, Any]) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of vLLM's tiering spec with one of our tiers behind it."""
+    return {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier]}
+
+
+def disk_tier(path: Path, **options: Any) -> dict[str, Any]:
     return {
-        "spec_name": "TieringOffloadingSpec",
-        "secondary_tiers": [
-            {
-                "type": "KVOffloadDiskTier",
-                "module_path": "kvoffload.integrations.vllm.tiers",
-                "path": str(path),
-                "size_gib": 0.01,
-                "rescan_interval": 0,
-                **options,
-            }
-        ],
+        "type": "KVOffloadDiskTier",
+        "module_path": "kvoffload.integrations.vllm.tiers",
+        "path": str(path),
+        "size_gib": 0.01,
+        "rescan_interval": 0,
+        **options,
+    }
+
+
+def redis_tier(url: str, **options: Any) -> dict[str, Any]:
+    return {
+        "type": "KVOffloadRedisTier",
+        "module_path": "kvoffload.integrations.vllm.tiers",
+        "url": url,
+        **options,
     }
 
 
 class Harness:
     """vLLM's tiering manager with our disk tier, plus the stand-in for vLLM's GPU worker."""
 
-    def __init__(self, path: Path, enable_events: bool = True) -> None:
+    def __init__(self, tier: dict[str, Any], enable_events: bool = True) -> None:
         config = offloading_config(
-            disk_tier_config(path), num_chunks=NUM_CHUNKS, chunk_bytes=CHUNK,
+            tiering_config(tier),
+            num_chunks=NUM_CHUNKS,
+            chunk_bytes=CHUNK,
             enable_events=enable_events,
         )
         self.spec = OffloadingSpecFactory.create_spec(config)
         manager = self.spec.get_manager()
         assert isinstance(manager, TieringOffloadingManager)
         self.manager = manager
-        (tier,) = manager.secondary_tiers
-        assert isinstance(tier, KVOffloadDiskTier)
-        self.tier = tier
+        (adapter,) = manager.secondary_tiers
+        assert isinstance(adapter, KVOffloadTier)
+        self.tier = adapter
         self.pool = np.asarray(manager.primary_tier.get_kv_memoryview())
         assert self.pool.shape[0] == NUM_CHUNKS and self.pool.strides[0] == CHUNK
         self._requests = 0
@@ -99,13 +111,22 @@ class Harness:
         self.end_step()
 
     def lookup_until_settled(self, key: bytes, ctx: ReqContext, steps: int = 4) -> LookupResult:
-        """Look ``key`` up step after step while it is being promoted (as vLLM's scheduler)."""
-        for _ in range(steps):
+        """Look ``key`` up step after step while it is being promoted (as vLLM's scheduler).
+
+        ``RETRY`` (a remote lookup still running on the tier's thread) does not count as a step:
+        it is asked again after a pause, for at most a minute.
+        """
+        deadline = time.monotonic() + 60
+        while True:
             result = self.manager.lookup(key, ctx)
-            if result not in (LookupResult.HIT_PENDING, LookupResult.RETRY):
+            if result is LookupResult.RETRY and time.monotonic() < deadline:
+                time.sleep(0.005)
+                self.end_step()
+                continue
+            if result is not LookupResult.HIT_PENDING or steps == 0:
                 return result
+            steps -= 1
             self.end_step()
-        return result
 
     def load(self, keys: list[bytes], ctx: ReqContext) -> list[bytes]:
         """CPU->GPU load of ``keys`` (all HIT): their bytes, read from the pool."""
@@ -121,7 +142,7 @@ class Harness:
 
 @pytest.fixture
 def harness(tmp_path: Path) -> Iterator[Harness]:
-    h = Harness(tmp_path / "kv")
+    h = Harness(disk_tier(tmp_path / "kv"))
     yield h
     h.close()
 
@@ -235,7 +256,7 @@ def test_metric_definitions_cover_what_the_tier_reports(harness: Harness) -> Non
 
 
 def test_events_disabled_keeps_no_tier_events(tmp_path: Path) -> None:
-    h = Harness(tmp_path / "kv", enable_events=False)
+    h = Harness(disk_tier(tmp_path / "kv"), enable_events=False)
     try:
         keys = vllm_keys(2)
         h.store(keys, payloads_for(keys, seed=6))
@@ -255,8 +276,52 @@ def test_events_disabled_keeps_no_tier_events(tmp_path: Path) -> None:
 def test_bad_tier_options_are_config_errors(
     tmp_path: Path, options: dict[str, Any], setting: str
 ) -> None:
-    config = offloading_config(disk_tier_config(tmp_path / "kv", **options), num_chunks=4)
+    config = offloading_config(tiering_config(disk_tier(tmp_path / "kv", **options)), num_chunks=4)
     spec = OffloadingSpecFactory.create_spec(config)
     with pytest.raises(ConfigError) as info:
         spec.get_manager()
     assert info.value.field == setting
+
+
+# -- our Redis tier: shared by engines on different machines ---------------------------------------
+
+
+def test_redis_tier_shares_blocks_between_two_vllm_engines(redis_server: Any) -> None:
+    # lookup_wait_s: a remote answer is waited for (RETRY) rather than taken as a MISS for now.
+    producer = Harness(redis_tier(redis_server.url, lookup_wait_s=60.0))
+    consumer = Harness(redis_tier(redis_server.url, lookup_wait_s=60.0))
+    try:
+        keys = vllm_keys(3, start=1000)
+        payloads = payloads_for(keys, seed=7)
+        producer.store(keys, payloads)
+        assert producer.tier.tier.stats()["stored_blocks"] == 3
+
+        ctx = consumer.new_request()
+        assert [consumer.lookup_until_settled(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+        assert consumer.load(keys, ctx) == [payloads[k].tobytes() for k in keys]
+        storage = [e for e in consumer.manager.take_events() if e.medium is Medium.STORAGE]
+        assert all(e.locality is Locality.REMOTE for e in storage)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_redis_block_that_vanished_fails_its_promotion_cleanly(redis_server: Any) -> None:
+    from kvoffload.tiers.remote import remote_key_prefix
+
+    h = Harness(redis_tier(redis_server.url, lookup_wait_s=60.0))
+    try:
+        keys = vllm_keys(2, start=2000)
+        payloads = payloads_for(keys, seed=8)
+        h.store(keys, payloads)
+        evict_from_cpu(h, start=2100)
+        with redis_server.client() as client:  # the server evicted it (maxmemory, TTL, FLUSHDB)
+            assert client.delete(remote_key_prefix(h.tier.tier.layout) + keys[1]) == 1
+
+        ctx = h.new_request()
+        assert h.lookup_until_settled(keys[0], ctx) is LookupResult.HIT
+        assert h.load([keys[0]], ctx) == [payloads[keys[0]].tobytes()]
+        assert h.lookup_until_settled(keys[1], ctx) is LookupResult.MISS
+        assert h.tier.tier.stats()["failed_load_missing"] == 1
+    finally:
+        h.close()
