@@ -71,6 +71,9 @@ __all__ = [
     "KVOffloadRedisTier",
     "KVOffloadTier",
     "METRIC_PREFIX",
+    "TIER_BUILDERS",
+    "build_disk_tier",
+    "build_redis_tier",
     "layout_of_spec",
 ]
 
@@ -290,61 +293,74 @@ def _reject_unknown(tier: str, options: dict[str, Any]) -> None:
         )
 
 
-class KVOffloadDiskTier(KVOffloadTier):
-    """Our disk tier (:class:`~kvoffload.tiers.disk.DiskTier`): bounded, checksummed, crash-safe.
+def build_disk_tier(
+    pool: memoryview, layout: KVLayout, enable_events: bool, options: dict[str, Any]
+) -> SecondaryTier:
+    """Our :class:`~kvoffload.tiers.disk.DiskTier` from tier options: ``path`` and ``size_gib``
+    (required), ``eviction_policy`` ("lru"), ``num_threads`` (4), ``o_direct`` (false),
+    ``rescan_interval`` (seconds, 2.0; 0 = never)."""
+    from kvoffload.tiers.disk import DiskTier
+    from kvoffload.tiers.factory import validate_disk_settings
 
-    Options: ``path`` (required), ``size_gib`` (required), ``eviction_policy`` (``"lru"``),
-    ``num_threads`` (4), ``o_direct`` (false), ``rescan_interval`` (seconds, 2.0; 0 = never).
-    """
+    options = dict(options)
+    path = _take(options, "path", required=True)
+    size_gib = _take(options, "size_gib", required=True)
+    kwargs = {
+        name: options.pop(name)
+        for name in ("eviction_policy", "num_threads", "o_direct", "rescan_interval")
+        if name in options
+    }
+    _reject_unknown("the disk tier", options)
+    try:
+        validate_disk_settings(path, size_gib)
+        return DiskTier(
+            pool, layout, path, int(size_gib * _GIB), enable_events=enable_events, **kwargs
+        )
+    except ConfigError as exc:  # name the option as it is spelled in the tier's options
+        field = _DISK_OPTION_OF.get(exc.field)
+        if field is None:
+            raise
+        raise ConfigError(field, str(exc).split(": ", 1)[-1]) from exc
+
+
+def build_redis_tier(
+    pool: memoryview, layout: KVLayout, enable_events: bool, options: dict[str, Any]
+) -> SecondaryTier:
+    """Our :class:`~kvoffload.tiers.remote.RedisTier` from tier options: ``url`` (required;
+    ``redis://``, ``rediss://``, ``redis+cluster://``; credentials from the environment, see
+    ``docs/remote-tier.md``) and any field of :class:`~kvoffload.tiers.remote.RemoteTierConfig`
+    (``timeout_s``, ``ttl_s``, ``lookup_wait_s``, ...). Its events are always gathered."""
+    import dataclasses
+
+    from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
+
+    options = dict(options)
+    fields = {f.name for f in dataclasses.fields(RemoteTierConfig)}
+    kwargs = {name: options.pop(name) for name in list(options) if name in fields}
+    if "url" not in kwargs:
+        raise ConfigError("secondary_tiers.url", "is required")
+    _reject_unknown("the Redis tier", options)
+    return RedisTier(pool, layout, RemoteTierConfig(**kwargs))
+
+
+#: Tier kinds by name, for :mod:`kvoffload.integrations.vllm.spec`'s ``kvoffload_tiers``.
+TIER_BUILDERS = {"disk": build_disk_tier, "redis": build_redis_tier}
+
+
+class KVOffloadDiskTier(KVOffloadTier):
+    """Our disk tier: bounded, checksummed, crash-safe (options: :func:`build_disk_tier`)."""
 
     def build_tier(
         self, pool: memoryview, layout: KVLayout, enable_events: bool, options: dict[str, Any]
     ) -> SecondaryTier:
-        from kvoffload.tiers.disk import DiskTier
-        from kvoffload.tiers.factory import validate_disk_settings
-
-        options = dict(options)
-        path = _take(options, "path", required=True)
-        size_gib = _take(options, "size_gib", required=True)
-        kwargs = {
-            name: options.pop(name)
-            for name in ("eviction_policy", "num_threads", "o_direct", "rescan_interval")
-            if name in options
-        }
-        _reject_unknown("KVOffloadDiskTier", options)
-        try:
-            validate_disk_settings(path, size_gib)
-            return DiskTier(
-                pool, layout, path, int(size_gib * _GIB), enable_events=enable_events, **kwargs
-            )
-        except ConfigError as exc:  # name the option as it is spelled in secondary_tiers
-            field = _DISK_OPTION_OF.get(exc.field)
-            if field is None:
-                raise
-            raise ConfigError(field, str(exc).split(": ", 1)[-1]) from exc
+        return build_disk_tier(pool, layout, enable_events, options)
 
 
 class KVOffloadRedisTier(KVOffloadTier):
-    """Our Redis / Valkey (Cluster) tier (:class:`~kvoffload.tiers.remote.RedisTier`), shared by
-    every engine that points at the same server.
-
-    Options: ``url`` (required; ``redis://``, ``rediss://``, ``redis+cluster://``; credentials
-    from the environment, see ``docs/remote-tier.md``) and any field of
-    :class:`~kvoffload.tiers.remote.RemoteTierConfig` (``timeout_s``, ``ttl_s``, ...).
-    """
+    """Our Redis / Valkey (Cluster) tier, shared by every engine that points at the same server
+    (options: :func:`build_redis_tier`)."""
 
     def build_tier(
         self, pool: memoryview, layout: KVLayout, enable_events: bool, options: dict[str, Any]
     ) -> SecondaryTier:
-        import dataclasses
-
-        from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
-
-        options = dict(options)
-        fields = {f.name for f in dataclasses.fields(RemoteTierConfig)}
-        kwargs = {name: options.pop(name) for name in list(options) if name in fields}
-        if "url" not in kwargs:
-            raise ConfigError("secondary_tiers.url", "is required")
-        _reject_unknown("KVOffloadRedisTier", options)
-        return RedisTier(pool, layout, RemoteTierConfig(**kwargs))
-
+        return build_redis_tier(pool, layout, enable_events, options)
