@@ -41,3 +41,29 @@ def serve_request(
         manager.complete_store(out.keys_to_store, ctx)
     manager.on_request_finished(ctx)
     return n
+
+
+#: vLLM's built-in cache policies and ours, by the names ``eviction_policy`` takes.
+POLICY_MODULE = "kvoffload.integrations.vllm.policies"
+
+
+def hit_ratio(
+    requests: Sequence[Sequence[int]],
+    keys: dict[int, OffloadKey],
+    policy: str,
+    capacity: int,
+    module_path: str | None = None,
+) -> float:
+    """Prefix-hit ratio (hits / blocks) of vLLM's ``CPUOffloadingManager`` with cache policy
+    ``policy`` (vLLM's ``"lru"``/``"arc"``, or a class of ``module_path``) and ``capacity``
+    chunks, every request served by :func:`serve_request` (block id ``b`` is ``keys[b]``)."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(
+        num_chunks=capacity, cache_policy=policy, cache_policy_module_path=module_path
+    )
+    hits = total = 0
+    for i, ids in enumerate(requests):
+        hits += serve_request(manager, [keys[b] for b in ids], f"req-{i}")
+        total += len(ids)
+    return hits / max(total, 1)
