@@ -35,7 +35,8 @@ test: $(STAMP)
 KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
 VLLM_REQS := requirements/vllm-plugin.txt
 VLLM_STAMP := $(VENV)/.vllm-plugin-installed
-VLLM_TESTS := tests/test_vllm_policies.py tests/test_vllm_tiers.py tests/test_vllm_spec.py
+VLLM_TESTS := tests/test_vllm_policies.py tests/test_vllm_tiers.py tests/test_vllm_spec.py \
+	tests/test_vllm_connector.py
 
 vllm-setup: $(VLLM_STAMP)
 
