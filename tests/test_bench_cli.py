@@ -105,6 +105,28 @@ def test_compare_on_every_dataset(
         assert results[1]["stats"]["offload_loaded_blocks"] > 0
 
 
+def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A host tier of 12 blocks (half a prefix set) in front of a disk tier: the disk row gets promotions, and each
+    run's fresh directory is removed afterwards."""
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    disk = tmp_path / "disk"
+    out_json = tmp_path / "out.json"
+    flags = [*COMMON, *args, "--kv-offloading-size", str(12 * 2048 / 2**30),
+             "--kv-disk-path", str(disk), "--kv-disk-size", "0.01", "--compare",
+             "--output-json", str(out_json)]  # fmt: skip
+    assert main(flags) == 0
+    stdout, _ = capsys.readouterr()
+    labels = ["no offloading", "offloading", "offloading + disk", "unlimited device cache"]
+    assert [f"== {label} ==" for label in labels] == re.findall(
+        r"^== (?!comparison).* ==$", stdout, re.M
+    )
+    assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["label"] for r in results] == labels
+    assert results[2]["stats"]["offload_tier_promoted_blocks"] > 0
+    assert list(disk.iterdir()) == []
+
+
 def test_with_kv_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Events published over ZMQ during the benchmark (no subscriber) change nothing it reports."""
     args, _ = _dataset_args("prefix_repetition", tmp_path)
@@ -149,6 +171,22 @@ BAD_FLAGS = {
     ),
     "zero device blocks": (["--num-device-blocks", "0"], "num_device_blocks"),
     "zero repeats": (["--repeats", "0"], "repeats"),
+    "disk path is a file": (["--kv-disk-path", __file__, "--kv-disk-size", "1"], "kv_disk_path"),
+    "zero disk size": (
+        ["--kv-disk-path", str(Path(__file__).parent), "--kv-disk-size", "0"],
+        "kv_disk_size",
+    ),
+    "unknown cascade": (
+        [
+            "--kv-disk-path",
+            str(Path(__file__).parent),
+            "--kv-disk-size",
+            "1",
+            "--kv-tier-cascade",
+            "never",
+        ],
+        "kv_tier_cascade",
+    ),
     # every run's configuration is checked before the first run starts
     "negative host tier with --compare": (
         ["--kv-offloading-size", "-1", "--compare"],

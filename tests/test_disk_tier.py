@@ -8,13 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-
-from kvoffload.base import LookupResult, ReqContext
-from kvoffload.errors import ConfigError
-from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
-from kvoffload.tiers.diskfiles import file_bytes
-from kvoffload.tiers.factory import validate_disk_settings
 from tier_cases import (
     BLOCK_BYTES,
     dir_bytes,
@@ -27,6 +20,13 @@ from tier_cases import (
     tier_file,
     wait_jobs,
 )
+
+from kvoffload.base import LookupResult, ReqContext
+from kvoffload.errors import ConfigError
+from kvoffload.tiers import TierJob
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.diskfiles import file_bytes
+from kvoffload.tiers.factory import validate_disk_settings
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)
@@ -121,7 +121,9 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, pool)
     try:
         assert tier.lookup(key(5), CTX) is LookupResult.MISS  # another namespace
-        foreign = tier_file(tmp_path / "kvoffload-v1" / layout("other-model").fingerprint().hex(), key(5))
+        foreign = tier_file(
+            tmp_path / "kvoffload-v1" / layout("other-model").fingerprint().hex(), key(5)
+        )
         mine = tier._files.path_of(key(5))
         mine.parent.mkdir(parents=True, exist_ok=True)
         os.link(foreign, mine)
@@ -330,3 +332,31 @@ def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
         locked.mkdir(mode=0o500)
         with pytest.raises(ConfigError, match="kv_disk_path"):
             validate_disk_settings(locked / "tier", 1.0)
+
+
+def _page_aligned_pool(num_slots: int, block_bytes: int) -> memoryview:
+    import mmap
+
+    buf = mmap.mmap(-1, num_slots * block_bytes)  # page aligned
+    return memoryview(buf).cast("B", (num_slots, block_bytes))
+
+
+def test_o_direct_round_trip(tmp_path: Path) -> None:
+    pool = _page_aligned_pool(4, 4096)
+    data = fill_slot(pool, 0, seed=11)
+    lay = layout(block_bytes=4096)
+    try:
+        tier = DiskTier(pool, lay, tmp_path, 1 << 20, o_direct=True, rescan_interval=0)
+    except ConfigError as exc:  # a filesystem without O_DIRECT: refused cleanly
+        pytest.skip(str(exc))
+    try:
+        assert store(tier, 1, [key(1)], [0]) == {}
+        assert load(tier, 2, [key(1)], [3]) == {}
+        assert slot_bytes(pool, 3) == data
+    finally:
+        tier.close()
+
+
+def test_o_direct_needs_aligned_blocks(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="kv_disk_o_direct"):
+        DiskTier(_page_aligned_pool(4, 2048), layout(), tmp_path, 1 << 20, o_direct=True)

@@ -78,6 +78,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.stored: set[bytes] = set()  # reported stored at least once (may be evicted since)
         self.pins: Counter[bytes] = Counter()  # keys read by unreported loads
         self.damaged: set[bytes] = set()
+        self.writes: dict[int, list[bytes]] = {}  # store job -> keys it writes (absent at submit)
 
     def teardown(self) -> None:
         self.tier.close()
@@ -100,6 +101,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         for k, slot in zip(keys, job.slots, strict=True):
             write_slot(self.pool, slot, content(k))
         self.tier.submit_store(job, self.ctx)
+        self.writes[job.job_id] = new
         for k in new:
             self.pending[k] += 1
             # A key being written is never readable before its write completed (invariant 1).
@@ -149,12 +151,12 @@ class DiskTierMachine(RuleBasedStateMachine):
             assert result.is_store == is_store
             assert set(result.failed_keys) <= set(keys)
             if is_store:
-                for k in dict.fromkeys(keys):
-                    if self.pending[k]:
-                        self.pending[k] -= 1
+                written = self.writes.pop(result.job_id)
+                for k in written:
+                    self.pending[k] -= 1
                     if k not in result.failed_keys:
                         self.stored.add(k)
-                        self.damaged.discard(k)
+                        self.damaged.discard(k)  # a fresh file (held keys are skipped)
             else:
                 for k, slot in zip(keys, slots, strict=True):
                     self.pins[k] -= 1

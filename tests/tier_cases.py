@@ -58,12 +58,17 @@ def tier_file(root: Path, k: OffloadKey) -> Path:
 
 
 def dir_bytes(root: Path) -> int:
-    """Bytes the tier's files take: block files and ledger, as the bound counts them."""
-    total = 0
+    """Bytes the tier's files take on disk: block files, temporaries and ledger in whole 4 KiB
+    blocks, each file once (a file being published has two names for an instant)."""
+    sizes: dict[int, int] = {}
     for path in root.rglob("*"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:  # removed while we looked
+            continue
         if path.is_file():
-            total += -(-path.stat().st_size // 4096) * 4096
-    return total
+            sizes[st.st_ino] = -(-st.st_size // 4096) * 4096
+    return sum(sizes.values())
 
 
 @contextmanager

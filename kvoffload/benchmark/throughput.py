@@ -148,6 +148,15 @@ def format_result(r: ThroughputResult) -> str:
             f"{int(s['offload_failed_loads'])} failed loads, {int(s['offload_failed_stores'])} failed stores, "
             f"{int(s['offload_rejected_stores'])} stores refused (tier full)",
         ]
+    if "offload_tier_disk_stored_blocks" in s:
+        lines.append(
+            f"Disk tier: {int(s['offload_tier_disk_stored_blocks'])} blocks written, "
+            f"{int(s['offload_tier_promoted_blocks'])} promoted to the host tier "
+            f"({int(s['offload_tier_failed_promotion_blocks'])} failed, "
+            f"{int(s['offload_tier_refused_promotion_blocks'])} refused), "
+            f"{int(s['offload_tier_disk_evicted_blocks'])} evictions, "
+            f"{int(s['offload_retries'])} deferred lookups"
+        )
     return "\n".join(lines)
 
 

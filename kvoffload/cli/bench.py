@@ -4,8 +4,12 @@ in :mod:`kvoffload.cli.trace`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +100,23 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--kv-offloading-backend", default="native")
     p.add_argument("--eviction-policy", default="lru")
+    p.add_argument(
+        "--kv-disk-path",
+        default=None,
+        help="a disk tier behind the host tier in this directory (--compare: a fresh "
+        "subdirectory per run, removed after it; otherwise the directory itself, kept)",
+    )
+    p.add_argument("--kv-disk-size", type=float, default=0.0, help="disk tier size in GiB")
+    p.add_argument(
+        "--kv-disk-eviction-policy",
+        default=None,
+        help="the disk tier's eviction policy (default: --eviction-policy)",
+    )
+    p.add_argument(
+        "--kv-tier-cascade",
+        default="write_through",
+        help="write_through or on_evict: when host blocks are copied to the disk tier",
+    )
     p.add_argument("--store-policy", default="on_compute")
     p.add_argument(
         "--store-threshold",
@@ -183,6 +204,22 @@ def _model_config(model: str) -> Any:
         raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from exc
 
 
+@contextlib.contextmanager
+def _disk_directory(kwargs: dict[str, Any], fresh: bool) -> Iterator[dict[str, Any]]:
+    """``kwargs`` for one run: with ``fresh``, its disk tier gets an empty subdirectory of
+    ``kv_disk_path`` (removed afterwards), so no run starts warm from another's blocks."""
+    path = kwargs.get("kv_disk_path")
+    if path is None or not fresh:
+        yield kwargs
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=path)
+    try:
+        yield {**kwargs, "kv_disk_path": run_dir}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -223,9 +260,21 @@ def _run(args: argparse.Namespace) -> int:
         runs: list[tuple[str, dict[str, Any]]] = []
         if args.compare:
             runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
-        runs.append(
-            ("offloading", {**engine_kwargs, "kv_offloading_size": args.kv_offloading_size})
-        )
+        host_only = {**engine_kwargs, "kv_offloading_size": args.kv_offloading_size}
+        with_disk = {
+            **host_only,
+            "kv_disk_path": args.kv_disk_path,
+            "kv_disk_size": args.kv_disk_size,
+            "kv_disk_eviction_policy": args.kv_disk_eviction_policy,
+            "kv_tier_cascade": args.kv_tier_cascade,
+        }
+        if args.kv_disk_path is None:
+            runs.append(("offloading", host_only))
+        elif args.compare:
+            runs.append(("offloading", host_only))
+            runs.append(("offloading + disk", with_disk))
+        else:
+            runs.append(("offloading + disk", with_disk))
         if args.compare:
             ideal = {**engine_kwargs, "kv_offloading_size": 0.0}
             ideal["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
@@ -247,7 +296,8 @@ def _run(args: argparse.Namespace) -> int:
         best: dict[str, Any] = {}
         for repeat in range(args.repeats):  # interleaved (ABC ABC), so drift hits every config
             for label, kwargs in runs:
-                result = run_throughput(requests, label, kwargs, bar)
+                with _disk_directory(kwargs, fresh=args.compare) as run_kwargs:
+                    result = run_throughput(requests, label, run_kwargs, bar)
                 all_runs.append(result)
                 if label not in best or result.elapsed_s < best[label].elapsed_s:
                     best[label] = result

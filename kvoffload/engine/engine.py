@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvoffload.base import OffloadingManager
@@ -369,9 +369,9 @@ class Engine:
         if not plan.scheduled and worker is not None:
             # Nothing to compute: wait for a transfer (a load to resume, a store whose blocks are
             # held) instead of spinning; returns at once when none is in flight.
-            if not worker.wait_for_any(timeout=0.05) and self.tiering is not None:
-                if self.tiering.num_background_jobs():
-                    time.sleep(0.001)  # a promotion or cascade on a tier's threads: yield
+            landed = worker.wait_for_any(timeout=0.05)
+            if not landed and self.tiering is not None and self.tiering.num_background_jobs():
+                time.sleep(0.001)  # a promotion or cascade on a tier's threads: yield
         finished, self._finished = self._finished, []
         return finished
 

@@ -24,8 +24,8 @@ exchange blocks with host slots only. Behind the unchanged :class:`OffloadingMan
   the secondary tier names a request may promote from / cascade to (default: all).
 
 Background work is batched per step: lookups and completed host stores only queue jobs;
-:meth:`step_end` submits them (one job per tier and request), :meth:`step_begin` applies the
-tiers' finished jobs. Events: the host's (medium ``CPU``) and each tier's (``STORAGE`` with its
+:meth:`step_end` submits them (one job per tier and request), :meth:`step_begin` and
+:meth:`step_end` apply the tiers' finished jobs (never blocking). Events: the host's (medium ``CPU``) and each tier's (``STORAGE`` with its
 locality), in that order.
 """
 
@@ -247,9 +247,7 @@ class TieringOffloadingManager(OffloadingManager):
         for i in tiers:
             tier_lookup = self.tiers[i].lookup
             wanted = [
-                k
-                for k in keys
-                if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) is _MISS
+                k for k in keys if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) is _MISS
             ]
             if not wanted:
                 continue
@@ -269,6 +267,11 @@ class TieringOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ per step
 
     def step_begin(self) -> None:
+        self._apply_finished()
+
+    def _apply_finished(self) -> None:
+        """Apply the tiers' finished jobs: promotions become readable (or are freed), cascades
+        unpin their host slots."""
         host, jobs, counters = self.host, self._jobs, self._counters
         for tier in self.tiers:
             for result in tier.get_finished_jobs():
@@ -295,6 +298,9 @@ class TieringOffloadingManager(OffloadingManager):
                     counters["failed_cascade_blocks"] += len(failed)
 
     def step_end(self) -> None:
+        # Jobs that finished during the step unpin their host slots first, so this step's
+        # promotions find the room the cascades held.
+        self._apply_finished()
         self._step += 1
         for i, queue in enumerate(self._promote_queue):
             if queue:

@@ -18,8 +18,9 @@ Design choices where vLLM has known problems:
   concurrent readers); blocks still being written (``HIT_PENDING``) end the hit, and the rest is
   recomputed. With a tiering manager a lookup may answer ``RETRY`` (a block is being promoted
   from a secondary tier into the host): ``get_num_new_matched_tokens`` then answers ``None`` and
-  the engine asks again next step, for at most ``max_lookup_retry_seconds`` per request, after
-  which the request takes the prefix it has (``retry_timeouts``).
+  the engine asks again next step, until ``max_lookup_retry_seconds`` and
+  ``min_lookup_retries`` asks have both passed for the request; then it takes the prefix it has
+  (``retry_timeouts``).
 * **Failures degrade** (vLLM #52838). A failed load is reported in ``ConnectorUpdate.failed_loads``
   and the engine recomputes; a failed store frees what it prepared. Nothing asserts on a result.
 * **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
@@ -200,8 +201,9 @@ class OffloadingConnectorScheduler:
 
         Whole offloaded blocks only; never the last prompt token (the engine needs its logits).
         ``None`` when not known yet (a block answered ``RETRY``: being promoted from a secondary
-        tier): the engine defers the request and asks again next step; after
-        ``max_lookup_retry_seconds`` of deferral the answer is the prefix that is ready. Touches
+        tier): the engine defers the request and asks again next step; once its retry budget is
+        spent (``max_lookup_retry_seconds`` and ``min_lookup_retries``, both) the answer is the
+        prefix that is ready. Touches
         the request's blocks in the tier once answered.
         """
         state = self._requests.get(request.request_id)
@@ -237,9 +239,14 @@ class OffloadingConnectorScheduler:
         """Whether a ``RETRY`` may still defer the request (its retry budget is not spent)."""
         now = time.monotonic()
         if state.retry_since is None:
-            state.retry_since = now
+            state.retry_since, state.retry_count = now, 0
             return True
-        if now - state.retry_since <= self.config.max_lookup_retry_seconds:
+        state.retry_count += 1
+        config = self.config
+        if (
+            state.retry_count <= config.min_lookup_retries
+            or now - state.retry_since <= config.max_lookup_retry_seconds
+        ):
             return True
         self._counters["retry_timeouts"] += 1
         return False

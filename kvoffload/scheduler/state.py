@@ -76,13 +76,20 @@ class SchedulerOffloadConfig:
     hash_block_size: int
     num_workers: int = 1
     store_policy: str = "on_compute"
-    #: How long one request may be deferred by RETRY lookups before it takes the prefix it has.
+    #: How long one request may be deferred by RETRY lookups before it takes the prefix it has:
+    #: until both this many seconds and :attr:`min_lookup_retries` asks have passed (seconds
+    #: alone would give up after one step on a slow engine; asks alone, at once on an idle one).
     max_lookup_retry_seconds: float = 2.0
+    min_lookup_retries: int = 4
 
     def __post_init__(self) -> None:
         if not self.max_lookup_retry_seconds >= 0:
             raise ConfigError(
                 "max_lookup_retry_seconds", f"must be >= 0, got {self.max_lookup_retry_seconds!r}"
+            )
+        if self.min_lookup_retries < 0:
+            raise ConfigError(
+                "min_lookup_retries", f"must be >= 0, got {self.min_lookup_retries!r}"
             )
         if not self.groups:
             raise ConfigError("groups", "at least one KV-cache group is required")
@@ -163,8 +170,9 @@ class RequestKVState:
     num_hashes_seen: int = 0  # len(request.block_hashes) at the last update_offload_keys
     #: Whether get_num_new_matched_tokens has answered (not None) for this request yet.
     answered: bool = False
-    #: When the current run of RETRY answers began (monotonic seconds), or None.
+    #: When the current run of RETRY answers began (monotonic seconds), or None, and its length.
     retry_since: float | None = None
+    retry_count: int = 0
 
     def __post_init__(self) -> None:
         if not self.group_states:

@@ -24,6 +24,7 @@ moves payloads with ``os.preadv``/``os.pwritev`` straight to and from the host p
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -181,10 +182,8 @@ class DiskTier(SecondaryTier):
             else:
                 extra.append(path)
         for sub in self._seen:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._dir_mtimes[sub] = os.stat(sub).st_mtime
-            except FileNotFoundError:
-                pass
         # Files beyond the bound (a directory written with a larger size) are removed now.
         for path in extra:
             try:
@@ -192,6 +191,8 @@ class DiskTier(SecondaryTier):
                 on_disk -= fb
             except FileNotFoundError:
                 pass
+        # Writes in progress elsewhere hold reservations: keep them counted.
+        on_disk += self._files.fresh_temporaries * fb
         self._ledger.reconcile(on_disk)
         self._ledger_seen = self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)
@@ -223,7 +224,9 @@ class DiskTier(SecondaryTier):
         # Room: the local index and the shared directory (as last seen) must both take the keys.
         need_local = len(policy) + len(todo) - self.capacity_blocks
         new_bytes = len(todo) * fb
-        need_dir = -(-(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb)
+        need_dir = -(
+            -(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb
+        )
         need = max(0, need_local, need_dir)
         victims: list[Path] = []
         if need:
@@ -451,10 +454,8 @@ class DiskTier(SecondaryTier):
             except CorruptBlockError as exc:
                 failed[key] = exc.cause
                 logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
-                try:
+                with contextlib.suppress(OSError):
                     self._ledger_seen = self._ledger.remove(files.path_of(key), self.file_bytes)
-                except OSError:
-                    pass
             except OSError as exc:
                 failed[key] = "io"
                 logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)
@@ -551,7 +552,5 @@ def _check_o_direct(namespace: Path, pool: memoryview, block_bytes: int) -> None
             "kv_disk_o_direct", f"the filesystem of {str(namespace)!r} refuses O_DIRECT: {exc}"
         ) from exc
     finally:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             probe.unlink()
-        except FileNotFoundError:
-            pass

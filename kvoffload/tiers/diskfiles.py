@@ -16,8 +16,10 @@ Every function here runs on the tier's I/O threads, never on the scheduler threa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import struct
@@ -175,7 +177,9 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
-        self._tmp_counter = 0
+        self._tmp_ids = itertools.count()
+        #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
+        self.fresh_temporaries = 0  # next() is atomic: unique names across I/O threads
 
     def path_of(self, key: OffloadKey) -> Path:
         name = key.hex()
@@ -203,8 +207,7 @@ class BlockFiles:
         payload = self._slot(slot)
         header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
         final = self.path_of(key)
-        self._tmp_counter += 1
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{self._tmp_counter}.tmp")
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
@@ -228,10 +231,8 @@ class BlockFiles:
         finally:
             if head_buf is not None:
                 head_buf.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            except FileNotFoundError:
-                pass
 
     def _open_new(self, tmp: Path) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
@@ -274,7 +275,9 @@ class BlockFiles:
         verify_payload(header, payload)
 
     def scan(self) -> Iterator[tuple[OffloadKey, Path]]:
-        """Every complete block file of the namespace; stale temporary files are deleted."""
+        """Every complete block file of the namespace; stale temporary files are deleted, fresh
+        ones (writes in progress in other processes) counted in :attr:`fresh_temporaries`."""
+        self.fresh_temporaries = 0
         now = time.time()
         try:
             subdirs = list(os.scandir(self.namespace))
@@ -302,6 +305,8 @@ class BlockFiles:
                 try:
                     if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
                         os.unlink(entry.path)
+                    else:
+                        self.fresh_temporaries += 1
                 except FileNotFoundError:
                     pass
 

@@ -1,0 +1,101 @@
+"""Asynchronous answers in the scheduler-side connector: a lookup answered ``RETRY`` (a block being
+promoted from the disk tier) makes ``get_num_new_matched_tokens`` answer ``None`` until the
+promotion lands, a second request joins the promotion instead of starting another, and the
+retry budget bounds the wait. Real connector, real tiering manager, real disk tier."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from fake_engine import FakeRequest, single_group
+from tier_cases import host_pool, layout, wait_jobs
+
+from kvoffload import BlockHasher, CPUOffloadingManager
+from kvoffload.keys import make_offload_key
+from kvoffload.managers.tiering import TieringOffloadingManager
+from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOutput
+from kvoffload.tiers import TierJob
+from kvoffload.tiers.disk import DiskTier
+
+BLOCK = 4
+HASHER = BlockHasher(BLOCK)
+PROMPT = list(range(1, 25))  # 6 blocks; the last token is never loaded: 5 blocks can be
+
+
+def request(req_id: str) -> FakeRequest:
+    return FakeRequest(req_id, PROMPT, 2, None, HASHER, 1, 0)
+
+
+def setup(tmp_path: Path, retry_seconds: float = 60.0, min_retries: int = 4):
+    pool = host_pool(16)
+    disk = DiskTier(pool, layout(), tmp_path, 1 << 20, rescan_interval=0)
+    keys = [make_offload_key(h) for h in request("x").block_hashes[:5]]
+    disk.submit_store(TierJob(10_000, keys, list(range(5))))
+    assert all(r.success for r in wait_jobs(disk))
+    manager = TieringOffloadingManager(CPUOffloadingManager(16), [disk])
+    config = dataclasses.replace(
+        single_group(BLOCK), max_lookup_retry_seconds=retry_seconds, min_lookup_retries=min_retries
+    )
+    return OffloadingConnectorScheduler(config, manager), manager, disk
+
+
+def step(connector: OffloadingConnectorScheduler, disk: DiskTier) -> None:
+    """One engine step's hooks, with the disk tier's I/O finished in between (deterministic)."""
+    connector.build_connector_meta(SchedulerOutput())
+    disk.drain_jobs()
+    connector.update_connector_output([])
+
+
+def test_promotion_answers_none_then_the_full_hit(tmp_path: Path) -> None:
+    connector, manager, disk = setup(tmp_path)
+    try:
+        first, second = request("a"), request("b")
+        assert connector.get_num_new_matched_tokens(first, 0) == (None, False)
+        # The second request wants the same blocks: it joins the promotion in flight.
+        assert connector.get_num_new_matched_tokens(second, 0) == (None, False)
+        step(connector, disk)
+        assert connector.get_num_new_matched_tokens(first, 0) == (5 * BLOCK, True)
+        assert connector.get_num_new_matched_tokens(second, 0) == (5 * BLOCK, True)
+        stats = connector.stats()
+        assert stats["retries"] == 2 and stats["retry_timeouts"] == 0
+        assert stats["tier_promoted_blocks"] == 5
+        assert stats["tier_disk_loaded_blocks"] == 5  # one promotion, not two
+        manager.check_invariants()
+    finally:
+        manager.close()
+
+
+def test_the_retry_budget_bounds_the_wait(tmp_path: Path) -> None:
+    connector, manager, disk = setup(tmp_path, retry_seconds=0.0, min_retries=3)
+    try:
+        req = request("a")
+        answers = [connector.get_num_new_matched_tokens(req, 0) for _ in range(4)]
+        for _ in range(1000):  # the monotonic clock must move past the budget of 0 s
+            if answers[-1][0] is not None:
+                break
+            answers.append(connector.get_num_new_matched_tokens(req, 0))
+        assert answers[:4] == [(None, False)] * 4  # the first ask and three retries
+        assert answers[-1] == (0, False)  # nothing had landed: it takes what is ready
+        assert connector.stats()["retry_timeouts"] == 1
+        step(connector, disk)  # the promotion still lands, for whoever comes next
+        assert connector.get_num_new_matched_tokens(request("b"), 0) == (5 * BLOCK, True)
+    finally:
+        manager.close()
+
+
+def test_a_failed_promotion_means_recompute(tmp_path: Path) -> None:
+    connector, manager, disk = setup(tmp_path)
+    try:
+        for path in tmp_path.rglob("*.kvb"):
+            path.write_bytes(b"garbage")
+        req = request("a")
+        assert connector.get_num_new_matched_tokens(req, 0) == (None, False)
+        step(connector, disk)
+        assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        stats = connector.stats()
+        assert stats["tier_failed_promotion_blocks"] == 5
+        assert stats["tier_disk_failed_load_corrupt"] == 5
+        manager.check_invariants()
+    finally:
+        manager.close()
