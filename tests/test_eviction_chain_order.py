@@ -27,7 +27,9 @@ def keys(prefix: str, n: int) -> list[OffloadKey]:
     return [make_offload_key(f"{prefix}{i}".encode()) for i in range(n)]
 
 
-def serve(manager: CPUOffloadingManager, chain: Sequence[OffloadKey], name: str) -> list[OffloadKey]:
+def serve(
+    manager: CPUOffloadingManager, chain: Sequence[OffloadKey], name: str
+) -> list[OffloadKey]:
     """One request that stores ``chain`` and finishes; return what its store evicted."""
     ctx = ReqContext(name)
     out = manager.prepare_store(chain, ctx)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvoffload import ReqContext
 from kvoffload.eviction import (
+    AdaptivePolicy,
     ARCPolicy,
     EvictionPolicy,
     LRUPolicy,
@@ -160,6 +161,10 @@ class TestARCContract(PolicyContract):
 
 class TestS3FIFOContract(PolicyContract):
     name = "s3fifo"
+
+
+class TestAdaptiveContract(PolicyContract):
+    name = "adaptive"
 
 
 class TestPrefixContract(PolicyContract):
@@ -372,6 +377,62 @@ class TestS3FIFOOrder:
             fill(p, K[i : i + 3])
             assert p.evict(3, ()) is not None
             assert len(p._ghost) <= 3
+
+
+# ------------------------------------------------------------------------------------- adaptive
+
+
+class TestAdaptiveOrder:
+    def test_the_history_is_longer_than_the_tier(self) -> None:
+        """S3-FIFO forgets a key after ``capacity`` later one-hit wonders; ``adaptive`` remembers
+        ``history_factor`` x ``capacity`` of them, so a block that comes back after that many new
+        blocks still enters main."""
+        for name, expected in (("s3fifo", "small"), ("adaptive", "main")):
+            p = create_eviction_policy(name, 4)
+            fill(p, [K[0]])
+            for i in range(1, 9):  # 8 newer blocks pass through, each evicting the oldest
+                assert p.evict(1, ()) is not None
+                fill(p, [K[i]])
+            assert K[0] not in p
+            fill(p, [K[0]])
+            assert K[0] in getattr(p, f"_{expected}"), name
+
+    def test_the_history_is_bounded(self) -> None:
+        p = AdaptivePolicy(3, history_factor=2)
+        for i in range(0, 60, 3):
+            fill(p, K[i : i + 3])
+            assert p.evict(3, ()) is not None
+            assert len(p._ghost) <= 6 and len(p._main_ghost) <= 3
+            p.check_invariants()
+
+    def test_a_key_that_a_larger_small_would_have_kept_grows_it(self) -> None:
+        p = AdaptivePolicy(512, initial_small=2 / 512)  # small target 2, step 1
+        fill(p, K[:3])
+        assert [k for k, _ in p.evict(1, ()) or []] == [K[0]]  # small holds 3 >= 2: K0 leaves
+        fill(p, [K[0]])  # it left 1 eviction ago, < target 2: a larger small would have hit
+        assert p.small_target == 3.0 and K[0] in p._main
+
+    def test_a_key_that_a_larger_main_would_have_kept_shrinks_small(self) -> None:
+        p = AdaptivePolicy(512, initial_small=4 / 512)  # small target 4, step 1
+        fill(p, K[:2])
+        p.touch(K[:2], ctx("reuse"))
+        p.small_target = 1.0
+        assert p.evict(2, ()) is not None  # both promoted to main... then evicted from it
+        p.small_target = 4.0
+        assert list(p._main_ghost) == [K[0], K[1]]
+        fill(p, [K[1]])  # left main 0 evictions ago, < target 4
+        assert p.small_target == 3.0 and K[1] in p._main and not p._main_ghost.get(K[1])
+
+    def test_a_key_list_touched_twice_by_a_request_counts_once(self) -> None:
+        p = AdaptivePolicy(8)
+        fill(p, K[:2])
+        c = ctx()
+        chain = K[:2]
+        p.touch(chain, c)
+        p.touch(chain, c)  # the scheduler re-touches the same list every step
+        assert p._small[K[0]] == 1
+        p.touch(chain, ctx("another request"))
+        assert p._small[K[0]] == 2
 
 
 # -------------------------------------------------------------------------------------- prefix

@@ -55,9 +55,7 @@ def parse_trace(lines: Sequence[str], source: str) -> list[list[int]]:
             raise ConfigError(
                 "dataset_path", f"{source}:{line_no}: not a JSON object with 'hash_ids' ({exc})"
             ) from None
-        if not isinstance(ids, list) or not all(
-            type(i) is int and 0 <= i < 1 << 63 for i in ids
-        ):
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < 1 << 63 for i in ids):
             raise ConfigError(
                 "dataset_path",
                 f"{source}:{line_no}: 'hash_ids' must be a list of integers in [0, 2**63)",

@@ -191,11 +191,19 @@ def format_trace(name: str, result: dict[str, Any]) -> str:
     if base is not None:
         lines += ["", "ratio to lru"]
         for policy, row in result["policies"].items():
-            lines.append(_row(policy, [r / b if b else float("nan") for r, b in zip(row, base)], ".2f"))
+            lines.append(
+                _row(
+                    policy,
+                    [r / b if b else float("nan") for r, b in zip(row, base, strict=True)],
+                    ".2f",
+                )
+            )
         if "belady" in result:
             lines += ["", "share of the LRU -> Belady gap closed"]
             for policy, row in result["policies"].items():
-                shares = [gap_closed(r, b, o) for r, b, o in zip(row, base, result["belady"])]
+                shares = [
+                    gap_closed(r, b, o) for r, b, o in zip(row, base, result["belady"], strict=True)
+                ]
                 lines.append(_row(policy, shares, ".2f"))
     return "\n".join(lines)
 
@@ -211,7 +219,7 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     cols = min(3, n)
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
-    for ax, (name, result) in zip(axes.flat, results.items()):
+    for ax, (name, result) in zip(axes.flat, results.items(), strict=False):
         capacities = result["capacities"]
         if "infinite" in result:
             ax.plot(capacities, [result["infinite"]] * len(capacities), "k--", label="infinite")

@@ -1,5 +1,6 @@
 """Eviction policies for offloading tiers, registered by name (``--eviction-policy``)."""
 
+from kvoffload.eviction.adaptive import AdaptivePolicy
 from kvoffload.eviction.arc import ARCPolicy
 from kvoffload.eviction.base import (
     ENTRY_POINT_GROUP,
@@ -16,6 +17,7 @@ from kvoffload.eviction.s3fifo import S3FIFOPolicy
 __all__ = [
     "ENTRY_POINT_GROUP",
     "ARCPolicy",
+    "AdaptivePolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "OffloadedBlock",

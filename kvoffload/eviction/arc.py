@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 
@@ -11,6 +12,7 @@ from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_evi
 from kvoffload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]
+
 
 def _next_evictable(
     scan: Iterator[tuple[OffloadKey, OffloadedBlock]], protected: Container[OffloadKey]
@@ -84,7 +86,7 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         seen = keys_seen_by(ctx, self)
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        t1, t2 = self._t1, self._t2
         for key in reversed(keys):
             if key in seen:
                 continue
@@ -99,9 +101,15 @@ class ARCPolicy(EvictionPolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+    def request_finished(
+        self,
+        touched: Sequence[Sequence[OffloadKey]],
+        stored: Sequence[Sequence[OffloadKey]],
+        ctx: ReqContext,
+    ) -> None:
         t1, t2 = self._t1, self._t2
-        for keys in reversed(uses):  # the earliest use (the whole chain, touched) is walked last
+        # The stored runs first, then the touched chains (the whole request, head last).
+        for keys in itertools.chain(reversed(stored), reversed(touched)):
             for key in reversed(keys):
                 if key in t1:
                     t1.move_to_end(key)

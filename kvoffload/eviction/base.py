@@ -111,14 +111,20 @@ class EvictionPolicy(ABC):
         """
         return keys
 
-    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+    def request_finished(  # noqa: B027 - optional hook
+        self,
+        touched: Sequence[Sequence[OffloadKey]],
+        stored: Sequence[Sequence[OffloadKey]],
+        ctx: ReqContext,
+    ) -> None:
         """The request of ``ctx`` ended: commit its use of the keys it touched and stored.
 
-        ``uses`` lists, in call order, every key sequence the request passed to ``touch`` and every
-        run of keys it had stored (each in prefix order, head first); keys may repeat and some may
-        no longer be held. A policy where recency matters orders them so that, within the chain,
-        the tail leaves first and the head last. Default: nothing. The manager records ``uses``
-        only for policies that override this.
+        ``touched`` lists every distinct key sequence the request passed to ``touch``, ``stored``
+        every run of keys its ``prepare_store`` calls inserted, each in call order and each
+        sequence in prefix order (head first); keys may repeat and some may no longer be held. A
+        policy where order matters arranges them so that, within the chain, the tail leaves first
+        and the head last. Default: nothing. The manager records these only for policies that
+        override this method.
         """
 
     def check_invariants(self) -> None:  # noqa: B027 - optional hook

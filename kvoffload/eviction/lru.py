@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 
@@ -53,10 +54,16 @@ class LRUPolicy(EvictionPolicy):
             if key in blocks:  # a membership test: cheaper than catching KeyError for absent keys
                 move(key)
 
-    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
+    def request_finished(
+        self,
+        touched: Sequence[Sequence[OffloadKey]],
+        stored: Sequence[Sequence[OffloadKey]],
+        ctx: ReqContext,
+    ) -> None:
         blocks = self._blocks
         move = blocks.move_to_end
-        for keys in reversed(uses):  # the earliest use (the whole chain, touched) is walked last
+        # The stored runs first, then the touched chains (the whole request, head last).
+        for keys in itertools.chain(reversed(stored), reversed(touched)):
             for key in reversed(keys):
                 if key in blocks:
                     move(key)

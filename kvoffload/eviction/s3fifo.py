@@ -29,9 +29,10 @@ class S3FIFOPolicy(EvictionPolicy):
       enters ``small``. Frequency 0.
     * ``touch``: each key once per request (so a block's own store-and-touch is one use):
       frequency ``+1``, capped at 3. No reordering: FIFOs move only on eviction.
-    * ``request_finished``: the request's keys that are still in ``small``, walked tail to head,
-      move to its new end, so that a chain enters ``small`` as if stored tail first and leaves it
-      tail first (its head, which every hit on the chain needs, last).
+    * ``request_finished``: the keys the request stored, walked tail to head, that are still in
+      ``small``, or in ``main`` unused since they entered it (frequency 0: stored from the ghost),
+      move to the new end of their FIFO, so that a chain leaves tail first (its head, which every
+      hit on the chain needs, last).
     * Eviction rule, per victim: if ``small`` holds at least its target, pop ``small``'s oldest
       block: used again (frequency >= 1) -> move it to the new end of ``main`` with frequency 0
       and continue; else, if evictable, it is the victim and its key enters ``ghost`` (a one-hit
@@ -89,12 +90,19 @@ class S3FIFOPolicy(EvictionPolicy):
                 if freq is not None and freq < _MAX_FREQ:
                     main[key] = freq + 1
 
-    def request_finished(self, uses: Sequence[Sequence[OffloadKey]], ctx: ReqContext) -> None:
-        small = self._small
-        for keys in reversed(uses):  # the earliest use (the whole chain, touched) is walked last
+    def request_finished(
+        self,
+        touched: Sequence[Sequence[OffloadKey]],
+        stored: Sequence[Sequence[OffloadKey]],
+        ctx: ReqContext,
+    ) -> None:
+        small, main = self._small, self._main
+        for keys in reversed(stored):
             for key in reversed(keys):
                 if key in small:
                     small.move_to_end(key)
+                elif main.get(key) == 0:
+                    main.move_to_end(key)
 
     def evict(
         self, n: int, protected: Container[OffloadKey]

@@ -124,9 +124,9 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys, ctx)
         if self._commit is not None and keys:
-            uses = uses_recorded_by(ctx, self)
-            if not uses or uses[-1] is not keys:  # the scheduler re-touches one list every step
-                uses.append(keys)
+            touched = uses_recorded_by(ctx, self).touched
+            if not any(seq is keys for seq in touched):  # the scheduler re-touches one list
+                touched.append(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         blocks = list(map(self._get, keys))
@@ -189,7 +189,7 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt = PENDING
             insert(key, block)
         if self._commit is not None:
-            uses_recorded_by(ctx, self).append(to_store)
+            uses_recorded_by(ctx, self).stored.append(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted)
 
     def complete_store(
@@ -218,8 +218,8 @@ class CPUOffloadingManager(OffloadingManager):
         """Hand the policy what the request touched and stored, so that it commits that use."""
         if self._commit is not None:
             uses = take_uses(ctx, self)
-            if uses:
-                self._commit(uses, ctx)
+            if uses is not None:
+                self._commit(uses.touched, uses.stored, ctx)
 
     def take_events(self) -> list[OffloadingEvent]:
         events = self._events
