@@ -38,6 +38,7 @@ POLICIES = (
     ("KVOffloadARC", "ours"),
     ("KVOffloadS3FIFO", "ours"),
     ("KVOffloadPrefix", "ours"),
+    ("KVOffloadAdaptive", "ours"),
 )
 
 
@@ -55,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     requests = load_trace(args.trace, args.limit)
     keys = block_keys(requests)
-    print(f"trace {Path(args.trace).name}: {len(requests)} requests, {sum(map(len, requests))} blocks")
+    print(
+        f"trace {Path(args.trace).name}: {len(requests)} requests, {sum(map(len, requests))} blocks"
+    )
     print("prefix-hit ratio inside vLLM 0.33's CPUOffloadingManager\n")
     width = 10
     print(f"{'policy':<24}" + "".join(f"{c:>{width}}" for c in capacities) + "   replay s")
@@ -78,7 +81,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\nratio to vLLM lru")
     for name, row in rows.items():
         label = name if dict(POLICIES)[name] else f"vLLM {name}"
-        print(f"{label:<24}" + "".join(f"{r / b if b else float('nan'):>{width}.2f}" for r, b in zip(row, rows["lru"], strict=True)))
+        print(
+            f"{label:<24}"
+            + "".join(
+                f"{r / b if b else float('nan'):>{width}.2f}"
+                for r, b in zip(row, rows["lru"], strict=True)
+            )
+        )
 
 
 if __name__ == "__main__":

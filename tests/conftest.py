@@ -24,7 +24,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     from vllm_cases import import_problem, installed_problem, skip_reason
 
     # Only what this run found out: importing vLLM just to report costs ~10 s.
-    problem = installed_problem() or (import_problem() if import_problem.cache_info().currsize else None)
+    problem = installed_problem() or (
+        import_problem() if import_problem.cache_info().currsize else None
+    )
     if problem is not None:
         terminalreporter.write_sep("!", skip_reason(problem), red=True, bold=True)
 

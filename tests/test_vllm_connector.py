@@ -106,7 +106,9 @@ class ConnectorHarness:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.attn"], ATTENTION)],
         )
-        self.connector = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        self.connector = OffloadingConnector(
+            vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config
+        )
         manager = self.connector.scheduler.manager
         assert isinstance(manager, KVOffloadManager)
         self.manager = manager
@@ -206,7 +208,9 @@ class ConnectorHarness:
 
 def kv_of(prefix: list[int]) -> np.ndarray:
     """The KV bytes the stand-in model computes for the last block of ``prefix``."""
-    rng = np.random.default_rng(xxhash.xxh64_intdigest(np.asarray(prefix, dtype=np.int64).tobytes()))
+    rng = np.random.default_rng(
+        xxhash.xxh64_intdigest(np.asarray(prefix, dtype=np.int64).tobytes())
+    )
     return rng.integers(0, 256, ATTENTION.page_size_bytes, dtype=np.uint8)
 
 

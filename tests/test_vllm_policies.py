@@ -33,7 +33,13 @@ UNIVERSE = vllm_keys(16)
 VLLM_POLICIES = [("lru", None), ("arc", None)]
 OUR_POLICIES = [
     (name, POLICY_MODULE)
-    for name in ("KVOffloadLRU", "KVOffloadARC", "KVOffloadS3FIFO", "KVOffloadPrefix")
+    for name in (
+        "KVOffloadLRU",
+        "KVOffloadARC",
+        "KVOffloadS3FIFO",
+        "KVOffloadPrefix",
+        "KVOffloadAdaptive",
+    )
 ]
 
 key_runs = st.lists(st.integers(0, len(UNIVERSE) - 1), min_size=1, max_size=5, unique=True)
@@ -100,7 +106,11 @@ class OpStream:
             m.complete_load(keys, ctx)
 
     def held_keys(self) -> set[bytes]:
-        return {k for k in UNIVERSE if self.manager.lookup(k, ReqContext("probe")) is not LookupResult.MISS}
+        return {
+            k
+            for k in UNIVERSE
+            if self.manager.lookup(k, ReqContext("probe")) is not LookupResult.MISS
+        }
 
     def check(self) -> None:
         held = self.held_keys()
@@ -204,8 +214,10 @@ def test_our_policies_beat_vllm_lru_on_a_multi_tenant_trace() -> None:
     vllm_lru = hit_ratio(requests, keys, "lru", capacity)
     prefix = hit_ratio(requests, keys, "KVOffloadPrefix", capacity, POLICY_MODULE)
     s3fifo = hit_ratio(requests, keys, "KVOffloadS3FIFO", capacity, POLICY_MODULE)
+    adaptive = hit_ratio(requests, keys, "KVOffloadAdaptive", capacity, POLICY_MODULE)
     assert prefix > 1.2 * vllm_lru, (prefix, vllm_lru)
     assert s3fifo > 1.2 * vllm_lru, (s3fifo, vllm_lru)
+    assert adaptive > 1.2 * vllm_lru, (adaptive, vllm_lru)
     # Our LRU inside vLLM evicts in vLLM's LRU order: the same figure.
     assert hit_ratio(requests, keys, "KVOffloadLRU", capacity, POLICY_MODULE) == pytest.approx(
         vllm_lru

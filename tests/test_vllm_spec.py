@@ -129,8 +129,11 @@ def test_reuse_filter_counts_requests_not_lookups(make_harness: Any) -> None:
 
 def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path: Path) -> None:
     h = make_harness(
-        {"kvoffload_tiers": [{"kind": "disk", "path": str(tmp_path), "size_gib": 0.01,
-                              "rescan_interval": 0}]},
+        {
+            "kvoffload_tiers": [
+                {"kind": "disk", "path": str(tmp_path), "size_gib": 0.01, "rescan_interval": 0}
+            ]
+        },
         num_chunks=4,
     )
     keys = vllm_keys(4, start=20)

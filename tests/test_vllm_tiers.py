@@ -238,7 +238,8 @@ def test_events_and_stats_come_out_in_vllm_types(harness: Harness) -> None:
     again = harness.manager.get_stats()
     reduced = again.reduce() if again is not None else {}
     assert not any(
-        name.startswith(METRIC_PREFIX + "stored_blocks") and value for name, value in reduced.items()
+        name.startswith(METRIC_PREFIX + "stored_blocks") and value
+        for name, value in reduced.items()
     )
 
 

@@ -38,7 +38,7 @@ def import_problem() -> str | None:
     if problem is not None:
         return problem
     try:
-        import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector  # noqa: F401
+        import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector
         import vllm.v1.kv_offload.tiering.spec  # noqa: F401
     except Exception as exc:
         return f"cannot import vLLM's offloading modules ({type(exc).__name__}: {exc})"

@@ -12,10 +12,11 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
 * vLLM's scheduler never calls ``touch``; uses arrive as ``on_request_access`` (keys first
   seen by a request: its loaded hits, its offered stores), ``on_store_miss`` (absent keys
   about to be inserted) and ``on_request_finished`` (the request's keys per KV-cache group in
-  prefix order). The first two are forwarded as our ``touch`` in prefix order, with the key
-  before the new ones so that prefix-aware policies link each key to its parent; the last as
-  our ``request_finished`` (the request's whole use, committed: its tail leaves first) for
-  policies that commit, as ``touch`` for the others. Our policies count a use once per request
+  prefix order, and which of them it inserted). The first two are forwarded as our ``touch`` in
+  prefix order, with the key before the new ones so that prefix-aware policies link each key to
+  its parent; the last as our ``request_finished`` (touched: the request's keys per group;
+  stored: the ones it inserted; committed so that its tail leaves first) for policies that
+  commit, as ``touch`` for the others. Our policies count a use once per request
   (state on our :class:`~kvoffload.base.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
 * vLLM has no admission hook: it inserts every absent key it offers. For a policy with
@@ -45,6 +46,7 @@ from kvoffload.integrations.vllm.context import kvoffload_context
 
 __all__ = [
     "KVOffloadARC",
+    "KVOffloadAdaptive",
     "KVOffloadCachePolicy",
     "KVOffloadLRU",
     "KVOffloadPrefix",
@@ -180,11 +182,12 @@ class KVOffloadCachePolicy(CachePolicy):
         req_context: VllmReqContext,
     ) -> None:
         ctx = kvoffload_context(req_context)
-        uses = [list(keys) for keys in key_groups]
+        touched = [list(keys) for keys in key_groups]
         if self._commits:
-            self._policy.request_finished(uses, ctx)
+            stored = [[k for k in keys if k in insertion_only_keys] for keys in touched]
+            self._policy.request_finished(touched, [keys for keys in stored if keys], ctx)
         else:
-            for keys in uses:
+            for keys in touched:
                 self._policy.touch(keys, ctx)
         chains = ctx.get_state(_Chains)
         if chains is not None:
@@ -236,6 +239,12 @@ class KVOffloadS3FIFO(KVOffloadCachePolicy):
     """kvoffload's S3-FIFO."""
 
     policy_name = "s3fifo"
+
+
+class KVOffloadAdaptive(KVOffloadCachePolicy):
+    """kvoffload's adaptive policy: S3-FIFO with a learned probation size and a long history."""
+
+    policy_name = "adaptive"
 
 
 class KVOffloadPrefix(KVOffloadCachePolicy):

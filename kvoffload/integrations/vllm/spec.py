@@ -146,7 +146,10 @@ class KVOffloadSpec(TieringOffloadingSpec):
             release_pool()
             raise
         return KVOffloadManager(
-            manager, close=close, on_shutdown=release_pool, config_info=self.cpu_info.as_config_info()
+            manager,
+            close=close,
+            on_shutdown=release_pool,
+            config_info=self.cpu_info.as_config_info(),
         )
 
 

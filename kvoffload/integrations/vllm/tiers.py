@@ -67,11 +67,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GAUGE_STATS",
+    "METRIC_PREFIX",
+    "TIER_BUILDERS",
     "KVOffloadDiskTier",
     "KVOffloadRedisTier",
     "KVOffloadTier",
-    "METRIC_PREFIX",
-    "TIER_BUILDERS",
     "build_disk_tier",
     "build_redis_tier",
     "layout_of_spec",
@@ -111,7 +111,9 @@ def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
     ``block_bytes`` and the per-worker byte count in ``model``, and written as 0.
     """
     config = spec.config
-    tokens_per_chunk = spec.tokens_per_block[0] * spec.blocks_per_chunk if spec.tokens_per_block else 0
+    tokens_per_chunk = (
+        spec.tokens_per_block[0] * spec.blocks_per_chunk if spec.tokens_per_block else 0
+    )
     identity = "|".join(
         (
             f"vllm:{config.model.name}",
@@ -289,7 +291,8 @@ def _take(options: dict[str, Any], name: str, default: Any = None, required: boo
 def _reject_unknown(tier: str, options: dict[str, Any]) -> None:
     if options:
         raise ConfigError(
-            f"secondary_tiers.{sorted(options)[0]}", f"is not an option of {tier}: {sorted(options)}"
+            f"secondary_tiers.{sorted(options)[0]}",
+            f"is not an option of {tier}: {sorted(options)}",
         )
 
 
