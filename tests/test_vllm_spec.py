@@ -175,11 +175,12 @@ def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path:
         ({"store_threshold": -1}, "store_threshold"),
         ({"kvoffload_cascade": "sometimes"}, "kvoffload_cascade"),
         ({"kvoffload_tiers": [{"kind": "tape"}]}, "kvoffload_tiers.kind"),
+        ({"kvoffload_tiers": [{"kind": "disk", "path": "kv"}]}, "kvoffload_tiers.size_gib"),
         ({"secondary_tiers": [{"type": "example"}]}, "secondary_tiers"),
     ],
 )
 def test_bad_settings_are_config_errors(extra: dict[str, Any], setting: str) -> None:
     config = offloading_config({**SPEC, **extra}, num_chunks=4)
     with pytest.raises(ConfigError) as info:
-        OffloadingSpecFactory.create_spec(config)
+        OffloadingSpecFactory.create_spec(config).get_manager()  # no pool file is left behind
     assert info.value.field == setting

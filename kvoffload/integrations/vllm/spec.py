@@ -129,7 +129,8 @@ class KVOffloadSpec(TieringOffloadingSpec):
             layout = layout_of_spec(self, pool.strides[0])
             for tier in self.tier_configs:
                 options = {k: v for k, v in tier.items() if k != "kind"}
-                tiers.append(TIER_BUILDERS[tier["kind"]](pool, layout, events, options))
+                build = TIER_BUILDERS[tier["kind"]]
+                tiers.append(build(pool, layout, events, options, "kvoffload_tiers"))
             host = CPUOffloadingManager(self.num_chunks, self.policy_name, enable_events=events)
             manager: KVOManager = host
             close = None

@@ -97,10 +97,7 @@ _COUNTER_STATS = (
 METRIC_PREFIX = "kvoffload:secondary_tier_"
 _TIER_LABEL = "kvoffload_tier"
 _GIB = 2**30
-_DISK_OPTION_OF = {
-    "kv_disk_path": "secondary_tiers.path",
-    "kv_disk_size": "secondary_tiers.size_gib",
-}
+_DISK_OPTION_OF = {"kv_disk_path": "path", "kv_disk_size": "size_gib"}
 
 
 def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
@@ -185,7 +182,11 @@ class KVOffloadTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs[job_metadata.job_id] = job_metadata.keys
-        self.tier.submit_load(_tier_job(job_metadata), kvoffload_context(job_metadata.req_context))
+        ctx = kvoffload_context(job_metadata.req_context)
+        job = _tier_job(job_metadata)
+        # vLLM's scheduler never calls touch: a promotion is the use our tier's policy sees.
+        self.tier.touch(job.keys, ctx)
+        self.tier.submit_load(job, ctx)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if not self._events_enabled:
@@ -280,54 +281,61 @@ def _tier_job(job: TransferJob) -> TierJob:
     return TierJob(job.job_id, list(job.keys), job.chunk_ids.tolist())
 
 
-def _take(options: dict[str, Any], name: str, default: Any = None, required: bool = False) -> Any:
+def _take(options: dict[str, Any], name: str, setting: str, required: bool = False) -> Any:
     if name not in options:
         if required:
-            raise ConfigError(f"secondary_tiers.{name}", "is required")
-        return default
+            raise ConfigError(f"{setting}.{name}", "is required")
+        return None
     return options.pop(name)
 
 
-def _reject_unknown(tier: str, options: dict[str, Any]) -> None:
+def _reject_unknown(tier: str, options: dict[str, Any], setting: str) -> None:
     if options:
         raise ConfigError(
-            f"secondary_tiers.{sorted(options)[0]}",
-            f"is not an option of {tier}: {sorted(options)}",
+            f"{setting}.{sorted(options)[0]}", f"is not an option of {tier}: {sorted(options)}"
         )
 
 
 def build_disk_tier(
-    pool: memoryview, layout: KVLayout, enable_events: bool, options: dict[str, Any]
+    pool: memoryview,
+    layout: KVLayout,
+    enable_events: bool,
+    options: dict[str, Any],
+    setting: str = "secondary_tiers",
 ) -> SecondaryTier:
     """Our :class:`~kvoffload.tiers.disk.DiskTier` from tier options: ``path`` and ``size_gib``
     (required), ``eviction_policy`` ("lru"), ``num_threads`` (4), ``o_direct`` (false),
-    ``rescan_interval`` (seconds, 2.0; 0 = never)."""
+    ``rescan_interval`` (seconds, 2.0; 0 = never). Errors name ``<setting>.<option>``."""
     from kvoffload.tiers.disk import DiskTier
     from kvoffload.tiers.factory import validate_disk_settings
 
     options = dict(options)
-    path = _take(options, "path", required=True)
-    size_gib = _take(options, "size_gib", required=True)
+    path = _take(options, "path", setting, required=True)
+    size_gib = _take(options, "size_gib", setting, required=True)
     kwargs = {
         name: options.pop(name)
         for name in ("eviction_policy", "num_threads", "o_direct", "rescan_interval")
         if name in options
     }
-    _reject_unknown("the disk tier", options)
+    _reject_unknown("the disk tier", options, setting)
     try:
         validate_disk_settings(path, size_gib)
         return DiskTier(
             pool, layout, path, int(size_gib * _GIB), enable_events=enable_events, **kwargs
         )
     except ConfigError as exc:  # name the option as it is spelled in the tier's options
-        field = _DISK_OPTION_OF.get(exc.field)
-        if field is None:
+        option = _DISK_OPTION_OF.get(exc.field)
+        if option is None:
             raise
-        raise ConfigError(field, str(exc).split(": ", 1)[-1]) from exc
+        raise ConfigError(f"{setting}.{option}", str(exc).split(": ", 1)[-1]) from exc
 
 
 def build_redis_tier(
-    pool: memoryview, layout: KVLayout, enable_events: bool, options: dict[str, Any]
+    pool: memoryview,
+    layout: KVLayout,
+    enable_events: bool,
+    options: dict[str, Any],
+    setting: str = "secondary_tiers",
 ) -> SecondaryTier:
     """Our :class:`~kvoffload.tiers.remote.RedisTier` from tier options: ``url`` (required;
     ``redis://``, ``rediss://``, ``redis+cluster://``; credentials from the environment, see
@@ -341,8 +349,8 @@ def build_redis_tier(
     fields = {f.name for f in dataclasses.fields(RemoteTierConfig)}
     kwargs = {name: options.pop(name) for name in list(options) if name in fields}
     if "url" not in kwargs:
-        raise ConfigError("secondary_tiers.url", "is required")
-    _reject_unknown("the Redis tier", options)
+        raise ConfigError(f"{setting}.url", "is required")
+    _reject_unknown("the Redis tier", options, setting)
     return RedisTier(pool, layout, RemoteTierConfig(**kwargs))
 
 
