@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
 from kvoffload.benchmark import traces  # noqa: E402
 from kvoffload.benchmark.hit_rate import block_keys  # noqa: E402
-from kvoffload.eviction import LRUPolicy, register_eviction_policy  # noqa: E402
+from kvoffload.eviction import LRUPolicy  # noqa: E402
 from kvoffload.integrations.vllm.policies import KVOffloadCachePolicy  # noqa: E402
 from kvoffload.integrations.vllm.replay import POLICY_MODULE, hit_ratio  # noqa: E402
 
@@ -153,12 +153,9 @@ def test_full_pool_of_pinned_chunks_refuses_a_store() -> None:
     stream.check()
 
 
-@register_eviction_policy
 class AdmitReusedLRU(LRUPolicy):
     """LRU that admits a key only once an earlier request offered it (a real admission rule,
     simple enough that the test knows what it declines)."""
-
-    name = "test-admit-reused-lru"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -171,7 +168,8 @@ class AdmitReusedLRU(LRUPolicy):
 
 
 class AdmitReusedCachePolicy(KVOffloadCachePolicy):
-    policy_name = AdmitReusedLRU.name
+    def make_policy(self, capacity: int) -> AdmitReusedLRU:
+        return AdmitReusedLRU(capacity)  # not registered: the registry stays as shipped
 
 
 def test_declined_chunks_are_stored_on_probation_and_evicted_first() -> None:

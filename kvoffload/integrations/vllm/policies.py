@@ -78,18 +78,23 @@ class KVOffloadCachePolicy(CachePolicy):
     """A vLLM ``CachePolicy`` ordering chunks by the kvoffload policy named ``policy_name``.
 
     Subclasses set ``policy_name`` (a name of :func:`kvoffload.eviction.create_eviction_policy`,
-    entry-point policies included). See the module docstring for the mapping of vLLM's hooks.
+    entry-point policies included) or override :meth:`make_policy`. See the module docstring for the mapping of vLLM's hooks.
     """
 
     policy_name: ClassVar[str]
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._policy: EvictionPolicy = create_eviction_policy(self.policy_name, cache_capacity)
+        self._policy = self.make_policy(cache_capacity)
         self._admits = type(self._policy).admit is not EvictionPolicy.admit
         self._commits = type(self._policy).request_finished is not EvictionPolicy.request_finished
         # Stored by vLLM although our policy declined them: evicted first, oldest first.
         self._probation: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+
+    def make_policy(self, capacity: int) -> EvictionPolicy:
+        """Our policy for a CPU tier of ``capacity`` chunks (default: the registered
+        ``policy_name``)."""
+        return create_eviction_policy(self.policy_name, capacity)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -198,20 +203,21 @@ class KVOffloadCachePolicy(CachePolicy):
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n <= 0:
             return []
-        first: list[tuple[OffloadKey, ChunkStatus]] = []
-        for key, chunk in self._probation.items():
+        victims: list[tuple[OffloadKey, ChunkStatus]] = []
+        for key, chunk in self._probation.items():  # declined chunks first, oldest first
             if chunk.ref_cnt == 0 and key not in protected:
-                first.append((key, chunk))
-                if len(first) == n:
+                victims.append((key, chunk))
+                if len(victims) == n:
                     break
-        rest: list = []
-        if len(first) < n:
-            rest = self._policy.evict(n - len(first), protected)  # type: ignore[assignment]
+        on_probation = len(victims)
+        if on_probation < n:  # then our policy's order; atomic: nothing has changed yet
+            rest = self._policy.evict(n - on_probation, protected)
             if rest is None:
                 return None
-        for key, _ in first:
+            victims.extend(rest)  # type: ignore[arg-type]  # our policy holds vLLM's ChunkStatus
+        for key, _ in victims[:on_probation]:
             del self._probation[key]
-        return first + rest
+        return victims
 
     def clear(self) -> None:
         self._policy.clear()
