@@ -118,7 +118,7 @@ def test_reuse_filter_counts_requests_not_lookups(make_harness: Any) -> None:
     assert isinstance(h.manager.inner, FilterReusedOffloadingManager)
     keys = vllm_keys(3, start=10)
     ctx = h.request()
-    for _ in range(5):  # one request looking up five times (vLLM's filter would count 5)
+    for _ in range(5):  # one request looking a block up on five steps: one request
         assert h.manager.lookup(keys[0], ctx) is LookupResult.MISS
     out = h.manager.prepare_store(keys, ctx)
     assert out is not None and out.keys_to_store == []  # seen by one request only
