@@ -13,22 +13,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from kvoffload import OffloadKey, ReqContext, make_offload_key
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
-    from vllm_cases import VLLM_VERSION, installed_problem, skip_reason
-
-    problem = installed_problem()
-    return f"vllm {VLLM_VERSION}: installed" if problem is None else f"!!! {skip_reason(problem)}"
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
-    from vllm_cases import import_problem, installed_problem, skip_reason
+    """Repeat, as a red banner, why the vLLM plug-in tests were skipped (if they were)."""
+    from vllm_cases import SKIP_MARK
 
-    # Only what this run found out: importing vLLM just to report costs ~10 s.
-    problem = installed_problem() or (
-        import_problem() if import_problem.cache_info().currsize else None
-    )
-    if problem is not None:
-        terminalreporter.write_sep("!", skip_reason(problem), red=True, bold=True)
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if SKIP_MARK in reason:
+            terminalreporter.write_sep("!", reason.removeprefix("Skipped: "), red=True, bold=True)
+            return
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,8 +1,8 @@
 """Shared helpers of the vLLM plug-in tests (``tests/test_vllm_*.py``, ``make test-vllm``).
 
 :func:`require_vllm` skips a whole module, loudly, when vLLM 0.33.0's offloading modules cannot
-be imported (``make test-vllm`` installs them); the conftest repeats the reason in the header
-and the summary of the run. :func:`offloading_config` builds vLLM's own ``OffloadingConfig``
+be imported (``make test-vllm`` installs them); the conftest repeats the reason as a red banner
+at the end of the run. :func:`offloading_config` builds vLLM's own ``OffloadingConfig``
 (the scheduler side needs no ``VllmConfig``, no model and no GPU).
 """
 
@@ -45,9 +45,13 @@ def import_problem() -> str | None:
     return None
 
 
+#: Starts every skip reason of these tests (the conftest finds them by it).
+SKIP_MARK = f"vLLM {VLLM_VERSION} NOT AVAILABLE"
+
+
 def skip_reason(problem: str) -> str:
     return (
-        f"vLLM {VLLM_VERSION} NOT AVAILABLE, the vLLM plug-in tests DID NOT RUN: {problem}. "
+        f"{SKIP_MARK}, the vLLM plug-in tests DID NOT RUN: {problem}. "
         "Run `make test-vllm` to install it (--no-deps, from a per-machine cache)."
     )
 
