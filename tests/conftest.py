@@ -13,6 +13,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from kvoffload import OffloadKey, ReqContext, make_offload_key
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    """Repeat, as a red banner, why the vLLM plug-in tests were skipped (if they were)."""
+    from vllm_cases import SKIP_MARK
+
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if SKIP_MARK in reason:
+            terminalreporter.write_sep("!", reason.removeprefix("Skipped: "), red=True, bold=True)
+            return
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items:

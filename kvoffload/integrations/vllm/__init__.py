@@ -1,0 +1,18 @@
+"""kvoffload as out-of-tree plug-ins of vLLM 0.33's ``OffloadingConnector`` (``docs/vllm.md``).
+
+Three plug-in points, each a module that imports vLLM (install it separately; kvoffload's core
+never imports it):
+
+:mod:`~kvoffload.integrations.vllm.policies`
+    Our eviction policies as vLLM ``CachePolicy`` classes for its CPU tier
+    (``"eviction_policy": "KVOffloadPrefix", "cache_policy_module_path": ...policies``).
+:mod:`~kvoffload.integrations.vllm.tiers`
+    Our secondary tiers as vLLM ``SecondaryTierManager`` classes behind its CPU tier
+    (``"spec_name": "TieringOffloadingSpec", "secondary_tiers": [{"type": ..., "module_path":
+    ...tiers}]``).
+:mod:`~kvoffload.integrations.vllm.spec`
+    Our scheduler-side manager stack as a whole offloading spec
+    (``"spec_name": "KVOffloadSpec", "spec_module_path": ...spec``).
+
+This ``__init__`` imports nothing from vLLM.
+"""

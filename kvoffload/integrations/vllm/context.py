@@ -1,0 +1,33 @@
+"""One kvoffload :class:`~kvoffload.base.ReqContext` per vLLM request context.
+
+vLLM passes its own ``ReqContext`` (the same object for every call of one request); our
+policies, managers and tiers keep per-request state on ours. The first call for a request
+attaches ours to vLLM's (vLLM's ``set_state`` keys scratch state by type), so every later call,
+from any plug-in, gets the same object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvoffload.base import ReqContext
+
+__all__ = ["kvoffload_context"]
+
+
+class _VllmReqContext(Protocol):
+    req_id: str
+    kv_transfer_params: dict[str, Any] | None
+
+    def get_state(self, cls: type) -> Any: ...
+
+    def set_state(self, val: Any) -> None: ...
+
+
+def kvoffload_context(vllm_ctx: _VllmReqContext) -> ReqContext:
+    """Our context for ``vllm_ctx``, created on first use (duck-typed: no vLLM import)."""
+    ctx = vllm_ctx.get_state(ReqContext)
+    if ctx is None:
+        ctx = ReqContext(vllm_ctx.req_id, dict(vllm_ctx.kv_transfer_params or {}))
+        vllm_ctx.set_state(ctx)
+    return ctx

@@ -1,0 +1,169 @@
+"""Our scheduler-side manager stack behind vLLM 0.33's ``OffloadingManager`` interface.
+
+:class:`KVOffloadManager` wraps any kvoffload :class:`~kvoffload.base.OffloadingManager` (as
+:class:`~kvoffload.integrations.vllm.spec.KVOffloadSpec` builds it: our CPU manager and eviction
+policy, our tiering manager with our tiers, our reuse filter) and translates per call:
+
+* keys are the same bytes (block hash + 4-byte big-endian group), passed through;
+* the request context becomes ours (:func:`kvoffload_context`), so per-request state of our
+  policies, filter and tiering manager lives as long as vLLM's request context;
+* our ``CPULoadStoreSpec(block_ids)`` becomes vLLM's ``CPULoadStoreSpec`` (the same slot ids:
+  our host slots *are* vLLM's CPU chunk ids, so vLLM's CPU worker moves the bytes);
+* ``LookupResult`` by name (ours has vLLM's four answers, ``RETRY`` included);
+* our step hooks: ``step_begin`` (apply finished tier jobs) at the step's first
+  lookup/prepare_store (as vLLM's tiering manager polls), ``step_end`` at ``on_schedule_end``;
+* events: medium ``"CPU"``/``"STORAGE"`` and locality to vLLM's ``Medium``/``Locality``;
+* stats: every counter and gauge of our ``stats()`` as one gauge ``kvoffload:manager`` labelled
+  by ``stat``.
+
+Not thread-safe, like our managers; vLLM enters it from its scheduler thread only (the default
+no-op ``lock``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.base import LookupResult as KVOLookupResult
+from kvoffload.base import OffloadingManager as KVOManager
+from kvoffload.integrations.vllm.context import kvoffload_context
+
+__all__ = ["STATS_METRIC", "KVOffloadManager"]
+
+STATS_METRIC = "kvoffload:manager"
+_LOOKUP = {result: LookupResult[result.name] for result in KVOLookupResult}
+
+
+class KVOffloadManager(OffloadingManager):
+    """vLLM's view of one kvoffload manager stack (see the module docstring).
+
+    ``close`` is called at ``shutdown`` (our tiering manager's, which closes its tiers), then
+    ``on_shutdown`` (the spec releases vLLM's shared pool there).
+    """
+
+    def __init__(
+        self,
+        manager: KVOManager,
+        close: Any = None,
+        on_shutdown: Any = None,
+        config_info: ConfigInfoMapping | None = None,
+    ) -> None:
+        self.inner = manager
+        self.medium = Medium.CPU
+        self._close = close
+        self._on_shutdown = on_shutdown
+        self._config_info = dict(config_info or {})
+        self._step_begun = False
+
+    def _begin_step(self) -> None:
+        if not self._step_begun:
+            self._step_begun = True
+            self.inner.step_begin()
+
+    # -- lookups and transfers -------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._begin_step()
+        return _LOOKUP[self.inner.lookup(key, kvoffload_context(req_context))]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST  # every load is from the host pool (promotions land there)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        spec = self.inner.prepare_load(list(keys), kvoffload_context(req_context))
+        return CPULoadStoreSpec(spec.block_ids)  # type: ignore[attr-defined]
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.inner.touch(list(keys), kvoffload_context(req_context))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.inner.complete_load(list(keys), kvoffload_context(req_context))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        self._begin_step()
+        out = self.inner.prepare_store(list(keys), kvoffload_context(req_context))
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=CPULoadStoreSpec(out.store_spec.block_ids),  # type: ignore[attr-defined]
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.inner.complete_store(list(keys), kvoffload_context(req_context), success)
+
+    # -- requests and steps ----------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        kvoffload_context(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.inner.request_finished(kvoffload_context(req_context))
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._begin_step()  # a step without lookups still applies finished tier jobs
+        self.inner.step_end()
+        self._step_begun = False
+
+    def has_pending_work(self) -> bool:
+        return self.inner.num_background_jobs() > 0
+
+    # -- events, stats, lifecycle ----------------------------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return [
+            OffloadingEvent(
+                keys=list(event.keys),
+                medium=Medium(event.medium),
+                removed=event.removed,
+                locality=Locality(event.locality) if event.locality else None,
+            )
+            for event in self.inner.take_events()
+        ]
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        stats = OffloadingConnectorStats()
+        for name, value in self.inner.stats().items():
+            stats.set_gauge(STATS_METRIC, value, (name,))
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+    def reset_cache(self) -> None:
+        self.inner.reset()
+
+    def shutdown(self) -> None:
+        try:
+            if self._close is not None:
+                self._close()
+        finally:
+            if self._on_shutdown is not None:
+                self._on_shutdown()

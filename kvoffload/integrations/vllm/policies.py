@@ -1,0 +1,259 @@
+"""Our eviction policies as vLLM 0.33 ``CachePolicy`` classes for its CPU tier.
+
+Load one with ``kv_connector_extra_config = {"eviction_policy": "KVOffloadPrefix",
+"cache_policy_module_path": "kvoffload.integrations.vllm.policies", ...}`` (for
+``CPUOffloadingSpec`` and as the primary tier's policy of ``TieringOffloadingSpec``).
+
+How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes of it:
+
+* It stores vLLM ``ChunkStatus`` records (``ref_cnt``, ``chunk_id``) in the policy; our
+  policies read only ``ref_cnt`` (-1 pending, 0 evictable, n pinned), so the records are held
+  as they are and eviction honours vLLM's pins by the same rule as in kvoffload.
+* vLLM's scheduler never calls ``touch``; uses arrive as ``on_request_access`` (keys first
+  seen by a request: its loaded hits, its offered stores), ``on_store_miss`` (absent keys
+  about to be inserted) and ``on_request_finished`` (the request's keys per KV-cache group in
+  prefix order, and which of them it inserted). The first two are forwarded as our ``touch`` in
+  prefix order, with the key before the new ones so that prefix-aware policies link each key to
+  its parent; the last as our ``request_finished`` (touched: the request's keys per group;
+  stored: the ones it inserted; committed so that its tail leaves first) for policies that
+  commit, as ``touch`` for the others. Our policies count a use once per request
+  (state on our :class:`~kvoffload.base.ReqContext`, see
+  :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
+* vLLM has no admission hook: it inserts every absent key it offers. For a policy with
+  admission control (``prefix``) the adapter asks ``admit`` in ``on_store_miss``; a declined
+  key is still stored by vLLM but held *on probation*, outside our policy, and evicted before
+  any admitted block; a later request that uses it admits it. The effect is kvoffload's
+  "don't let a first-seen block displace a valuable one", at the cost of the slot meanwhile.
+
+Invariants (checked by ``tests/integrations/vllm``): a block with ``ref_cnt != 0`` or in
+``protected`` is never evicted; ``evict`` returns exactly ``n`` blocks or ``None`` with no
+change; every held key is in exactly one of our policy and the probation list.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+
+from kvoffload.base import ReqContext
+from kvoffload.eviction import EvictionPolicy, create_eviction_policy
+from kvoffload.integrations.vllm.context import kvoffload_context
+
+__all__ = [
+    "KVOffloadARC",
+    "KVOffloadAdaptive",
+    "KVOffloadCachePolicy",
+    "KVOffloadLRU",
+    "KVOffloadPrefix",
+    "KVOffloadS3FIFO",
+]
+
+
+class _RequestChain:
+    """One request's keys as one adapter has seen them (prefix order), and its declined keys."""
+
+    __slots__ = ("declined", "keys", "seen")
+
+    def __init__(self) -> None:
+        self.keys: list[OffloadKey] = []
+        self.seen: set[OffloadKey] = set()
+        self.declined: set[OffloadKey] = set()
+
+
+class _Chains:
+    """Per-request state of every adapter, keyed by adapter (two tiers may share a request)."""
+
+    __slots__ = ("by_owner",)
+
+    def __init__(self) -> None:
+        self.by_owner: dict[object, _RequestChain] = {}
+
+
+class KVOffloadCachePolicy(CachePolicy):
+    """A vLLM ``CachePolicy`` ordering chunks by the kvoffload policy named ``policy_name``.
+
+    Subclasses set ``policy_name`` (a name of :func:`kvoffload.eviction.create_eviction_policy`,
+    entry-point policies included) or override :meth:`make_policy`. See the module docstring for the mapping of vLLM's hooks.
+    """
+
+    policy_name: ClassVar[str]
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._policy = self.make_policy(cache_capacity)
+        self._admits = type(self._policy).admit is not EvictionPolicy.admit
+        self._commits = type(self._policy).request_finished is not EvictionPolicy.request_finished
+        # Stored by vLLM although our policy declined them: evicted first, oldest first.
+        self._probation: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+
+    def make_policy(self, capacity: int) -> EvictionPolicy:
+        """Our policy for a CPU tier of ``capacity`` chunks (default: the registered
+        ``policy_name``)."""
+        return create_eviction_policy(self.policy_name, capacity)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The kvoffload policy inside (for tools and tests)."""
+        return self._policy
+
+    @property
+    def num_on_probation(self) -> int:
+        """Chunks held although our policy declined to admit them."""
+        return len(self._probation)
+
+    # -- per-request state -----------------------------------------------------------------------
+
+    def _chain(self, ctx: ReqContext) -> _RequestChain:
+        chains = ctx.get_state(_Chains)
+        if chains is None:
+            chains = _Chains()
+            ctx.set_state(chains)
+        chain = chains.by_owner.get(self)
+        if chain is None:
+            chain = chains.by_owner[self] = _RequestChain()
+        return chain
+
+    def _observe(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """Append the request's new keys to its chain; return them preceded by the key before."""
+        chain = self._chain(ctx)
+        before = chain.keys[-1:]
+        new = [k for k in keys if k not in chain.seen]
+        chain.seen.update(new)
+        chain.keys.extend(new)
+        return before + new
+
+    def _admit_from_probation(self, keys: Iterable[OffloadKey]) -> None:
+        """A use of a declined chunk admits it into our policy."""
+        probation = self._probation
+        for key in keys:
+            chunk = probation.pop(key, None)
+            if chunk is not None:
+                self._policy.insert(key, chunk)  # type: ignore[arg-type]
+
+    # -- CachePolicy -----------------------------------------------------------------------------
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        chunk = self._policy.get(key)
+        if chunk is None and self._probation:
+            return self._probation.get(key)
+        return chunk  # type: ignore[return-value]
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: VllmReqContext) -> None:
+        chain = self._chain(kvoffload_context(req_context))
+        if key in chain.declined:
+            chain.declined.discard(key)
+            self._probation[key] = chunk
+        else:
+            self._policy.insert(key, chunk)  # type: ignore[arg-type]
+
+    def remove(self, key: OffloadKey) -> None:
+        if self._probation.pop(key, None) is None:
+            self._policy.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
+        keys = list(keys)
+        if self._probation:
+            self._admit_from_probation(keys)
+        self._policy.touch(keys, kvoffload_context(req_context))
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
+        ctx = kvoffload_context(req_context)
+        keys = self._observe(keys, ctx)
+        if self._probation:
+            self._admit_from_probation(keys)
+        self._policy.touch(keys, ctx)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
+        ctx = kvoffload_context(req_context)
+        misses = list(keys)
+        chain = self._chain(ctx)
+        context = chain.keys[-1:] + misses
+        if not self._admits:
+            self._policy.touch(context, ctx)
+            return
+        admitted = set(self._policy.admit(misses, context, ctx))
+        chain.declined.update(k for k in misses if k not in admitted)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: VllmReqContext,
+    ) -> None:
+        ctx = kvoffload_context(req_context)
+        touched = [list(keys) for keys in key_groups]
+        if self._commits:
+            stored = [[k for k in keys if k in insertion_only_keys] for keys in touched]
+            self._policy.request_finished(touched, [keys for keys in stored if keys], ctx)
+        else:
+            for keys in touched:
+                self._policy.touch(keys, ctx)
+        chains = ctx.get_state(_Chains)
+        if chains is not None:
+            chains.by_owner.pop(self, None)
+
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n <= 0:
+            return []
+        victims: list[tuple[OffloadKey, ChunkStatus]] = []
+        for key, chunk in self._probation.items():  # declined chunks first, oldest first
+            if chunk.ref_cnt == 0 and key not in protected:
+                victims.append((key, chunk))
+                if len(victims) == n:
+                    break
+        on_probation = len(victims)
+        if on_probation < n:  # then our policy's order; atomic: nothing has changed yet
+            rest = self._policy.evict(n - on_probation, protected)
+            if rest is None:
+                return None
+            victims.extend(rest)  # type: ignore[arg-type]  # our policy holds vLLM's ChunkStatus
+        for key, _ in victims[:on_probation]:
+            del self._probation[key]
+        return victims
+
+    def clear(self) -> None:
+        self._policy.clear()
+        self._probation.clear()
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the policy and the probation list overlap (tests only)."""
+        assert not any(self._policy.get(k) is not None for k in self._probation)
+        self._policy.check_invariants()
+
+
+class KVOffloadLRU(KVOffloadCachePolicy):
+    """kvoffload's LRU (prefix heads leave last)."""
+
+    policy_name = "lru"
+
+
+class KVOffloadARC(KVOffloadCachePolicy):
+    """kvoffload's ARC (uses counted once per request)."""
+
+    policy_name = "arc"
+
+
+class KVOffloadS3FIFO(KVOffloadCachePolicy):
+    """kvoffload's S3-FIFO."""
+
+    policy_name = "s3fifo"
+
+
+class KVOffloadAdaptive(KVOffloadCachePolicy):
+    """kvoffload's adaptive policy: S3-FIFO with a learned probation size and a long history."""
+
+    policy_name = "adaptive"
+
+
+class KVOffloadPrefix(KVOffloadCachePolicy):
+    """kvoffload's prefix-aware learned-hit-density policy, with admission on probation."""
+
+    policy_name = "prefix"

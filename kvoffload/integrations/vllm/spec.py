@@ -1,0 +1,161 @@
+"""Our scheduler-side stack as a whole vLLM 0.33 offloading spec: :class:`KVOffloadSpec`.
+
+``kv_connector_extra_config``::
+
+    {"spec_name": "KVOffloadSpec",
+     "spec_module_path": "kvoffload.integrations.vllm.spec",
+     "cpu_bytes_to_use": 8000000000,
+     "eviction_policy": "prefix",              # a kvoffload policy name (default "lru")
+     "store_threshold": 2,                     # our reuse filter (default 0: off)
+     "max_tracker_size": 64000,
+     "kvoffload_cascade": "write_through",     # or "on_evict"
+     "kvoffload_tiers": [{"kind": "disk", "path": "/mnt/nvme/kv", "size_gib": 200},
+                         {"kind": "redis", "url": "redis://cache:6379/0"}]}
+
+What vLLM runs and what is ours:
+
+* **Worker side (vLLM's):** the spec extends vLLM's ``TieringOffloadingSpec`` only for its
+  worker: vLLM's ``CPUOffloadingWorker`` copies GPU <-> the shared-memory CPU pool by chunk id.
+* **Scheduler side (ours):** :class:`~kvoffload.integrations.vllm.manager.KVOffloadManager`
+  over our :class:`~kvoffload.managers.CPUOffloadingManager` (slot ids = vLLM chunk ids) with
+  our eviction policy (admission control included, which vLLM's ``CachePolicy`` cannot
+  express), our :class:`~kvoffload.managers.tiering.TieringOffloadingManager` with our tiers on
+  vLLM's CPU pool (promotions shared by every request that wants the block, failed promotions
+  answered ``MISS`` to that request from then on: it recomputes), and our
+  :class:`~kvoffload.managers.FilterReusedOffloadingManager` (a block is stored once
+  ``store_threshold`` distinct *requests* saw it; vLLM's filter counts lookups).
+* **Not ours:** the request scheduling itself is vLLM's ``OffloadingConnectorScheduler``; how
+  long a request waits on ``RETRY`` and what it does with a failed load are vLLM's behaviour.
+
+Bad settings raise :class:`~kvoffload.errors.ConfigError` naming the setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingMetricMetadata
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvoffload.base import OffloadingManager as KVOManager
+from kvoffload.errors import ConfigError
+from kvoffload.eviction import available_eviction_policies
+from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
+from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
+from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
+from kvoffload.tiers.base import SecondaryTier
+
+__all__ = ["KVOffloadSpec"]
+
+
+class KVOffloadSpec(TieringOffloadingSpec):
+    """vLLM's worker side, kvoffload's scheduler side (module docstring)."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        metrics = super().build_metric_definitions(extra_config)
+        metrics[STATS_METRIC] = OffloadingGaugeMetadata(
+            documentation="kvoffload manager counters and gauges, one series per stat.",
+            labelnames=("stat",),
+        )
+        return metrics
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        extra = self.extra_config
+        if self.secondary_tier_configs:
+            raise ConfigError(
+                "secondary_tiers", "is vLLM's tiering setting; KVOffloadSpec reads kvoffload_tiers"
+            )
+        self.policy_name = str(extra.get("eviction_policy", "lru"))
+        if self.policy_name not in available_eviction_policies():
+            raise ConfigError(
+                "eviction_policy",
+                f"unknown kvoffload policy {self.policy_name!r}; "
+                f"choose from {available_eviction_policies()}",
+            )
+        self.store_threshold = _int_setting(extra, "store_threshold", 0, minimum=0)
+        self.max_tracker_size = _int_setting(extra, "max_tracker_size", 64_000, minimum=1)
+        self.cascade = extra.get("kvoffload_cascade", "write_through")
+        if self.cascade not in CASCADE_MODES:
+            raise ConfigError(
+                "kvoffload_cascade", f"{self.cascade!r}; choose from {list(CASCADE_MODES)}"
+            )
+        tiers = extra.get("kvoffload_tiers", [])
+        if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+            raise ConfigError("kvoffload_tiers", f"must be a list of objects, got {tiers!r}")
+        for tier in tiers:
+            if tier.get("kind") not in TIER_BUILDERS:
+                raise ConfigError(
+                    "kvoffload_tiers.kind",
+                    f"{tier.get('kind')!r}; choose from {sorted(TIER_BUILDERS)}",
+                )
+        self.tier_configs: list[dict[str, Any]] = tiers
+        if self.num_chunks <= 0:
+            raise ConfigError(
+                "cpu_bytes_to_use",
+                f"{extra.get('cpu_bytes_to_use')!r} bytes hold no chunk of "
+                f"{self.kv_bytes_per_chunk} bytes",
+            )
+
+    def get_manager(self) -> KVOffloadManager:  # type: ignore[override]
+        if self._manager is None:
+            self._manager = self._build_manager()
+        return self._manager  # type: ignore[return-value]
+
+    def _build_manager(self) -> KVOffloadManager:
+        # The CPU pool vLLM's worker maps (same engine id): our tiers read and write it.
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=None,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        pool = region.create_kv_memoryview()
+        events = self.kv_events_config.enable_kv_cache_events
+        tiers: list[SecondaryTier] = []
+
+        def release_pool() -> None:
+            pool.release()
+            region.cleanup()
+
+        try:
+            layout = layout_of_spec(self, pool.strides[0])
+            for tier in self.tier_configs:
+                options = {k: v for k, v in tier.items() if k != "kind"}
+                build = TIER_BUILDERS[tier["kind"]]
+                tiers.append(build(pool, layout, events, options, "kvoffload_tiers"))
+            host = CPUOffloadingManager(self.num_chunks, self.policy_name, enable_events=events)
+            manager: KVOManager = host
+            close = None
+            if tiers:
+                tiering = TieringOffloadingManager(host, tiers, self.cascade)
+                manager, close = tiering, tiering.close
+            if self.store_threshold >= 2:
+                manager = FilterReusedOffloadingManager(
+                    manager, self.store_threshold, self.max_tracker_size
+                )
+        except BaseException:
+            for built in tiers:
+                built.close()
+            release_pool()
+            raise
+        return KVOffloadManager(
+            manager,
+            close=close,
+            on_shutdown=release_pool,
+            config_info=self.cpu_info.as_config_info(),
+        )
+
+
+def _int_setting(extra: Any, name: str, default: int, minimum: int) -> int:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+    return value

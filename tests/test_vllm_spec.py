@@ -1,0 +1,186 @@
+"""``KVOffloadSpec``: our scheduler-side stack loaded by vLLM 0.33 as an out-of-tree spec.
+
+Loaded exactly as vLLM's connector loads it (``OffloadingSpecFactory.create_spec`` on an
+``OffloadingConfig`` whose ``kv_connector_extra_config`` has ``spec_name`` +
+``spec_module_path``) and driven through vLLM's ``OffloadingManager`` interface. The GPU worker's
+copies are stood in for by a second mapping of vLLM's shared CPU pool (the same file the worker
+maps, same engine id), written and read at the chunk ids the manager returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm_cases import offloading_config, require_vllm, unique_engine_id, vllm_keys
+
+require_vllm()
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    Medium,
+    ReqContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+from kvoffload.errors import ConfigError  # noqa: E402
+from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager  # noqa: E402
+from kvoffload.integrations.vllm.replay import serve_request  # noqa: E402
+from kvoffload.integrations.vllm.spec import KVOffloadSpec  # noqa: E402
+from kvoffload.managers import FilterReusedOffloadingManager  # noqa: E402
+from kvoffload.managers.tiering import TieringOffloadingManager  # noqa: E402
+
+CHUNK = 4096
+STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm.spec"}
+
+
+class SpecHarness:
+    def __init__(self, extra: dict[str, Any], num_chunks: int = 8) -> None:
+        engine_id = unique_engine_id()
+        config = offloading_config(
+            {**SPEC, **extra}, num_chunks=num_chunks, chunk_bytes=CHUNK, engine_id=engine_id
+        )
+        self.spec = OffloadingSpecFactory.create_spec(config)
+        assert isinstance(self.spec, KVOffloadSpec)
+        manager = self.spec.get_manager()
+        assert isinstance(manager, KVOffloadManager)
+        self.manager = manager
+        # The worker's mapping of the same pool (what vLLM's CPUOffloadingWorker copies into).
+        self._worker_region = SharedOffloadRegion(
+            engine_id=engine_id,
+            num_chunks=self.spec.num_chunks,
+            rank=0,
+            kv_bytes_per_chunk=self.spec.kv_bytes_per_chunk,
+            cpu_page_size=self.spec.cpu_page_size_per_worker,
+        )
+        self._view = self._worker_region.create_kv_memoryview()
+        self.pool = np.asarray(self._view)
+        self._n = 0
+
+    def request(self) -> ReqContext:
+        self._n += 1
+        ctx = ReqContext(req_id=f"req-{self._n}")
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def settle(self) -> None:
+        """End the step after our tiers' I/O finished (deterministic)."""
+        inner = self.manager.inner
+        tiering = inner.backing if isinstance(inner, FilterReusedOffloadingManager) else inner
+        if isinstance(tiering, TieringOffloadingManager):
+            tiering.step_end()
+            for tier in tiering.tiers:
+                tier.drain_jobs()
+        self.manager.on_schedule_end(STEP_END)
+
+    def close(self) -> None:
+        del self.pool
+        self._view.release()
+        self._worker_region.cleanup()
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def make_harness() -> Iterator[Any]:
+    made: list[SpecHarness] = []
+
+    def make(extra: dict[str, Any], num_chunks: int = 8) -> SpecHarness:
+        h = SpecHarness(extra, num_chunks)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_spec_serves_requests_with_our_policy(make_harness: Any) -> None:
+    h = make_harness({"eviction_policy": "prefix"})
+    assert h.manager.inner.policy.name == "prefix"
+    keys = vllm_keys(4)
+    assert serve_request(h.manager, keys, "a") == 0
+    assert serve_request(h.manager, keys, "b") == 4  # stored by the first, loaded by the second
+    events = list(h.manager.take_events())
+    assert events and all(e.medium is Medium.CPU for e in events)
+    stats = h.manager.get_stats().reduce()
+    assert any(STATS_METRIC in name for name in stats), stats
+
+
+def test_reuse_filter_counts_requests_not_lookups(make_harness: Any) -> None:
+    h = make_harness({"store_threshold": 2})
+    assert isinstance(h.manager.inner, FilterReusedOffloadingManager)
+    keys = vllm_keys(3, start=10)
+    ctx = h.request()
+    for _ in range(5):  # one request looking a block up on five steps: one request
+        assert h.manager.lookup(keys[0], ctx) is LookupResult.MISS
+    out = h.manager.prepare_store(keys, ctx)
+    assert out is not None and out.keys_to_store == []  # seen by one request only
+    h.manager.on_request_finished(ctx)
+    assert serve_request(h.manager, keys, "second") == 0  # the second request stores them
+    assert serve_request(h.manager, keys, "third") == 3
+
+
+def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path: Path) -> None:
+    h = make_harness(
+        {
+            "kvoffload_tiers": [
+                {"kind": "disk", "path": str(tmp_path), "size_gib": 0.01, "rescan_interval": 0}
+            ]
+        },
+        num_chunks=4,
+    )
+    keys = vllm_keys(4, start=20)
+    rng = np.random.default_rng(0)
+    payloads = {k: rng.integers(-128, 128, CHUNK, dtype=np.int8) for k in keys}
+    ctx = h.request()
+    out = h.manager.prepare_store(keys, ctx)
+    assert out is not None
+    for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+        h.pool[chunk] = payloads[key]  # the worker's GPU->CPU copy
+    h.manager.complete_store(out.keys_to_store, ctx)
+    h.manager.on_request_finished(ctx)
+    h.settle()
+    h.settle()  # the cascade to disk is done and applied
+
+    others = vllm_keys(4, start=40)  # a full CPU pool of other blocks evicts ours
+    assert serve_request(h.manager, others, "others") == 0
+    h.settle()
+    h.settle()
+
+    reader = h.request()
+    deadline = time.monotonic() + 60
+    while (result := h.manager.lookup(keys[0], reader)) is LookupResult.RETRY:
+        assert time.monotonic() < deadline
+        h.settle()  # our tiering manager promotes from disk meanwhile (RETRY = ask next step)
+    assert result is LookupResult.HIT
+    spec = h.manager.prepare_load([keys[0]], reader)
+    (chunk,) = spec.chunk_ids
+    assert h.pool[chunk].tobytes() == payloads[keys[0]].tobytes()
+    h.manager.complete_load([keys[0]], reader)
+    storage = [e for e in h.manager.take_events() if e.medium is Medium.STORAGE]
+    assert storage, "our disk tier announced its blocks"
+
+
+@pytest.mark.parametrize(
+    ("extra", "setting"),
+    [
+        ({"eviction_policy": "nope"}, "eviction_policy"),
+        ({"store_threshold": -1}, "store_threshold"),
+        ({"kvoffload_cascade": "sometimes"}, "kvoffload_cascade"),
+        ({"kvoffload_tiers": [{"kind": "tape"}]}, "kvoffload_tiers.kind"),
+        ({"kvoffload_tiers": [{"kind": "disk", "path": "kv"}]}, "kvoffload_tiers.size_gib"),
+        ({"secondary_tiers": [{"type": "example"}]}, "secondary_tiers"),
+    ],
+)
+def test_bad_settings_are_config_errors(extra: dict[str, Any], setting: str) -> None:
+    config = offloading_config({**SPEC, **extra}, num_chunks=4)
+    with pytest.raises(ConfigError) as info:
+        OffloadingSpecFactory.create_spec(config).get_manager()  # no pool file is left behind
+    assert info.value.field == setting
