@@ -7,7 +7,7 @@ It drives kvoffload exactly as vLLM drives its offloading connector. One step::
     connector.build_connector_meta -> worker.handle_preemptions, worker.start_load_kv
     forward pass + sampling -> worker.wait_for_save
     advance requests, cache computed blocks, finish (connector.request_finished)
-    publish this step's KV events (device cache first, then the offloading tier)
+    publish this step's KV events (device cache in the order they happened, then the offloading tier)
 """
 
 from __future__ import annotations
@@ -388,7 +388,19 @@ class Engine:
             external_block_hash(block_hash, self.config.events.int_block_hashes)
         )
 
+    def _flush_device_removals(self) -> None:
+        """Queue the removals seen since the last device event as one ``BlockRemoved``.
+
+        Device events are published in the order they happened: a step can cache a block (a
+        load lands) and then evict it (its request is preempted, the block reused), and a router
+        must end up without it. Consecutive removals are coalesced; nothing is reordered.
+        """
+        if self._removed_gpu:
+            self._gpu_events.append(BlockRemoved(self._removed_gpu, MEDIUM_GPU, group_idx=0))
+            self._removed_gpu = []
+
     def _device_stored(self, req: Request, indices: list[int]) -> None:
+        self._flush_device_removals()
         as_int, bs = self.config.events.int_block_hashes, self.config.block_size
         runs: list[list[int]] = []
         for i in indices:
@@ -415,10 +427,8 @@ class Engine:
             )
 
     def _publish(self) -> None:
+        self._flush_device_removals()
         events = self._gpu_events
-        if self._removed_gpu:
-            events.insert(0, BlockRemoved(self._removed_gpu, MEDIUM_GPU, group_idx=0))
-            self._removed_gpu = []
         if self.connector is not None:
             events.extend(self.connector.take_events())
         if events:
