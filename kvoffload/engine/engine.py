@@ -442,6 +442,7 @@ class Engine:
         out: dict[str, float] = dict(self._counters)
         out["device_blocks"] = self.num_device_blocks
         out["device_evicted_blocks"] = self.pool.num_evicted
+        out["preempted_after_load"] = self.scheduler.num_preempted_after_load
         if self.connector is not None:
             for name, value in self.connector.stats().items():
                 out[f"offload_{name}"] = value
