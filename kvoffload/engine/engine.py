@@ -13,8 +13,10 @@ It drives kvoffload exactly as vLLM drives its offloading connector. One step::
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ from kvoffload.worker import OffloadingConnectorWorker
 __all__ = ["Engine", "EngineConfig"]
 
 _GIB = 2**30
+logger = logging.getLogger(__name__)
 OFFLOADING_BACKENDS = ("native",)
 
 
@@ -141,16 +144,40 @@ class EngineConfig:
         return self.kv_offloading_size > 0
 
 
+def _release(owned: list[Callable[[], object]]) -> None:
+    """Shut down everything in ``owned``, the last acquired first; every one, whatever fails."""
+    while owned:
+        shutdown = owned.pop()
+        try:
+            shutdown()
+        except Exception:
+            logger.exception("engine shutdown: %r failed", shutdown)
+
+
 class Engine:
     """A small, real LLM engine whose KV cache offloads through kvoffload.
 
     ``Engine(model="small", kv_offloading_size=4)``; then :meth:`generate`, or
     :meth:`add_request` + :meth:`step` for streaming control. Close it (or use ``with``) to stop
-    the transfer threads and the event publisher.
+    the transfer threads and the event publisher; an engine dropped without ``close()`` releases
+    them when it is garbage-collected, and a failed construction releases what it had acquired.
     """
 
     def __init__(self, model: str = "small", **kwargs: Any) -> None:
-        self.config = config = EngineConfig(model=model, **kwargs)
+        self.config = EngineConfig(model=model, **kwargs)
+        # Shutdown callables of what this engine owns (copy threads and host pool, the event
+        # publisher's thread and socket), run on close(), on a failed construction and when the
+        # engine is garbage-collected. The finalizer holds the resources, never the engine.
+        self._owned: list[Callable[[], object]] = []
+        self._finalizer = weakref.finalize(self, _release, self._owned)
+        try:
+            self._build()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, config.device, config.dtype, config.seed
         )
@@ -169,6 +196,7 @@ class Engine:
         self.hasher = BlockHasher(bs, config.hash_scheme, config.hash_seed)
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.publisher = create_event_publisher(config.events)
+        self._owned.append(self.publisher.shutdown)
         self._events_on = config.events.enable_kv_cache_events
         self._gpu_events: list[KVCacheEvent] = []
         self._removed_gpu: list[bytes | int] = []
@@ -194,6 +222,7 @@ class Engine:
         worker = OffloadingConnectorWorker(
             config.block_size_factor, int(config.kv_offloading_size * _GIB)
         )
+        self._owned.append(worker.shutdown)
         worker.register_kv_caches([self.runner.kv_cache], num_blocks=self.num_device_blocks)
         manager: OffloadingManager = CPUOffloadingManager(
             worker.num_host_blocks, config.eviction_policy, enable_events=self._events_on
@@ -449,9 +478,8 @@ class Engine:
         return out
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-        self.publisher.shutdown()
+        """Stop the transfer threads (freeing the host pool) and the event publisher. Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> Engine:
         return self
