@@ -6,7 +6,9 @@ free blocks allow. ``running`` stays in admission order (the order requests left
 request whose load lands goes back to its admission place, not to the end. When a running request
 needs a block and none is free, a request not yet scheduled this step is preempted (its blocks
 freed, recomputed later): the most recently admitted one, except that a request whose load just
-landed and has not run since is the last choice (its transfer would be thrown away). A waiting request's
+landed and has not run since is the last choice (its transfer would be thrown away). Before any
+preemption or refused admission, finished requests' blocks kept only to retry a refused store are
+released. A waiting request's
 prompt is served from the engine's prefix cache first, then the offloading connector is asked for
 more (`get_num_new_matched_tokens`); a request with tokens to load waits (``LOADING``) until its
 load completes, holding its blocks but no token budget. A waiting request whose next block is
@@ -119,6 +121,8 @@ class EngineScheduler:
                     continue
                 need = self.pool.num_free_blocks
             while need > self.pool.num_free_blocks:
+                if self._release_store_retries():
+                    continue
                 victim = self._pop_victim(i)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -141,6 +145,21 @@ class EngineScheduler:
             self._admit(plan, budget)
         plan.connector_output.preempted_req_ids = preempted
         return plan
+
+    def _release_store_retries(self) -> bool:
+        """Blocks are short: free finished requests' blocks kept only for a refused store.
+
+        Returns whether that freed any now (stores still reading some free them later).
+        """
+        connector = self.connector
+        if connector is None or not connector.has_store_retries:
+            return False
+        freed = False
+        for req_id in connector.abandon_store_retries():
+            if self.held.pop(req_id, None) is not None:
+                self.pool.free(self._blocks.pop(req_id))
+                freed = True
+        return freed
 
     def _only_just_loaded_from(self, first: int) -> bool:
         """Whether every request of ``running[first:]`` just had its load land."""
@@ -198,6 +217,8 @@ class EngineScheduler:
             need = _cdiv(num_cached + n, bs) - len(hits)
             self.pool.take(hits)
             new = self.pool.allocate(need)
+            if new is None and self._release_store_retries():
+                new = self.pool.allocate(need)
             if new is None:
                 self.pool.free(hits)
                 break

@@ -22,7 +22,10 @@ Design choices where vLLM has known problems:
 * **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
   blocks while any of the request's jobs is in flight, and a preempted request's in-flight jobs
   are flushed (``jobs_to_flush``) before the next forward pass may overwrite its blocks.
-* A ``None`` from ``prepare_store`` re-offers the blocks next step (the policy rewinds).
+* A ``None`` from ``prepare_store`` stores the longest head of the offer that fits and re-offers
+  the whole offer next step (the policy rewinds; the stored head is skipped and protected). A
+  finished request's refused offer is kept, its blocks held, and retried each step while other
+  transfers are in flight, unless the engine needs the blocks first.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvoffload.base import LookupResult, OffloadingManager, ReqContext
+from kvoffload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import KVCacheEvent
 from kvoffload.keys import OffloadKey, offload_key_group, offload_key_hash
@@ -149,6 +158,9 @@ class OffloadingConnectorScheduler:
         self._jobs_to_flush: list[int] = []
         self._failed_before_submit: list[str] = []
         self._dropped_jobs: list[int] = []  # made stale by reset() before being handed over
+        # Finished requests whose final offer the tier refused: req id -> offerable tokens.
+        self._store_retries: dict[str, int] = {}
+        self._freed_without_jobs: list[str] = []  # retries given up, for the next update.freed
         # Reuse fence: engine block id -> store jobs still reading it, for sliding-window groups,
         # whose blocks the engine may free while the request runs. Reallocating one flushes them.
         self._fence: dict[int, set[int]] = {}
@@ -361,13 +373,19 @@ class OffloadingConnectorScheduler:
 
     def _plan_store(
         self, state: RequestKVState, num_offloadable_tokens: int, finished: bool = False
-    ) -> TransferJob | None:
+    ) -> tuple[list[TransferJob], bool]:
+        """Plan the stores of the blocks the request's policy offers now.
+
+        Returns the jobs and whether some offered blocks were left unstored (the tier had no
+        room; the policy re-offers them, from the offer's start, next time). When the whole offer
+        does not fit, the longest head of it that does is stored (:meth:`_prepare_head`).
+        """
         if state.max_offload_tokens is not None:
             num_offloadable_tokens = min(num_offloadable_tokens, state.max_offload_tokens)
         policy = self._policies[state.store_policy]
         keys, starts = policy.get_blocks_to_store(state, num_offloadable_tokens, finished)
         if not keys:
-            return None
+            return [], False
         req_id = state.req_context.req_id
         groups = self.config.groups
         # Locate each offered key: (group, offloaded block index); keys are grouped in order.
@@ -384,18 +402,60 @@ class OffloadingConnectorScheduler:
             ):
                 # The engine has not reported these blocks yet: try again next step.
                 policy.on_store_rejected(req_id, starts)
-                return None
+                return [], False
         out = self.manager.prepare_store(keys, state.req_context)
-        if out is None:
+        if out is not None:
+            outs, complete = [out], True
+        else:
+            outs, complete = self._prepare_head(keys, located, state.req_context), False
+            # Offer everything again next time: the stored head stays protected (a tier
+            # protects the keys of an offer), so the rest never evicts its own prefix.
             policy.on_store_rejected(req_id, starts)
             self._counters["rejected_stores"] += 1
+        where = dict(zip(keys, located, strict=True))
+        jobs = [self._store_job(state, o.keys_to_store, o.store_spec, where) for o in outs]
+        return [job for job in jobs if job is not None], not complete
+
+    def _prepare_head(
+        self, keys: list[OffloadKey], located: list[tuple[int, int]], ctx: ReqContext
+    ) -> list[PrepareStoreOutput]:
+        """Reserve the longest head (in block order) of an offer that does not fit as a whole.
+
+        Binary search over head lengths: a refused ``prepare_store`` changes nothing, an accepted
+        one is kept and the search goes on above it (its keys are then held and skipped). At most
+        ``log2(len(keys))`` calls; runs only when the whole offer was refused.
+        """
+        groups = self.config.groups
+        # Blocks by the token their KV ends at; each probe passes its keys group by group.
+        order = sorted(
+            range(len(keys)),
+            key=lambda i: (located[i][1] + 1) * groups[located[i][0]].offloaded_block_size,
+        )
+        outs: list[PrepareStoreOutput] = []
+        lo, hi = 0, len(keys)  # the first lo blocks are held, the first hi do not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            out = self.manager.prepare_store([keys[i] for i in sorted(order[:mid])], ctx)
+            if out is None:
+                hi = mid
+                continue
+            lo = mid
+            if out.keys_to_store:
+                outs.append(out)
+        return outs
+
+    def _store_job(
+        self,
+        state: RequestKVState,
+        stored: list[OffloadKey],
+        store_spec: LoadStoreSpec,
+        where: Mapping[OffloadKey, tuple[int, int]],
+    ) -> TransferJob | None:
+        """The job copying ``stored`` (just prepared in the tier) out of the request's blocks."""
+        if not stored:
             return None
-        if not out.keys_to_store:
-            return None
-        stored = out.keys_to_store
-        if stored != keys:  # the tier skipped some keys: locate the stored ones by key
-            where = dict(zip(keys, located, strict=True))
-            located = [where[key] for key in stored]
+        groups = self.config.groups
+        located = [where[key] for key in stored]
         engine_ids: list[int] = []
         group_sizes = [0] * len(groups)
         block_indices = [-1] * len(groups)
@@ -416,7 +476,10 @@ class OffloadingConnectorScheduler:
         self._counters["store_jobs"] += 1
         self._counters["stored_blocks"] += len(stored)
         return TransferJob(
-            job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec
+            job_id,
+            state.req_context.req_id,
+            GPULoadStoreSpec(engine_ids, group_sizes, block_indices),
+            store_spec,
         )
 
     def _fence_sources(self, job_id: int, engine_ids: list[int], group_sizes: list[int]) -> None:
@@ -469,14 +532,15 @@ class OffloadingConnectorScheduler:
                     if self._fence and ids:
                         self._check_fence(ids)
             state.update_offload_keys()
-            job = self._plan_store(
+            jobs, _ = self._plan_store(
                 state,
                 min(
                     request.num_computed_tokens + scheduled.num_scheduled_tokens, request.num_tokens
                 ),
             )
-            if job is not None:
-                store_jobs.append(job)
+            store_jobs.extend(jobs)
+        if self._store_retries:
+            self._retry_finished_stores()
         flush = self._jobs_to_flush
         for req_id in scheduler_output.preempted_req_ids:
             state = requests.get(req_id)
@@ -491,6 +555,9 @@ class OffloadingConnectorScheduler:
     def update_connector_output(self, results: Iterable[TransferResult]) -> ConnectorUpdate:
         """Apply worker results; a job completes when all ``num_workers`` workers reported it."""
         update = ConnectorUpdate()
+        if self._freed_without_jobs:
+            update.freed.extend(self._freed_without_jobs)
+            self._freed_without_jobs = []
         if self._failed_before_submit:
             update.failed_loads.extend(self._failed_before_submit)
             self._failed_before_submit = []
@@ -549,16 +616,19 @@ class OffloadingConnectorScheduler:
         state.transfer_jobs.discard(job.job_id)
         if not job.is_store and not state.finished:
             (update.failed_loads if failed else update.loaded).append(job.req_id)
-        if state.finished and not state.transfer_jobs:
+        if state.finished and not state.transfer_jobs and job.req_id not in self._store_retries:
             del self._requests[job.req_id]
             update.freed.append(job.req_id)
 
     def request_finished(self, request: OffloadRequest) -> tuple[bool, dict[str, Any] | None]:
         """The request ended (finished or aborted). Returns ``(delay_free, params)``.
 
-        Plans the request's final stores (``on_finish`` policies store everything now), then tells
-        the policy and the manager; nothing is submitted for the request afterwards. ``delay_free``
-        is True while any of its jobs is in flight: the engine must keep its blocks until a later
+        Plans the request's final stores (``on_finish`` policies store everything now). An offer
+        the tier refuses (no room while other transfers are in flight) is kept and retried every
+        step until it is stored, until nothing in flight could make room, or until the engine
+        needs the blocks (:meth:`abandon_store_retries`); only then are the policy and the
+        manager told the request finished. ``delay_free`` is True while any of its jobs is in
+        flight or its offer is kept: the engine must keep its blocks until a later
         ``update_connector_output`` lists the request in ``freed``.
         """
         req_id = request.request_id
@@ -566,21 +636,68 @@ class OffloadingConnectorScheduler:
         if state is None:
             return False, None
         state.finished = True
-        job = self._plan_store(state, request.num_computed_tokens, finished=True)
-        if job is not None:
-            self._store_jobs.append(job)
-        self._policies[state.store_policy].request_finished(req_id)
-        self.manager.request_finished(state.req_context)
+        jobs, incomplete = self._plan_store(state, request.num_computed_tokens, finished=True)
+        self._store_jobs.extend(jobs)
+        if incomplete and self._jobs:
+            self._store_retries[req_id] = request.num_computed_tokens
+            return True, None
+        self._end_request(state)
         if state.transfer_jobs:
             return True, None
         del self._requests[req_id]
         return False, None
 
+    def _end_request(self, state: RequestKVState) -> None:
+        """Nothing more is offered for this finished request: tell its policy and the manager."""
+        self._policies[state.store_policy].request_finished(state.req_context.req_id)
+        self.manager.request_finished(state.req_context)
+
+    def _retry_finished_stores(self) -> None:
+        """Offer the kept offers of finished requests again (see :meth:`request_finished`)."""
+        for req_id, num_tokens in list(self._store_retries.items()):
+            state = self._requests[req_id]
+            jobs, incomplete = self._plan_store(state, num_tokens, finished=True)
+            self._store_jobs.extend(jobs)
+            if incomplete and self._jobs:
+                continue  # transfers in flight may still make room
+            self._give_up_retry(req_id, self._freed_without_jobs)
+
+    def _give_up_retry(self, req_id: str, freed: list[str]) -> None:
+        del self._store_retries[req_id]
+        state = self._requests[req_id]
+        self._end_request(state)
+        if not state.transfer_jobs:
+            del self._requests[req_id]
+            freed.append(req_id)
+
+    @property
+    def has_store_retries(self) -> bool:
+        """Whether finished requests' blocks are kept for offers the tier refused."""
+        return bool(self._store_retries)
+
+    def abandon_store_retries(self) -> list[str]:
+        """The engine needs blocks: stop retrying finished requests' refused offers.
+
+        Returns the requests whose blocks may be freed now; the others (a store still reading
+        their blocks) come in ``ConnectorUpdate.freed`` when their transfers end.
+        """
+        freed: list[str] = []
+        for req_id in list(self._store_retries):
+            self._give_up_retry(req_id, freed)
+        return freed
+
     # ------------------------------------------------------------------ misc
 
     def has_pending_jobs(self) -> bool:
         """True while any job is planned or in flight (the engine must keep stepping)."""
-        return bool(self._jobs or self._store_jobs or self._load_jobs or self._failed_before_submit)
+        return bool(
+            self._jobs
+            or self._store_jobs
+            or self._load_jobs
+            or self._failed_before_submit
+            or self._store_retries
+            or self._freed_without_jobs
+        )
 
     def reset(self) -> None:
         """Empty the tier. Jobs in flight are flushed next step and their results ignored by the
