@@ -272,15 +272,15 @@ class KVEventSubscriber:
                 sock.close(linger=0)
                 self._replay = None
                 return items
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != SEQ_BYTES:
+            frames = sock.recv_multipart(zmq.NOBLOCK)  # [b"", topic, seq, payload]
+            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
                 self._stats["malformed"] += 1
                 continue
-            seq = decode_seq(frames[1])
+            seq = decode_seq(frames[2])
             if seq == -1:
                 return items
             if seq >= first_seq and (end_seq is None or seq < end_seq):
-                items.append((seq, frames[2]))
+                items.append((seq, frames[3]))
 
     def _open_replay_socket(self) -> zmq.Socket:
         sock = self._replay = self._ctx.socket(zmq.DEALER)
