@@ -51,11 +51,19 @@ from kvoffload.scheduler.policy import STORE_POLICIES, OffloadPolicy
 from kvoffload.scheduler.state import OffloadRequest, RequestKVState, SchedulerOffloadConfig
 from kvoffload.transfer import ConnectorMetadata, TransferJob, TransferResult
 
-__all__ = ["OffloadingConnectorScheduler", "parse_kv_transfer_params"]
+__all__ = ["KV_TRANSFER_PARAMS", "OffloadingConnectorScheduler", "parse_kv_transfer_params"]
 
 logger = logging.getLogger(__name__)
 
 _HIT = LookupResult.HIT
+
+
+#: The ``kv_transfer_params`` keys the connector reads, and the type of each value.
+KV_TRANSFER_PARAMS: dict[str, type] = {
+    "store_policy": str,
+    "max_offload_tokens": int,
+    "max_load_tokens": int,
+}
 
 
 def parse_kv_transfer_params(
@@ -68,8 +76,10 @@ def parse_kv_transfer_params(
     that many tokens beyond the engine's own prefix-cache hit); non-negative ints.
     Other keys are left for other components. Bad values raise :class:`ConfigError`.
     """
-    if not params:
+    if params is None:
         return default_policy, None, None
+    if not isinstance(params, Mapping):
+        raise ConfigError("kv_transfer_params", f"must be a dict or None, got {params!r}")
     policy = params.get("store_policy", default_policy)
     # Not a str (a JSON list, say) would be unhashable: a TypeError instead of a ConfigError.
     if not isinstance(policy, str) or policy not in STORE_POLICIES:
@@ -78,7 +88,7 @@ def parse_kv_transfer_params(
             f"unknown store policy {policy!r}; choose from {sorted(STORE_POLICIES)}",
         )
     caps: list[int | None] = []
-    for name in ("max_offload_tokens", "max_load_tokens"):
+    for name in (k for k, kind in KV_TRANSFER_PARAMS.items() if kind is int):
         value = params.get(name)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
