@@ -218,3 +218,63 @@ def _actions(argv: list[str]) -> list[argparse.Action]:
         if argv[: len(command.split())] == command.split():
             return parser._actions
     raise AssertionError(argv)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("tiny", block_size=4, num_device_blocks=32) as e:
+        yield e
+
+
+REQUEST_DATA = {
+    "prompt of strings": ({"prompt": ["1", "2"]}, "prompt"),
+    "prompt of floats": ({"prompt": [1.0, 2.0]}, "prompt"),
+    "prompt of bools": ({"prompt": [True, False]}, "prompt"),
+    "prompt None": ({"prompt": None}, "prompt"),
+    "prompt bytes": ({"prompt": b"ab"}, "prompt"),
+    "empty prompt": ({"prompt": []}, "prompt"),
+    "token id out of vocabulary": ({"prompt": [10**9]}, "prompt"),
+    "sampling by name": ({"sampling": "greedy"}, "sampling"),
+    "sampling as a dict": ({"sampling": {"max_tokens": 2}}, "sampling"),
+    "kv_transfer_params str": ({"kv_transfer_params": "x"}, "kv_transfer_params"),
+    "kv_transfer_params list": ({"kv_transfer_params": [1]}, "kv_transfer_params"),
+    "request id not a str": ({"request_id": 5}, "request_id"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REQUEST_DATA))
+def test_bad_request_data_is_refused_naming_it(engine: Engine, case: str) -> None:
+    overrides, field = REQUEST_DATA[case]
+    kwargs = {"prompt": [1, 2, 3], **overrides}
+    with pytest.raises(ConfigError) as info:
+        engine.add_request(**kwargs)
+    assert info.value.field.split(".")[0] == field
+    assert not engine.has_unfinished()
+
+
+def test_generate_refuses_a_bare_string_and_unknown_engine_settings(engine: Engine) -> None:
+    with pytest.raises(ConfigError) as info:
+        engine.generate("hello")  # would otherwise be five one-character prompts
+    assert info.value.field == "prompts"
+    with pytest.raises(ConfigError) as info:
+        engine.generate([[1, 2]], "greedy")
+    assert info.value.field == "sampling"
+    with pytest.raises(ConfigError) as info:
+        Engine("tiny", num_device_block=8)  # a typo: not silently ignored, not a TypeError
+    assert info.value.field == "num_device_block"
+
+
+def test_a_two_block_device_cache_offloads() -> None:
+    """The tiny model's cache is [blocks, layers=2, K/V=2, ...]: with 2 blocks, dims 0 and 1 are
+    both 2. The engine says where its blocks are, so this is no ambiguity error."""
+    with Engine("tiny", block_size=4, num_device_blocks=2, kv_offloading_size=0.001) as e:
+        (out,) = e.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2))
+        assert len(out.output_token_ids) == 2
+
+
+def test_a_host_tier_below_one_block_names_the_block_size() -> None:
+    with pytest.raises(ConfigError) as info:
+        Engine("tiny", block_size=4, num_device_blocks=8, kv_offloading_size=1e-12)
+    assert info.value.field == "kv_offloading_size"
+    message = str(info.value)
+    assert "block_size 4" in message and "2048 bytes" in message and "at least" in message
