@@ -158,7 +158,9 @@ BAD_FLAGS = {
 }
 
 
-def _refused_before_running(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
+def _refused_before_running(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     stdout, stderr = capsys.readouterr()
     assert stderr.startswith(f"error: {field}: "), stderr
@@ -179,7 +181,7 @@ def test_bad_flags_exit_2_naming_the_field(case: str, capsys: pytest.CaptureFixt
         (b'{"hash_ids": [1], "input_length": 1e400}\n', "input_length must be"),
         (b'{"hash_ids": [1], "output_length": true}\n', "output_length must be"),
         (b'{"hash_ids": [2.5]}\n', "hash_ids must be"),
-        (b'[1, 2]\n', "an object with a hash_ids list"),
+        (b"[1, 2]\n", "an object with a hash_ids list"),
         (b'{"hash_ids": [1]}\n\xff\xfe\n', "not UTF-8"),
     ],
 )

@@ -135,7 +135,9 @@ def test_events_group_never_imports_torch() -> None:
 
 def _stored(*hashes: int) -> KVEventBatch:
     blocks = [bytes([h]) * 32 for h in hashes]
-    return KVEventBatch(0.0, [BlockStored(blocks, None, [0] * 4 * len(blocks), 4, None, "CPU", None)])
+    return KVEventBatch(
+        0.0, [BlockStored(blocks, None, [0] * 4 * len(blocks), 4, None, "CPU", None)]
+    )
 
 
 def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None:
@@ -144,13 +146,15 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
     endpoint = f"ipc://{tmp_path}/ev"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     argv = ["events", "listen", "--endpoint", endpoint, "--index", "--json", "--refresh", "0.05"]
-    code = f"import sys; from kvoffload.cli.main import main; sys.exit(main({argv + ['--timeout', '30']!r}))"
+    code = f"import sys; from kvoffload.cli.main import main; sys.exit(main({[*argv, '--timeout', '30']!r}))"
     listener = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
     )
     assert listener.stdout is not None
 
-    def cpu_blocks_until(stop: Callable[[int], bool], pub: ZmqEventPublisher, batch: KVEventBatch) -> int:
+    def cpu_blocks_until(
+        stop: Callable[[int], bool], pub: ZmqEventPublisher, batch: KVEventBatch
+    ) -> int:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             pub.publish(batch)

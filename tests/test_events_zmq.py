@@ -11,7 +11,6 @@ import zmq
 
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events import (
-    REPLAY_END,
     BlockRemoved,
     BlockStored,
     EventDecoder,
@@ -24,7 +23,6 @@ from kvoffload.events import (
     ReceivedBatch,
     ZmqEventPublisher,
     create_event_publisher,
-    decode_seq,
 )
 
 LOOPBACK = "tcp://127.0.0.1:*"  # bound on an ephemeral loopback port
@@ -215,7 +213,7 @@ def test_subscriber_recovers_a_gap_from_a_vllm_framed_replay_socket() -> None:
 
     def serve_one_replay() -> None:
         if router.poll(10_000):
-            client, empty, start = router.recv_multipart()
+            client, _, start = router.recv_multipart()
             buffered = list(enumerate(payloads))
             for frame in _vllm_replay_frames(b"kv", buffered, int.from_bytes(start, "big")):
                 router.send_multipart([client, *frame])

@@ -151,7 +151,7 @@ def trace_prompts(
     with trace.open(encoding="utf-8") as f:
         line_no = 0
         try:
-            for line_no, line in enumerate(f, 1):  # noqa: B007 - line_no is used after a failure
+            for line_no, line in enumerate(f, 1):
                 if num_prompts is not None and len(out) >= num_prompts:
                     break
                 if not line.strip():
@@ -184,7 +184,9 @@ def _trace_record(trace: Path, line_no: int, line: str) -> tuple[list[int], int,
     (``1e400`` or ``2.5`` or ``true`` is no token count), else :class:`ConfigError`."""
 
     def bad(why: str) -> ConfigError:
-        return ConfigError("dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({why})")
+        return ConfigError(
+            "dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({why})"
+        )
 
     def integer(name: str, value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

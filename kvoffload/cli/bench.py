@@ -56,14 +56,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--dataset-path", default=None, help="Mooncake-format JSONL trace (--dataset-name trace)"
     )
-    p.add_argument("--trace-block-size", type=int_in(1), default=16, help="tokens per trace hash id")
+    p.add_argument(
+        "--trace-block-size", type=int_in(1), default=16, help="tokens per trace hash id"
+    )
     p.add_argument("--output-len", type=int_in(1), default=DEFAULTS["output_len"])
     p.add_argument("--random-input-len", type=int_in(1), default=1024)
     p.add_argument(
-        "--prefix-repetition-prefix-len", type=int_in(1), default=DEFAULTS["prefix_repetition_prefix_len"]
+        "--prefix-repetition-prefix-len",
+        type=int_in(1),
+        default=DEFAULTS["prefix_repetition_prefix_len"],
     )
     p.add_argument(
-        "--prefix-repetition-suffix-len", type=int_in(0), default=DEFAULTS["prefix_repetition_suffix_len"]
+        "--prefix-repetition-suffix-len",
+        type=int_in(0),
+        default=DEFAULTS["prefix_repetition_suffix_len"],
     )
     p.add_argument(
         "--prefix-repetition-num-prefixes",
@@ -81,7 +87,10 @@ def add_parser(subparsers: Any) -> None:
         help=f"engine KV blocks (default {DEFAULTS['num_device_blocks']})",
     )
     cache.add_argument(
-        "--kv-cache-memory", type=real_in(0, positive=True), default=None, help="engine KV cache size in GiB"
+        "--kv-cache-memory",
+        type=real_in(0, positive=True),
+        default=None,
+        help="engine KV cache size in GiB",
     )
     p.add_argument("--block-size", type=int_in(1), default=16, help="tokens per engine block")
     p.add_argument(

@@ -314,7 +314,9 @@ class Engine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             token_ids = list(prompt)
-            bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+            bad = next(
+                (t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None
+            )
             if bad is not None:
                 raise ConfigError("prompt", f"token ids must be integers, got {bad!r}")
         else:

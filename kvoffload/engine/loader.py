@@ -190,7 +190,8 @@ def _weight_files(directory: Path) -> list[Path]:
             isinstance(name, str) for name in weight_map.values()
         ):
             raise ConfigError(
-                "model", f"{index} is not a valid safetensors index: weight_map must map names to files"
+                "model",
+                f"{index} is not a valid safetensors index: weight_map must map names to files",
             )
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
