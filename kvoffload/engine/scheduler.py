@@ -6,12 +6,13 @@ free blocks allow. ``running`` stays in admission order (the order requests left
 request whose load lands goes back to its admission place, not to the end. When a running request
 needs a block and none is free, a request not yet scheduled this step is preempted (its blocks
 freed, recomputed later): the most recently admitted one, except that a request whose load just
-landed and has not run since is the last choice (its transfer would be thrown away). Before any
+landed and has not run since is the last choice (its transfer would be thrown away); when only
+such requests are left to preempt, it computes what fits in the free blocks instead. Before any
 preemption or refused admission, finished requests' blocks kept only to retry a refused store are
-released. A waiting request's
-prompt is served from the engine's prefix cache first, then the offloading connector is asked for
-more (`get_num_new_matched_tokens`); a request with tokens to load waits (``LOADING``) until its
-load completes, holding its blocks but no token budget. A waiting request whose next block is
+released. A waiting request's prompt is served from the engine's prefix cache first, then the
+offloading connector is asked for more (`get_num_new_matched_tokens`); a request with tokens to
+load waits (``LOADING``) until its load completes, holding its blocks but no token budget. A
+waiting request whose next block is
 being loaded into the engine for another request shares that load: it is passed over until the
 load lands (its blocks then enter the prefix cache) instead of loading a second copy, and the
 requests behind it are admitted meanwhile, so nobody queues behind it.
