@@ -256,7 +256,13 @@ def _page_views(
         possible = {0} if t.shape[0] == num_blocks else set()
         if len(t.shape) >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
             possible.add(1)
-        block_dim = known_dim if known_dim in possible else None
+        if known_dim not in possible:
+            raise ConfigError(
+                "block_dim",
+                f"{name} has shape {tuple(t.shape)}: dim {known_dim} cannot hold {num_blocks} "
+                "blocks (dim 0, or dim 1 after a leading 2)",
+            )
+        block_dim = known_dim
     if block_dim is None:
         raise ConfigError(
             "kv_caches",
