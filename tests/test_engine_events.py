@@ -273,6 +273,24 @@ def test_events_under_cycling_load_end_equal_to_engine() -> None:
     aborts=[(8, 0), (6, 43)],
     delays=[3],
 )
+@example(  # a tier of 4 blocks: a block is stored, evicted and planned again in one step
+    seed=1,
+    num_device_blocks=12,
+    host_blocks=4,
+    factor=1,
+    store_policy="on_compute",
+    aborts=[],
+    delays=[0],
+)
+@example(  # two finished requests' kept offers, each larger than the tier, must not take turns
+    seed=1,  # evicting each other for ever (the drain ends)
+    num_device_blocks=24,
+    host_blocks=4,
+    factor=1,
+    store_policy="on_compute",
+    aborts=[],
+    delays=[0],
+)
 def test_random_mix_index_follows_engine_every_step(
     seed: int,
     num_device_blocks: int,

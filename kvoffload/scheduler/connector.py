@@ -168,8 +168,9 @@ class OffloadingConnectorScheduler:
         self._jobs_to_flush: list[int] = []
         self._failed_before_submit: list[str] = []
         self._dropped_jobs: list[int] = []  # made stale by reset() before being handed over
-        # Finished requests whose final offer the tier refused: req id -> offerable tokens.
-        self._store_retries: dict[str, int] = {}
+        # Finished requests whose final offer the tier refused: req id -> (offerable tokens,
+        # fewest blocks of the offer left unstored by an attempt so far).
+        self._store_retries: dict[str, tuple[int, int]] = {}
         self._freed_without_jobs: list[str] = []  # retries given up, for the next update.freed
         # Reuse fence: engine block id -> store jobs still reading it, for sliding-window groups,
         # whose blocks the engine may free while the request runs. Reallocating one flushes them.
@@ -383,19 +384,20 @@ class OffloadingConnectorScheduler:
 
     def _plan_store(
         self, state: RequestKVState, num_offloadable_tokens: int, finished: bool = False
-    ) -> tuple[list[TransferJob], bool]:
+    ) -> tuple[list[TransferJob], int]:
         """Plan the stores of the blocks the request's policy offers now.
 
-        Returns the jobs and whether some offered blocks were left unstored (the tier had no
-        room; the policy re-offers them, from the offer's start, next time). When the whole offer
-        does not fit, the longest head of it that does is stored (:meth:`_prepare_head`).
+        Returns the jobs and how many offered blocks the tier does not hold afterwards (0: the
+        whole offer is held or being stored; else the tier had no room and the policy re-offers
+        them, from the offer's start, next time). When the whole offer does not fit, the longest
+        head of it that does is stored (:meth:`_prepare_head`).
         """
         if state.max_offload_tokens is not None:
             num_offloadable_tokens = min(num_offloadable_tokens, state.max_offload_tokens)
         policy = self._policies[state.store_policy]
         keys, starts = policy.get_blocks_to_store(state, num_offloadable_tokens, finished)
         if not keys:
-            return [], False
+            return [], 0
         req_id = state.req_context.req_id
         groups = self.config.groups
         # Locate each offered key: (group, offloaded block index); keys are grouped in order.
@@ -412,28 +414,30 @@ class OffloadingConnectorScheduler:
             ):
                 # The engine has not reported these blocks yet: try again next step.
                 policy.on_store_rejected(req_id, starts)
-                return [], False
+                return [], 0
         out = self.manager.prepare_store(keys, state.req_context)
         if out is not None:
-            outs, complete = [out], True
+            outs, missing = [out], 0
         else:
-            outs, complete = self._prepare_head(keys, located, state.req_context), False
+            held, outs = self._prepare_head(keys, located, state.req_context)
+            missing = len(keys) - held
             # Offer everything again next time: the stored head stays protected (a tier
             # protects the keys of an offer), so the rest never evicts its own prefix.
             policy.on_store_rejected(req_id, starts)
             self._counters["rejected_stores"] += 1
         where = dict(zip(keys, located, strict=True))
         jobs = [self._store_job(state, o.keys_to_store, o.store_spec, where) for o in outs]
-        return [job for job in jobs if job is not None], not complete
+        return [job for job in jobs if job is not None], missing
 
     def _prepare_head(
         self, keys: list[OffloadKey], located: list[tuple[int, int]], ctx: ReqContext
-    ) -> list[PrepareStoreOutput]:
+    ) -> tuple[int, list[PrepareStoreOutput]]:
         """Reserve the longest head (in block order) of an offer that does not fit as a whole.
 
         Binary search over head lengths: a refused ``prepare_store`` changes nothing, an accepted
         one is kept and the search goes on above it (its keys are then held and skipped). At most
-        ``log2(len(keys))`` calls; runs only when the whole offer was refused.
+        ``log2(len(keys))`` calls; runs only when the whole offer was refused. Returns the length
+        of the head now held (or being stored) and the accepted reservations.
         """
         groups = self.config.groups
         # Blocks by the token their KV ends at; each probe passes its keys group by group.
@@ -452,7 +456,7 @@ class OffloadingConnectorScheduler:
             lo = mid
             if out.keys_to_store:
                 outs.append(out)
-        return outs
+        return lo, outs
 
     def _store_job(
         self,
@@ -634,10 +638,12 @@ class OffloadingConnectorScheduler:
         """The request ended (finished or aborted). Returns ``(delay_free, params)``.
 
         Plans the request's final stores (``on_finish`` policies store everything now). An offer
-        the tier refuses (no room while other transfers are in flight) is kept and retried every
-        step until it is stored, until nothing in flight could make room, or until the engine
-        needs the blocks (:meth:`abandon_store_retries`); only then are the policy and the
-        manager told the request finished. ``delay_free`` is True while any of its jobs is in
+        the tier refuses while other transfers are in flight is kept and retried every step (its
+        longest fitting head is stored each time) until it is stored, until an attempt neither
+        waits for room nor stores more of it than any before (so finished requests cannot take
+        turns evicting each other for ever), or until the engine needs the blocks
+        (:meth:`abandon_store_retries`); only then are the policy and the manager told the
+        request finished. ``delay_free`` is True while any of its jobs is in
         flight or its offer is kept: the engine must keep its blocks until a later
         ``update_connector_output`` lists the request in ``freed``.
         """
@@ -646,10 +652,10 @@ class OffloadingConnectorScheduler:
         if state is None:
             return False, None
         state.finished = True
-        jobs, incomplete = self._plan_store(state, request.num_computed_tokens, finished=True)
+        jobs, missing = self._plan_store(state, request.num_computed_tokens, finished=True)
         self._store_jobs.extend(jobs)
-        if incomplete and self._jobs:
-            self._store_retries[req_id] = request.num_computed_tokens
+        if missing and self._jobs:
+            self._store_retries[req_id] = (request.num_computed_tokens, missing)
             return True, None
         self._end_request(state)
         if state.transfer_jobs:
@@ -664,13 +670,16 @@ class OffloadingConnectorScheduler:
 
     def _retry_finished_stores(self) -> None:
         """Offer the kept offers of finished requests again (see :meth:`request_finished`)."""
-        for req_id, num_tokens in list(self._store_retries.items()):
+        for req_id, (num_tokens, fewest_missing) in list(self._store_retries.items()):
             state = self._requests[req_id]
-            jobs, incomplete = self._plan_store(state, num_tokens, finished=True)
+            jobs, missing = self._plan_store(state, num_tokens, finished=True)
             self._store_jobs.extend(jobs)
-            if incomplete and self._jobs:
-                continue  # transfers in flight may still make room
-            self._give_up_retry(req_id, self._freed_without_jobs)
+            if missing and jobs and missing < fewest_missing:
+                self._store_retries[req_id] = (num_tokens, missing)  # progress: go on
+            elif missing and not jobs and self._jobs:
+                continue  # nothing fits now; transfers in flight may make room
+            else:  # stored, or no better than before
+                self._give_up_retry(req_id, self._freed_without_jobs)
 
     def _give_up_retry(self, req_id: str, freed: list[str]) -> None:
         del self._store_retries[req_id]
