@@ -7,7 +7,7 @@ It drives kvoffload exactly as vLLM drives its offloading connector. One step::
     connector.build_connector_meta -> worker.handle_preemptions, worker.start_load_kv
     forward pass + sampling -> worker.wait_for_save
     advance requests, cache computed blocks, finish (connector.request_finished)
-    publish this step's KV events (device cache in the order they happened, then the offloading tier)
+    publish this step's KV events (device cache in the order they happened, then the tier)
 """
 
 from __future__ import annotations
