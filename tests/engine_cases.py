@@ -4,7 +4,7 @@ the host tier, reference runs, and the checks that nothing is left pinned, held 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 from kvoffload.base import OffloadingManager
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.worker import DelayedCompletionHandler
 
 #: Engine block size of every test engine (small, so short prompts span many blocks).
 BLOCK_SIZE = 4
@@ -44,6 +45,19 @@ def tiny_engine(**kwargs: Any) -> Engine:
     options: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_device_blocks": 512}
     options.update(kwargs)
     return Engine("tiny", **options)
+
+
+def delay_completions(engine: Engine, delay: Callable[[int], int]) -> DelayedCompletionHandler:
+    """Report each of ``engine``'s transfer jobs ``delay(job_id)`` engine steps late, whatever the
+    copy threads' timing: the run becomes reproducible step for step (loads and stores both)."""
+    assert engine.worker is not None
+    router = engine.worker.offloading_worker
+    inner = router.handler("GPU", "CPU")
+    handler = DelayedCompletionHandler(inner, lambda: engine.stats()["steps"], delay)
+    for direction in (("GPU", "CPU"), ("CPU", "GPU")):
+        assert router.handler(*direction) is inner
+        router.register_handler(*direction, handler, replace=True)
+    return handler
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -86,9 +100,11 @@ def drive(
     params: Sequence[SamplingParams],
     abort_at: dict[int, int],
     max_steps: int = 5000,
+    after_step: Callable[[], None] | None = None,
 ) -> tuple[list[str], dict[str, RequestOutput]]:
     """Add two requests a step while the engine runs; at step ``s`` abort request ``abort_at[s]``
-    (if added by then). Returns the request ids in prompt order and every output."""
+    (if added by then); call ``after_step`` after every step. Returns the request ids in prompt
+    order and every output."""
     ids: list[str] = []
     done: dict[str, RequestOutput] = {}
     for step in range(max_steps):
@@ -98,6 +114,8 @@ def drive(
             engine.abort(ids[abort_at[step]])
         for out in engine.step():
             done[out.request_id] = out
+        if after_step is not None:
+            after_step()
         if len(done) == len(prompts):
             return ids, done
     raise AssertionError(f"{len(prompts) - len(done)} requests unfinished after {max_steps} steps")

@@ -149,21 +149,14 @@ def test_with_kv_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 SMALL_RANDOM = ["--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "8",
                 "--output-len", "2"]  # fmt: skip
+# Values of the wrong kind or range (negative, zero, NaN, inf, huge, not a number) are usage
+# errors of the flag itself: tests/test_input_validation.py tries every flag. Here: settings
+# that only the command's checks, before anything runs, can refuse.
 BAD_FLAGS = {
     "unknown eviction policy": (["--eviction-policy", "nope"], "eviction_policy"),
     "unknown store policy": (["--store-policy", "nope"], "store_policy"),
-    "negative prompts": (["--num-prompts", "-1"], "num_prompts"),
-    "negative host tier": (["--kv-offloading-size", "-1"], "kv_offloading_size"),
-    "negative device blocks": (["--num-device-blocks", "-3"], "num_device_blocks"),
-    "negative device memory": (["--kv-cache-memory", "-1"], "kv_cache_memory"),
-    "zero block size": (["--block-size", "0", "--compare"], "block_size"),
-    "zero output": (["--output-len", "0"], "output_len"),
-    "negative input": (["--random-input-len", "-5"], "random_input_len"),
-    "negative suffix": (
-        ["--dataset-name", "prefix_repetition", "--prefix-repetition-suffix-len", "-3"],
-        "prefix_repetition_suffix_len",
-    ),
     "missing dataset path": (["--dataset-name", "trace"], "dataset_path"),
+    "dataset path without trace": (["--dataset-path", __file__], "dataset_path"),
     "not a trace": (["--dataset-name", "trace", "--dataset-path", __file__], "dataset_path"),
     "bad events JSON": (["--kv-events-config", "{not json"], "kv_events_config"),
     "unknown events field": (
@@ -189,26 +182,60 @@ BAD_FLAGS = {
         "kv_tier_cascade",
     ),
     # every run's configuration is checked before the first run starts
-    "negative host tier with --compare": (
-        ["--kv-offloading-size", "-1", "--compare"],
-        "kv_offloading_size",
+    "unknown policy with --compare": (
+        ["--eviction-policy", "nope", "--compare"],
+        "eviction_policy",
     ),
     "missing model directory": (["--model", "/nonexistent/model"], "model"),
     "bad events endpoint": (
         ["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "http://x"}'],
         "endpoint",
     ),
+    "output into a missing directory": (
+        ["--output-json", "/nonexistent/dir/out.json"],
+        "output_json",
+    ),
+    "output onto a directory": (["--output-json", "/"], "output_json"),
 }
+
+
+def _refused_before_running(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    stdout, stderr = capsys.readouterr()
+    assert stderr.startswith(f"error: {field}: "), stderr
+    assert "Traceback" not in stderr
+    assert "Throughput:" not in stdout  # refused before anything ran
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FLAGS))
 def test_bad_flags_exit_2_naming_the_field(case: str, capsys: pytest.CaptureFixture[str]) -> None:
     flags, field = BAD_FLAGS[case]
-    assert main([*COMMON, *SMALL_RANDOM, *flags]) == 2
+    _refused_before_running([*COMMON, *SMALL_RANDOM, *flags], field, capsys)
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b'{"hash_ids": [1e400]}\n', "hash_ids must be non-negative integers"),
+        (b'{"hash_ids": [1], "input_length": 1e400}\n', "input_length must be"),
+        (b'{"hash_ids": [1], "output_length": true}\n', "output_length must be"),
+        (b'{"hash_ids": [2.5]}\n', "hash_ids must be"),
+        (b"[1, 2]\n", "an object with a hash_ids list"),
+        (b'{"hash_ids": [1]}\n\xff\xfe\n', "not UTF-8"),
+    ],
+)
+def test_malformed_traces_are_refused_naming_the_line(
+    line: bytes, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(line)
+    argv = [*COMMON, "--dataset-name", "trace", "--dataset-path", str(trace)]
+    assert main(argv) == 2
     stdout, stderr = capsys.readouterr()
-    assert stderr.startswith(f"error: {field}: "), stderr
-    assert "Traceback" not in stderr
-    assert "Throughput:" not in stdout  # refused before anything ran
+    assert stderr.startswith("error: dataset_path: ") and why in stderr, stderr
+    assert "Throughput:" not in stdout
 
 
 def test_unknown_dataset_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:

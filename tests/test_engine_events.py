@@ -16,6 +16,7 @@ from engine_cases import (
     assert_same_outputs,
     backing_manager,
     cycling_rounds,
+    delay_completions,
     drive,
     greedy,
     host_gib,
@@ -26,7 +27,7 @@ from engine_cases import (
     run_rounds,
     tiny_engine,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.engine import Engine, RequestOutput
@@ -252,18 +253,57 @@ def test_events_under_cycling_load_end_equal_to_engine() -> None:
     factor=st.sampled_from([1, 2]),
     store_policy=st.sampled_from(["on_compute", "on_finish", "prompt_only"]),
     aborts=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 60)), max_size=3),
+    delays=st.lists(st.integers(0, 4), min_size=1, max_size=5),
 )
-def test_random_mix_index_ends_equal_to_engine(
+@example(  # the failing example of issue 9: a load lands in the step its request is preempted
+    seed=7483,
+    num_device_blocks=14,
+    host_blocks=8,
+    factor=2,
+    store_policy="on_compute",
+    aborts=[(9, 25)],
+    delays=[0],
+)
+@example(  # deterministic: every load lands 3 steps late, into the step it is preempted
+    seed=13399,
+    num_device_blocks=17,
+    host_blocks=4,
+    factor=1,
+    store_policy="on_compute",
+    aborts=[(8, 0), (6, 43)],
+    delays=[3],
+)
+@example(  # a tier of 4 blocks: a block is stored, evicted and planned again in one step
+    seed=1,
+    num_device_blocks=12,
+    host_blocks=4,
+    factor=1,
+    store_policy="on_compute",
+    aborts=[],
+    delays=[0],
+)
+@example(  # two finished requests' kept offers, each larger than the tier, must not take turns
+    seed=1,  # evicting each other for ever (the drain ends)
+    num_device_blocks=24,
+    host_blocks=4,
+    factor=1,
+    store_policy="on_compute",
+    aborts=[],
+    delays=[0],
+)
+def test_random_mix_index_follows_engine_every_step(
     seed: int,
     num_device_blocks: int,
     host_blocks: int,
     factor: int,
     store_policy: str,
     aborts: list[tuple[int, int]],
+    delays: list[int],
 ) -> None:
-    """Random requests, preemptions and aborts: after a drain the index holds exactly the
-    engine's device cache and host tier, every stored event describes its blocks, and the
-    outputs are those of a run without events or offloading."""
+    """Random requests, preemptions, aborts and transfers completing ``delays`` steps late (job
+    ``j`` after ``delays[j % len(delays)]`` steps, deterministically): after every step the index
+    holds exactly the engine's device cache and host tier, every stored event describes its
+    blocks, and the outputs are those of a run without events or offloading."""
     prompts, params = random_mix(seed)
     with (
         tiny_engine(
@@ -276,11 +316,17 @@ def test_random_mix_index_ends_equal_to_engine(
         ) as engine,
         Follower(engine) as follower,
     ):
-        ids, done = drive(engine, prompts, params, {step: i for i, step in aborts})
+        delay_completions(engine, lambda job_id: delays[job_id % len(delays)])
+
+        def check_index() -> None:
+            follower.sync()
+            assert follower.index.blocks(MEDIUM_GPU) == _device_blocks(engine)
+            assert follower.index.blocks(MEDIUM_CPU) == _tier_blocks(engine)
+
+        aborts_at = {step: i for i, step in aborts}
+        ids, done = drive(engine, prompts, params, aborts_at, after_step=check_index)
         assert_quiescent(engine)
-        follower.sync()
-        assert follower.index.blocks(MEDIUM_CPU) == _tier_blocks(engine)
-        assert follower.index.blocks(MEDIUM_GPU) == _device_blocks(engine)
+        check_index()
         _check_self_describing(engine, follower.events, list(done.values()))
     assert_outputs_or_aborted_prefix(ids, done, reference_outputs(prompts, params))
 

@@ -13,6 +13,7 @@ from engine_cases import (
     assert_outputs_or_aborted_prefix,
     assert_quiescent,
     assert_same_outputs,
+    delay_completions,
     drive,
     greedy,
     host_gib,
@@ -83,6 +84,32 @@ def test_preemption_under_memory_pressure(store_policy: str | None) -> None:
         assert engine.stats()["preemptions"] > 0
         assert sum(o.num_preemptions for o in got) > 0
         assert_quiescent(engine)
+
+
+@pytest.mark.parametrize(
+    ("seed", "num_device_blocks", "host_blocks", "delays"),
+    [(17611, 13, 16, (0, 3, 3)), (29984, 13, 18, (0, 0, 0)), (24367, 16, 11, (2, 3, 1))],
+)
+def test_a_landed_load_is_not_the_preemption_victim(
+    seed: int, num_device_blocks: int, host_blocks: int, delays: tuple[int, ...]
+) -> None:
+    """Pressured runs in which loads land (deterministically late) while blocks are short: a
+    request whose load just landed is preempted only when every other candidate's also did, which
+    never happens here (these workloads threw 1-4 landed loads away when it was the first victim).
+    """
+    prompts, params = random_mix(seed, num_prompts=16)
+    with tiny_engine(
+        num_device_blocks=num_device_blocks,
+        max_num_seqs=4,
+        kv_offloading_size=host_gib(host_blocks),
+    ) as engine:
+        delay_completions(engine, lambda job_id: delays[job_id % len(delays)])
+        ids, done = drive(engine, prompts, params, {})
+        stats = engine.stats()
+        assert stats["preemptions"] > 0 and stats["offload_load_jobs"] > 0
+        assert stats["preempted_after_load"] == 0
+        assert_quiescent(engine)
+    assert_same_outputs([done[i] for i in ids], reference_outputs(prompts, params))
 
 
 def test_requests_nearly_filling_the_device_cache() -> None:
@@ -282,6 +309,7 @@ def test_abort_while_running(store_policy: str) -> None:
     max_num_seqs=st.integers(1, 6),
     store_policy=st.sampled_from(["on_compute", "on_finish", "prompt_only"]),
     aborts=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 60)), max_size=4),
+    delays=st.lists(st.integers(0, 4), min_size=1, max_size=5),
 )
 def test_random_mix_with_aborts(
     seed: int,
@@ -289,9 +317,11 @@ def test_random_mix_with_aborts(
     max_num_seqs: int,
     store_policy: str,
     aborts: list[tuple[int, int]],
+    delays: list[int],
 ) -> None:
     """Random prompts over a few shared prefixes, added while the engine runs, some aborted at
-    random steps: finished requests match the reference, aborted ones are a prefix of it."""
+    random steps, transfers completing ``delays`` steps late (deterministically): finished
+    requests match the reference, aborted ones are a prefix of it."""
     prompts, params = random_mix(seed)
     want = reference_outputs(prompts, params)
     with tiny_engine(
@@ -300,6 +330,7 @@ def test_random_mix_with_aborts(
         kv_offloading_size=host_gib(24),
         store_policy=store_policy,
     ) as engine:
+        delay_completions(engine, lambda job_id: delays[job_id % len(delays)])
         ids, done = drive(engine, prompts, params, {step: i for i, step in aborts})
         assert_outputs_or_aborted_prefix(ids, done, want)
         assert_quiescent(engine)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +131,47 @@ def test_events_group_never_imports_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 60
+
+
+def _stored(*hashes: int) -> KVEventBatch:
+    blocks = [bytes([h]) * 32 for h in hashes]
+    return KVEventBatch(
+        0.0, [BlockStored(blocks, None, [0] * 4 * len(blocks), 4, None, "CPU", None)]
+    )
+
+
+def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None:
+    """A restarted publisher numbers from 0 again and holds nothing of what the old one
+    announced: the --index table drops the old blocks (as routers do) instead of keeping them."""
+    endpoint = f"ipc://{tmp_path}/ev"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    argv = ["events", "listen", "--endpoint", endpoint, "--index", "--json", "--refresh", "0.05"]
+    code = f"import sys; from kvoffload.cli.main import main; sys.exit(main({[*argv, '--timeout', '30']!r}))"
+    listener = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert listener.stdout is not None
+
+    def cpu_blocks_until(
+        stop: Callable[[int], bool], pub: ZmqEventPublisher, batch: KVEventBatch
+    ) -> int:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pub.publish(batch)
+            ready, _, _ = select.select([listener.stdout], [], [], 0.05)
+            if ready:
+                line = listener.stdout.readline()
+                cpu = json.loads(line)["index"].get("CPU", 0)
+                if stop(cpu):
+                    return cpu
+        raise AssertionError("the listener never showed the expected table")
+
+    try:
+        with ZmqEventPublisher(endpoint) as old:
+            assert cpu_blocks_until(lambda n: n == 2, old, _stored(1, 2)) == 2
+        with ZmqEventPublisher(endpoint) as new:
+            assert cpu_blocks_until(lambda n: n != 2, new, _stored(3)) == 1
+    finally:
+        listener.kill()
+        listener.wait()
+        listener.stdout.close()

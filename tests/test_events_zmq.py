@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -10,10 +11,10 @@ import zmq
 
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events import (
-    REPLAY_END,
     BlockRemoved,
     BlockStored,
     EventDecoder,
+    EventEncoder,
     KVEventBatch,
     KVEventsConfig,
     KVEventSubscriber,
@@ -22,7 +23,6 @@ from kvoffload.events import (
     ReceivedBatch,
     ZmqEventPublisher,
     create_event_publisher,
-    decode_seq,
 )
 
 LOOPBACK = "tcp://127.0.0.1:*"  # bound on an ephemeral loopback port
@@ -152,9 +152,25 @@ def test_catch_up_fetches_history_without_waiting_for_a_live_batch() -> None:
             assert sub.next_seq == 12
 
 
-def test_replay_wire_protocol_with_a_raw_dealer() -> None:
-    decoder = EventDecoder()
-    with ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+# vLLM 0.33's publisher (vllm/distributed/kv_events.py, ZmqEventPublisher._service_replay)
+# answers a replay request [client, b"", start_seq] with (client, b"", topic, seq, payload) per
+# buffered batch from start_seq on, then (client, b"", b"", END_SEQ, b""); seq is 8 big-endian
+# bytes and END_SEQ is -1 as 8 signed big-endian bytes. A DEALER client sees these frames
+# without the client id. The two helpers below build frames that way.
+VLLM_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _vllm_replay_frames(topic: bytes, buffered: list[tuple[int, bytes]], start: int) -> list:
+    """The frames a DEALER receives from vLLM 0.33's replay socket."""
+    frames = [[b"", topic, seq.to_bytes(8, "big"), buf] for seq, buf in buffered if seq >= start]
+    return [*frames, [b"", b"", VLLM_END_SEQ, b""]]
+
+
+def test_replay_frames_are_vllms() -> None:
+    """Our replay answer, received by a raw DEALER, equals frame for frame what vLLM 0.33 sends
+    for the same buffer; a malformed request is ignored and counted."""
+    encoder = EventEncoder()
+    with ZmqEventPublisher(LOOPBACK, topic="kv@pod", replay_endpoint=LOOPBACK) as pub:
         for i in range(6):
             pub.publish(_batch(i))
         _wait_sent(pub, 6)
@@ -168,19 +184,66 @@ def test_replay_wire_protocol_with_a_raw_dealer() -> None:
             for _ in range(10):
                 assert dealer.poll(5000)
                 frames.append(dealer.recv_multipart())
-                if frames[-1][1] == REPLAY_END:
+                if frames[-1][2:3] == [VLLM_END_SEQ]:
                     break
-            assert frames[-1] == [b"", (-1).to_bytes(8, "big", signed=True), b""]
-            assert [decode_seq(f[1]) for f in frames[:-1]] == [3, 4, 5]
-            assert all(f[0] == b"" for f in frames)
-            assert [decoder.decode(f[2]).events for f in frames[:-1]] == [
-                _batch(i).events for i in (3, 4, 5)
-            ]
         finally:
             dealer.close(linger=0)
             ctx.term()
+        buffered = [(i, encoder.encode(_batch(i))) for i in range(6)]
+        want = _vllm_replay_frames(b"kv@pod", buffered, 3)
+        assert [f[:3] for f in frames] == [f[:3] for f in want]
+        assert [EventDecoder().decode(f[3]).events for f in frames[:-1]] == [
+            EventDecoder().decode(f[3]).events for f in want[:-1]
+        ]
+        assert frames[-1] == want[-1]
         stats = pub.stats()
         assert stats["replay_requests"] == 1 and stats["bad_replay_requests"] == 1
+
+
+def test_subscriber_recovers_a_gap_from_a_vllm_framed_replay_socket() -> None:
+    """A publisher that frames as vLLM 0.33 does (raw PUB + ROUTER sockets here): the subscriber
+    fills its gap from the replay answer."""
+    encoder = EventEncoder()
+    payloads = [encoder.encode(_batch(i)) for i in range(4)]
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(LOOPBACK)
+    router.bind(LOOPBACK)
+    served = threading.Event()
+
+    def serve_one_replay() -> None:
+        if router.poll(10_000):
+            client, _, start = router.recv_multipart()
+            buffered = list(enumerate(payloads))
+            for frame in _vllm_replay_frames(b"kv", buffered, int.from_bytes(start, "big")):
+                router.send_multipart([client, *frame])
+            served.set()
+
+    server = threading.Thread(target=serve_one_replay)
+    server.start()
+    try:
+        with KVEventSubscriber(
+            pub.getsockopt_string(zmq.LAST_ENDPOINT),
+            "kv",
+            router.getsockopt_string(zmq.LAST_ENDPOINT),
+            start_seq=0,
+        ) as sub:
+            got = None
+            for _ in range(200):  # slow joiner: repeat the live batch until it arrives
+                pub.send_multipart([b"kv", (3).to_bytes(8, "big"), payloads[3]])
+                got = sub.receive(0.05)
+                if got is not None:
+                    break
+            assert got is not None and got.seq == 0 and got.replayed
+            rest = [got, *_receive(sub, 3, timeout_s=5.0)]
+            assert [r.seq for r in rest] == [0, 1, 2, 3]
+            assert [r.batch.events for r in rest] == [_batch(i).events for i in range(4)]
+            assert served.is_set() and sub.stats()["malformed"] == 0
+    finally:
+        server.join()
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
 
 
 def test_shutdown_flushes_what_is_queued() -> None:

@@ -26,6 +26,7 @@ from kvoffload.engine import (
     load_model,
     preset_config,
 )
+from kvoffload.engine.loader import load_model_config
 from kvoffload.errors import ConfigError
 
 pytest.importorskip("transformers")
@@ -259,3 +260,29 @@ def test_model_config_validation() -> None:
         ModelConfig("gpt2", 512, 64, 128, 2, 4, 2, 16, eos_token_id=256)
     with pytest.raises(ConfigError, match="no preset 'huge'"):
         preset_config("huge")
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "message"),
+    [
+        ("config.json", "[1, 2]", "must hold a JSON object"),
+        ("config.json", b"\xff\xfe{}", "cannot read"),  # not UTF-8
+        ("model.safetensors.index.json", '{"weight_map": ["a"]}', "weight_map must map"),
+        ("model.safetensors.index.json", '{"weight_map": {"w": 3}}', "weight_map must map"),
+        ("model.safetensors.index.json", "[]", "must hold a JSON object"),
+    ],
+)
+def test_malformed_model_files_are_config_errors(
+    checkpoint: Path, tmp_path: Path, file: str, content: str | bytes, message: str
+) -> None:
+    """A config.json or shard index of the wrong shape: a ConfigError naming ``model`` (no
+    AttributeError from indexing a list), from the full load and from the config-only read."""
+    path = _copy(checkpoint, tmp_path / "m")
+    target = path / file
+    target.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError, match=message) as info:
+        load_model(str(path))
+    assert info.value.field == "model"
+    if file == "config.json":
+        with pytest.raises(ConfigError, match=message):
+            load_model_config(str(path))

@@ -80,9 +80,24 @@ def test_kv_split_needs_num_blocks():
         layout_of(make_cache("kv_split"), num_blocks=None)
 
 
-def test_ambiguous_block_dim_is_rejected():
-    with pytest.raises(ConfigError, match="dim 0 and dim 1 could both"):
-        KVCacheLayout.from_kv_caches([torch.zeros(2, 2, 8)], 1, num_blocks=2)
+def test_ambiguous_block_dim_is_rejected_unless_the_caller_names_it():
+    cache = torch.arange(32, dtype=torch.float32).reshape(2, 2, 8)
+    with pytest.raises(ConfigError, match=r"dim 0 and dim 1 could both.*pass block_dim"):
+        KVCacheLayout.from_kv_caches([cache], 1, num_blocks=2)
+    # Block dim 0: block 1 is cache[1] (one dense page); block dim 1: block 1 is cache[:, 1].
+    (view,) = KVCacheLayout.from_kv_caches([cache], 1, num_blocks=2, block_dim=0).page_views
+    assert torch.equal(view.pages[1].view(torch.float32), cache[1].flatten())
+    pages = KVCacheLayout.from_kv_caches([cache], 1, num_blocks=2, block_dim=1).page_views
+    assert [
+        torch.equal(p.pages[1].view(torch.float32), cache[k, 1]) for k, p in enumerate(pages)
+    ] == [
+        True,
+        True,
+    ]
+    with pytest.raises(ConfigError, match="dim 1 cannot hold 3 blocks"):
+        KVCacheLayout.from_kv_caches([torch.zeros(3, 2, 8)], 1, num_blocks=3, block_dim=1)
+    with pytest.raises(ConfigError, match="block_dim"):
+        KVCacheLayout.from_kv_caches([cache], 1, num_blocks=2, block_dim=2)
 
 
 def test_inconsistent_block_counts_are_rejected():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.errors import ConfigError
+from kvoffload.validation import check_int
 
 __all__ = [
     "DATASETS",
@@ -48,13 +49,11 @@ class _Tokens:
 
 
 def _positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(name, f"must be positive, got {value}")
+    check_int(name, value, 1)
 
 
 def _non_negative(name: str, value: int) -> None:
-    if value < 0:
-        raise ConfigError(name, f"must be >= 0, got {value}")
+    check_int(name, value, 0)
 
 
 def random_prompts(
@@ -149,35 +148,61 @@ def trace_prompts(
         raise ConfigError("dataset_path", f"{str(path)!r} is not a file")
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     out: list[BenchRequest] = []
-    with trace.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if num_prompts is not None and len(out) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                hash_ids = [int(h) for h in record["hash_ids"]]
-                input_length = int(record.get("input_length", len(hash_ids) * 512))
-                trace_output = int(record.get("output_length", 16))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(
-                    "dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({exc})"
-                ) from exc
-            if not hash_ids:
-                continue
-            prompt: list[int] = []
-            for h in hash_ids:
-                prompt.extend(tokens.draw(trace_block_size, random.Random(f"{seed}:{h}")))
-            tail_tokens = input_length - (len(hash_ids) - 1) * 512
-            if 0 < tail_tokens < 512:
-                keep = max(1, -(-tail_tokens * trace_block_size // 512))
-                del prompt[len(prompt) - trace_block_size + keep :]
-            n_out = max(1, trace_output if output_len is None else min(trace_output, output_len))
-            out.append(BenchRequest(prompt, n_out))
+    with trace.open(encoding="utf-8") as f:
+        line_no = 0
+        try:
+            for line_no, line in enumerate(f, 1):
+                if num_prompts is not None and len(out) >= num_prompts:
+                    break
+                if not line.strip():
+                    continue
+                hash_ids, input_length, trace_output = _trace_record(trace, line_no, line)
+                if not hash_ids:
+                    continue
+                prompt: list[int] = []
+                for h in hash_ids:
+                    prompt.extend(tokens.draw(trace_block_size, random.Random(f"{seed}:{h}")))
+                tail_tokens = input_length - (len(hash_ids) - 1) * 512
+                if 0 < tail_tokens < 512:
+                    keep = max(1, -(-tail_tokens * trace_block_size // 512))
+                    del prompt[len(prompt) - trace_block_size + keep :]
+                n_out = max(
+                    1, trace_output if output_len is None else min(trace_output, output_len)
+                )
+                out.append(BenchRequest(prompt, n_out))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                "dataset_path", f"{trace}: not UTF-8 text near line {line_no + 1} ({exc.reason})"
+            ) from None
     if not out:
         raise ConfigError("dataset_path", f"{trace} holds no requests")
     return out
+
+
+def _trace_record(trace: Path, line_no: int, line: str) -> tuple[list[int], int, int]:
+    """``(hash_ids, input_length, output_length)`` of one trace line; every value a JSON integer
+    (``1e400`` or ``2.5`` or ``true`` is no token count), else :class:`ConfigError`."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            "dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({why})"
+        )
+
+    def integer(name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad(f"{name} must be non-negative integers, got {value!r}")
+        return value
+
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if not isinstance(record, dict) or not isinstance(record.get("hash_ids"), list):
+        raise bad("an object with a hash_ids list expected")
+    hash_ids = [integer("hash_ids", h) for h in record["hash_ids"]]
+    input_length = integer("input_length", record.get("input_length", len(hash_ids) * 512))
+    output_length = integer("output_length", record.get("output_length", 16))
+    return hash_ids, input_length, output_length
 
 
 DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")

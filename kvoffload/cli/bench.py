@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvoffload.cli.args import check_output_path, int_in, real_in
+
 __all__ = ["add_parser"]
 
 # The main job's workload (`make bench`): long shared prefixes that do not fit the device cache
@@ -49,8 +51,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
+    p.add_argument("--seed", type=int_in(0, 2**64 - 1), default=0)
+    p.add_argument("--num-prompts", type=int_in(1), default=DEFAULTS["num_prompts"])
     p.add_argument(
         "--dataset-name",
         choices=("random", "prefix_repetition", "multi_turn", "trace"),
@@ -59,42 +61,51 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--dataset-path", default=None, help="Mooncake-format JSONL trace (--dataset-name trace)"
     )
-    p.add_argument("--trace-block-size", type=int, default=16, help="tokens per trace hash id")
-    p.add_argument("--output-len", type=int, default=DEFAULTS["output_len"])
-    p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument(
-        "--prefix-repetition-prefix-len", type=int, default=DEFAULTS["prefix_repetition_prefix_len"]
+        "--trace-block-size", type=int_in(1), default=16, help="tokens per trace hash id"
+    )
+    p.add_argument("--output-len", type=int_in(1), default=DEFAULTS["output_len"])
+    p.add_argument("--random-input-len", type=int_in(1), default=1024)
+    p.add_argument(
+        "--prefix-repetition-prefix-len",
+        type=int_in(1),
+        default=DEFAULTS["prefix_repetition_prefix_len"],
     )
     p.add_argument(
-        "--prefix-repetition-suffix-len", type=int, default=DEFAULTS["prefix_repetition_suffix_len"]
+        "--prefix-repetition-suffix-len",
+        type=int_in(0),
+        default=DEFAULTS["prefix_repetition_suffix_len"],
     )
     p.add_argument(
         "--prefix-repetition-num-prefixes",
-        type=int,
+        type=int_in(1),
         default=DEFAULTS["prefix_repetition_num_prefixes"],
     )
-    p.add_argument("--multi-turn-num-sessions", type=int, default=8)
-    p.add_argument("--multi-turn-system-len", type=int, default=512)
-    p.add_argument("--multi-turn-turn-len", type=int, default=256)
+    p.add_argument("--multi-turn-num-sessions", type=int_in(1), default=8)
+    p.add_argument("--multi-turn-system-len", type=int_in(0), default=512)
+    p.add_argument("--multi-turn-turn-len", type=int_in(1), default=256)
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
         "--num-device-blocks",
-        type=int,
+        type=int_in(1),
         default=None,
         help=f"engine KV blocks (default {DEFAULTS['num_device_blocks']})",
     )
     cache.add_argument(
-        "--kv-cache-memory", type=float, default=None, help="engine KV cache size in GiB"
+        "--kv-cache-memory",
+        type=real_in(0, positive=True),
+        default=None,
+        help="engine KV cache size in GiB",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per engine block")
+    p.add_argument("--block-size", type=int_in(1), default=16, help="tokens per engine block")
     p.add_argument(
-        "--block-size-factor", type=int, default=1, help="engine blocks per offloaded block"
+        "--block-size-factor", type=int_in(1), default=1, help="engine blocks per offloaded block"
     )
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"])
+    p.add_argument("--max-num-batched-tokens", type=int_in(1), default=2048)
+    p.add_argument("--max-num-seqs", type=int_in(1), default=DEFAULTS["max_num_seqs"])
     p.add_argument(
         "--kv-offloading-size",
-        type=float,
+        type=real_in(0),
         default=DEFAULTS["kv_offloading_size"],
         help="host tier in GiB (0 = off)",
     )
@@ -120,7 +131,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--store-policy", default="on_compute")
     p.add_argument(
         "--store-threshold",
-        type=int,
+        type=int_in(0),
         default=0,
         help="store a block once this many requests wanted it (>= 2)",
     )
@@ -152,11 +163,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--repeats",
-        type=int,
+        type=int_in(1),
         default=1,
         help="run every configuration this many times, interleaved; report the fastest of each",
     )
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, check=_check_args)
 
     from kvoffload.cli.trace import add_parser as add_trace_parser
 
@@ -190,32 +201,88 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
             args.output_len,
             **common,
         )
-    if args.dataset_path is None:
-        from kvoffload.errors import ConfigError
-
-        raise ConfigError("dataset_path", "--dataset-name trace needs --dataset-path")
     return datasets.trace_prompts(
         args.dataset_path, args.num_prompts, args.trace_block_size, args.output_len, **common
     )
 
 
-def _model_config(model: str) -> Any:
-    """The model's configuration (vocabulary, EOS), without loading its weights."""
-    from kvoffload.engine.config import PRESETS, config_from_hf, preset_config
+def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """Check every flag before anything runs; return the runs ``(label, engine kwargs)``.
+
+    Raises :class:`ConfigError` naming the setting: a bad model directory, a dataset path that
+    is missing or given without ``--dataset-name trace``, an ``--output-json`` that cannot be
+    written (checked now, so that a long run's results are not lost at the end), or any engine
+    setting :class:`EngineConfig` refuses. Reads no dataset and loads no weights.
+    """
+    from kvoffload.engine import EngineConfig
+    from kvoffload.engine.loader import load_model_config
     from kvoffload.errors import ConfigError
 
-    if model in PRESETS:
-        return preset_config(model)
-    config_file = Path(model) / "config.json"
-    try:
-        return config_from_hf(json.loads(config_file.read_text()))
-    except OSError as exc:
+    load_model_config(args.model)
+    if args.dataset_name == "trace":
+        if args.dataset_path is None:
+            raise ConfigError("dataset_path", "--dataset-name trace needs --dataset-path")
+        if not Path(args.dataset_path).is_file():
+            raise ConfigError("dataset_path", f"{args.dataset_path!r} is not a file")
+    elif args.dataset_path is not None:
         raise ConfigError(
-            "model",
-            f"{model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory ({exc})",
-        ) from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from exc
+            "dataset_path", f"only read with --dataset-name trace (not {args.dataset_name!r})"
+        )
+    if args.output_json is not None:
+        check_output_path("output_json", args.output_json)
+    engine_kwargs: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "block_size": args.block_size,
+        "block_size_factor": args.block_size_factor,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_offloading_backend": args.kv_offloading_backend,
+        "eviction_policy": args.eviction_policy,
+        "store_policy": args.store_policy,
+        "store_threshold": args.store_threshold,
+        "kv_events_config": args.kv_events_config,
+    }
+    if args.kv_cache_memory is not None:
+        engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
+    else:
+        blocks = args.num_device_blocks
+        engine_kwargs["num_device_blocks"] = (
+            DEFAULTS["num_device_blocks"] if blocks is None else blocks
+        )
+    runs: list[tuple[str, dict[str, Any]]] = []
+    if args.compare:
+        runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
+    remote: dict[str, Any] = {}
+    if args.kv_remote_url is not None or args.kv_remote_ttl is not None:  # every offloading run
+        remote = {
+            "kv_remote_url": args.kv_remote_url,
+            "kv_remote_optional": args.kv_remote_optional,
+            "kv_remote_ttl": args.kv_remote_ttl,
+        }
+    plus = " + remote" if remote else ""
+    host_only = {**engine_kwargs, **remote, "kv_offloading_size": args.kv_offloading_size}
+    with_disk = {
+        **host_only,
+        "kv_disk_path": args.kv_disk_path,
+        "kv_disk_size": args.kv_disk_size,
+        "kv_disk_eviction_policy": args.kv_disk_eviction_policy,
+        "kv_tier_cascade": args.kv_tier_cascade,
+    }
+    if args.kv_disk_path is None or args.compare:
+        runs.append(("offloading" + plus, host_only))
+    if args.kv_disk_path is not None:
+        runs.append(("offloading + disk" + plus, with_disk))
+    if args.compare:
+        # Sized from the requests in _run; a placeholder that passes EngineConfig's checks here.
+        ideal = {**engine_kwargs, "kv_offloading_size": 0.0, "num_device_blocks": 1}
+        ideal.pop("kv_cache_memory", None)
+        runs.append(("unlimited device cache", ideal))
+    for _, kwargs in runs:
+        EngineConfig(**kwargs)
+    return runs
 
 
 @contextlib.contextmanager
@@ -243,69 +310,15 @@ def _run(args: argparse.Namespace) -> int:
         run_throughput,
         unlimited_device_blocks,
     )
-    from kvoffload.engine import EngineConfig
-    from kvoffload.errors import ConfigError, KVOffloadError
+    from kvoffload.engine.loader import load_model_config
+    from kvoffload.errors import KVOffloadError
 
     try:
-        model = _model_config(args.model)
+        runs = _check_args(args)
+        model = load_model_config(args.model)
         requests = _requests(args, model.vocab_size, model.eos_token_id)
-        engine_kwargs: dict[str, Any] = {
-            "model": args.model,
-            "device": args.device,
-            "dtype": args.dtype,
-            "seed": args.seed,
-            "block_size": args.block_size,
-            "block_size_factor": args.block_size_factor,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs,
-            "kv_offloading_backend": args.kv_offloading_backend,
-            "eviction_policy": args.eviction_policy,
-            "store_policy": args.store_policy,
-            "store_threshold": args.store_threshold,
-            "kv_events_config": args.kv_events_config,
-        }
-        if args.kv_cache_memory is not None:
-            engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
-        else:
-            blocks = args.num_device_blocks
-            engine_kwargs["num_device_blocks"] = (
-                DEFAULTS["num_device_blocks"] if blocks is None else blocks
-            )
-        runs: list[tuple[str, dict[str, Any]]] = []
         if args.compare:
-            runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
-        remote: dict[str, Any] = {}
-        if args.kv_remote_url is not None or args.kv_remote_ttl is not None:  # every offloading run
-            remote = {
-                "kv_remote_url": args.kv_remote_url,
-                "kv_remote_optional": args.kv_remote_optional,
-                "kv_remote_ttl": args.kv_remote_ttl,
-            }
-        plus = " + remote" if remote else ""
-        host_only = {**engine_kwargs, **remote, "kv_offloading_size": args.kv_offloading_size}
-        with_disk = {
-            **host_only,
-            "kv_disk_path": args.kv_disk_path,
-            "kv_disk_size": args.kv_disk_size,
-            "kv_disk_eviction_policy": args.kv_disk_eviction_policy,
-            "kv_tier_cascade": args.kv_tier_cascade,
-        }
-        if args.kv_disk_path is None:
-            runs.append(("offloading" + plus, host_only))
-        elif args.compare:
-            runs.append(("offloading" + plus, host_only))
-            runs.append(("offloading + disk" + plus, with_disk))
-        else:
-            runs.append(("offloading + disk" + plus, with_disk))
-        if args.compare:
-            ideal = {**engine_kwargs, "kv_offloading_size": 0.0}
-            ideal["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
-            runs.append(("unlimited device cache", ideal))
-
-        if args.repeats < 1:
-            raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
-        for _, kwargs in runs:  # refuse a bad configuration before anything runs
-            EngineConfig(**kwargs)
+            runs[-1][1]["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
 
         def bar(total: int, label: str) -> Any:
             return (
@@ -333,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
             print(format_comparison(results))
         if args.output_json:
             payload = {
-                "args": vars(args) | {"func": None},
+                "args": vars(args) | {"func": None, "check": None},
                 "results": [r.to_dict() for r in results],
                 "all_runs": [r.to_dict() for r in all_runs],
             }

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from kvoffload.cli.args import int_in, real_in
 from kvoffload.errors import ConfigError
 from kvoffload.events import (
     AllBlocksCleared,
@@ -53,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     listen.add_argument(
         "--from-seq",
-        type=int,
+        type=int_in(0),
         metavar="N",
         help="first batch wanted; with --replay, batches from N on are fetched at start",
     )
@@ -65,13 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     listen.add_argument(
         "--refresh",
-        type=float,
+        type=real_in(0, positive=True),
         default=1.0,
         metavar="S",
         help="table refresh period (default: %(default)s s)",
     )
-    listen.add_argument("--max-batches", type=int, metavar="N", help="stop after N batches")
-    listen.add_argument("--timeout", type=float, metavar="S", help="stop after S seconds")
+    listen.add_argument("--max-batches", type=int_in(1), metavar="N", help="stop after N batches")
+    listen.add_argument("--timeout", type=real_in(0), metavar="S", help="stop after S seconds")
     listen.set_defaults(func=_listen)
 
 
@@ -109,6 +110,8 @@ def _listen(args: argparse.Namespace) -> int:
                     if index is None:
                         _print_batch(out, received, args.json)
                     else:
+                        if received.restarted:  # the old table describes a publisher gone
+                            index.clear()
                         index.apply(received.batch)
                 if index is not None and time.monotonic() >= next_refresh:
                     _print_index(out, index, batches, sub.stats(), args.json)

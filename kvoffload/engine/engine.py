@@ -7,26 +7,29 @@ It drives kvoffload exactly as vLLM drives its offloading connector. One step::
     connector.build_connector_meta -> worker.handle_preemptions, worker.start_load_kv
     forward pass + sampling -> worker.wait_for_save
     advance requests, cache computed blocks, finish (connector.request_finished)
-    publish this step's KV events (device cache first, then the offloading tier)
+    publish this step's KV events (device cache in the order they happened, then the tier)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvoffload.base import OffloadingManager
 from kvoffload.engine.block_pool import BlockPool
-from kvoffload.engine.loader import load_model
+from kvoffload.engine.loader import DTYPES, load_model, resolve_device
 from kvoffload.engine.request import Request, RequestOutput, RequestStatus
 from kvoffload.engine.runner import ModelRunner
 from kvoffload.engine.sampling import SamplingParams
 from kvoffload.engine.scheduler import EngineScheduler
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, HostAllocationError
 from kvoffload.events import KVEventsConfig, create_event_publisher
 from kvoffload.events.messages import (
     MEDIUM_GPU,
@@ -54,11 +57,15 @@ from kvoffload.tiers.factory import (
     validate_disk_settings,
     validate_remote_settings,
 )
+from kvoffload.validation import check_bool, check_choice, check_int, check_real, check_str
 from kvoffload.worker import OffloadingConnectorWorker
 
 __all__ = ["Engine", "EngineConfig"]
 
 _GIB = 2**30
+_MAX_SEED = 2**64 - 1  # torch.manual_seed's range
+_MAX_GIB = 2**33  # 2**63 bytes: more than any address space
+logger = logging.getLogger(__name__)
 OFFLOADING_BACKENDS = ("native",)
 
 
@@ -108,72 +115,49 @@ class EngineConfig:
     events: KVEventsConfig = field(init=False)
 
     def __post_init__(self) -> None:
+        check_str("model", self.model)
+        resolve_device(check_str("device", self.device))
+        if self.dtype is not None:
+            check_choice("dtype", self.dtype, DTYPES)
+        check_int("seed", self.seed, 0, _MAX_SEED)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "block_size_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        if self.num_device_blocks is not None and (
-            not isinstance(self.num_device_blocks, int) or self.num_device_blocks <= 0
-        ):
-            raise ConfigError(
-                "num_device_blocks", f"must be a positive integer, got {self.num_device_blocks!r}"
-            )
-        if self.kv_cache_memory <= 0:
-            raise ConfigError(
-                "kv_cache_memory", f"must be positive (GiB), got {self.kv_cache_memory!r}"
-            )
-        if self.kv_offloading_size < 0:
-            raise ConfigError(
-                "kv_offloading_size",
-                f"must be >= 0 (GiB; 0 disables offloading), got {self.kv_offloading_size!r}",
-            )
-        if self.kv_offloading_backend not in OFFLOADING_BACKENDS:
-            raise ConfigError(
-                "kv_offloading_backend",
-                f"unknown backend {self.kv_offloading_backend!r}; choose from {list(OFFLOADING_BACKENDS)}",
-            )
-        if self.eviction_policy not in available_eviction_policies():
-            raise ConfigError(
-                "eviction_policy",
-                f"unknown policy {self.eviction_policy!r}; choose from {available_eviction_policies()}",
-            )
-        if self.store_policy not in STORE_POLICIES:
-            raise ConfigError(
-                "store_policy",
-                f"unknown store policy {self.store_policy!r}; choose from {sorted(STORE_POLICIES)}",
-            )
-        if not isinstance(self.store_threshold, int) or self.store_threshold < 0:
-            raise ConfigError(
-                "store_threshold", f"must be an integer >= 0, got {self.store_threshold!r}"
-            )
+            check_int(name, getattr(self, name), 1)
+        if self.num_device_blocks is not None:
+            check_int("num_device_blocks", self.num_device_blocks, 1)
+        check_real(
+            "kv_cache_memory", self.kv_cache_memory, maximum=_MAX_GIB, positive=True, unit="GiB"
+        )
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_real(
+            "kv_offloading_size",
+            self.kv_offloading_size,
+            0,
+            _MAX_GIB,
+            unit="GiB; 0 disables offloading",
+        )
+        check_choice("kv_offloading_backend", self.kv_offloading_backend, OFFLOADING_BACKENDS)
+        check_choice("eviction_policy", self.eviction_policy, available_eviction_policies())
+        check_choice("store_policy", self.store_policy, STORE_POLICIES)
+        check_int("store_threshold", self.store_threshold, 0)
         validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
         if self.kv_disk_path is not None and not self.offloading:
             raise ConfigError(
                 "kv_disk_path", "a disk tier needs the host tier: set kv_offloading_size > 0"
             )
-        if self.kv_disk_eviction_policy is not None and (
-            self.kv_disk_eviction_policy not in available_eviction_policies()
-        ):
-            raise ConfigError(
+        if self.kv_disk_eviction_policy is not None:
+            check_choice(
                 "kv_disk_eviction_policy",
-                f"unknown policy {self.kv_disk_eviction_policy!r}; "
-                f"choose from {available_eviction_policies()}",
+                self.kv_disk_eviction_policy,
+                available_eviction_policies(),
             )
         validate_remote_settings(self.kv_remote_url, self.kv_remote_ttl)
         if self.kv_remote_url is not None and not self.offloading:
             raise ConfigError(
                 "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
             )
-        if self.kv_tier_cascade not in CASCADE_MODES:
-            raise ConfigError(
-                "kv_tier_cascade",
-                f"unknown mode {self.kv_tier_cascade!r}; choose from {list(CASCADE_MODES)}",
-            )
-        if self.hash_scheme not in HASH_SCHEMES:
-            raise ConfigError(
-                "hash_scheme",
-                f"unknown scheme {self.hash_scheme!r}; choose from {sorted(HASH_SCHEMES)}",
-            )
+        check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
+        check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
+        check_str("hash_seed", self.hash_seed, allow_empty=True)
         events = self.kv_events_config
         if events is None:
             self.events = KVEventsConfig()
@@ -181,12 +165,27 @@ class EngineConfig:
             self.events = events
         elif isinstance(events, str):
             self.events = KVEventsConfig.from_json(events)
-        else:
+        elif isinstance(events, Mapping):
             self.events = KVEventsConfig.from_dict(dict(events))
+        else:
+            raise ConfigError(
+                "kv_events_config",
+                f"must be a KVEventsConfig, a dict or a JSON string, got {events!r}",
+            )
 
     @property
     def offloading(self) -> bool:
         return self.kv_offloading_size > 0
+
+
+def _release(owned: list[Callable[[], object]]) -> None:
+    """Shut down everything in ``owned``, the last acquired first; every one, whatever fails."""
+    while owned:
+        shutdown = owned.pop()
+        try:
+            shutdown()
+        except Exception:
+            logger.exception("engine shutdown: %r failed", shutdown)
 
 
 class Engine:
@@ -194,11 +193,29 @@ class Engine:
 
     ``Engine(model="small", kv_offloading_size=4)``; then :meth:`generate`, or
     :meth:`add_request` + :meth:`step` for streaming control. Close it (or use ``with``) to stop
-    the transfer threads and the event publisher.
+    the transfer threads and the event publisher; an engine dropped without ``close()`` releases
+    them when it is garbage-collected, and a failed construction releases what it had acquired.
     """
 
     def __init__(self, model: str = "small", **kwargs: Any) -> None:
-        self.config = config = EngineConfig(model=model, **kwargs)
+        known = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+        for name in kwargs:
+            if name not in known:
+                raise ConfigError(name, f"unknown engine setting; known: {sorted(known)}")
+        self.config = EngineConfig(model=model, **kwargs)
+        # Shutdown callables of what this engine owns (copy threads and host pool, the event
+        # publisher's thread and socket), run on close(), on a failed construction and when the
+        # engine is garbage-collected. The finalizer holds the resources, never the engine.
+        self._owned: list[Callable[[], object]] = []
+        self._finalizer = weakref.finalize(self, _release, self._owned)
+        try:
+            self._build()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, config.device, config.dtype, config.seed
         )
@@ -213,10 +230,21 @@ class Engine:
                 f"{config.kv_cache_memory} GiB holds no block of {kv_bytes_per_block} bytes",
             )
         self.num_device_blocks = num_blocks
-        self.runner = ModelRunner(self.model, num_blocks, bs)
+        try:
+            if num_blocks * kv_bytes_per_block >= 2**63:
+                raise MemoryError("larger than any address space")
+            self.runner = ModelRunner(self.model, num_blocks, bs)
+        except (RuntimeError, MemoryError) as exc:
+            setting = "kv_cache_memory" if config.num_device_blocks is None else "num_device_blocks"
+            raise ConfigError(
+                setting,
+                f"cannot allocate a device KV cache of {num_blocks} blocks x "
+                f"{kv_bytes_per_block} bytes (block_size {bs}): {exc}",
+            ) from exc
         self.hasher = BlockHasher(bs, config.hash_scheme, config.hash_seed)
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.publisher = create_event_publisher(config.events)
+        self._owned.append(self.publisher.shutdown)
         self._events_on = config.events.enable_kv_cache_events
         self._gpu_events: list[KVCacheEvent] = []
         self._removed_gpu: list[bytes | int] = []
@@ -240,27 +268,41 @@ class Engine:
 
     def _build_offloading(self) -> None:
         config = self.config
-        worker = OffloadingConnectorWorker(
-            config.block_size_factor, int(config.kv_offloading_size * _GIB)
-        )
-        worker.register_kv_caches([self.runner.kv_cache], num_blocks=self.num_device_blocks)
+        host_bytes = int(config.kv_offloading_size * _GIB)
+        block_bytes = self.model.kv_bytes_per_token() * config.block_size * config.block_size_factor
+        if host_bytes < block_bytes:
+            raise ConfigError(
+                "kv_offloading_size",
+                f"{config.kv_offloading_size} GiB ({host_bytes} bytes) holds no offloaded block: "
+                f"one is {block_bytes} bytes (block_size {config.block_size} x "
+                f"block_size_factor {config.block_size_factor} tokens); use at least "
+                f"{block_bytes / _GIB:.3g} GiB",
+            )
+        worker = OffloadingConnectorWorker(config.block_size_factor, host_bytes)
+        self._owned.append(worker.shutdown)
+        try:
+            worker.register_kv_caches(
+                [self.runner.kv_cache], num_blocks=self.num_device_blocks, block_dim=0
+            )
+        except HostAllocationError as exc:
+            raise ConfigError(
+                "kv_offloading_size", f"{config.kv_offloading_size} GiB: {exc}"
+            ) from exc
         host = CPUOffloadingManager(
             worker.num_host_blocks, config.eviction_policy, enable_events=self._events_on
         )
         manager: OffloadingManager = host
-        try:
-            tiers = build_secondary_tiers(
-                config,
-                worker.host_pool.memoryview(),
-                self._kv_layout(worker.bytes_per_offloaded_block),
-                self._events_on,
-            )
-        except BaseException:
-            worker.shutdown()
-            raise
+        tiers = build_secondary_tiers(
+            config,
+            worker.host_pool.memoryview(),
+            self._kv_layout(worker.bytes_per_offloaded_block),
+            self._events_on,
+        )
         if tiers:
-            self.tiering = TieringOffloadingManager(host, tiers, config.kv_tier_cascade)
-            manager = self.tiering
+            self.tiering = tiering = TieringOffloadingManager(host, tiers, config.kv_tier_cascade)
+            # Tier threads write into the host pool: they stop before the worker frees it.
+            self._owned.append(lambda: (tiering.drain(), tiering.close()))
+            manager = tiering
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(manager, config.store_threshold)
         sched_config = SchedulerOffloadConfig.single_group(
@@ -299,13 +341,16 @@ class Engine:
         request_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
-        """Queue a request; returns its id. A prompt that can never fit raises :class:`ConfigError`."""
-        sampling = sampling or SamplingParams()
-        token_ids = (
-            self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        )
-        if not token_ids:
-            raise ConfigError("prompt", "must not be empty")
+        """Queue a request; returns its id. Bad request data (a prompt that is not text or token
+        ids, or can never fit; sampling or transfer parameters of the wrong kind; an id in use)
+        raises :class:`ConfigError` naming it."""
+        if sampling is None:
+            sampling = SamplingParams()
+        elif not isinstance(sampling, SamplingParams):
+            raise ConfigError("sampling", f"must be a SamplingParams or None, got {sampling!r}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ConfigError("request_id", f"must be a str or None, got {request_id!r}")
+        token_ids = self._token_ids(prompt)
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
@@ -336,6 +381,23 @@ class Engine:
         self.scheduler.add(req)
         self._counters["prompt_tokens"] += len(token_ids)
         return req_id
+
+    def _token_ids(self, prompt: Any) -> list[int]:
+        """The prompt's token ids: text is encoded, a sequence must hold ints (not bools)."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            token_ids = list(prompt)
+            bad = next(
+                (t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None
+            )
+            if bad is not None:
+                raise ConfigError("prompt", f"token ids must be integers, got {bad!r}")
+        else:
+            raise ConfigError("prompt", f"must be a str or a sequence of token ids, got {prompt!r}")
+        if not token_ids:
+            raise ConfigError("prompt", "must not be empty")
+        return token_ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed once no transfer uses them."""
@@ -434,12 +496,17 @@ class Engine:
         progress: Any = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order. ``progress``: a tqdm-like bar."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
+            raise ConfigError("prompts", f"must be a list of prompts, got {prompts!r}")
         prompts = list(prompts)
-        params = (
-            sampling
-            if isinstance(sampling, Sequence)
-            else [sampling or SamplingParams()] * len(prompts)
-        )
+        if isinstance(sampling, list | tuple):
+            params = list(sampling)
+        elif sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            raise ConfigError(
+                "sampling", f"must be a SamplingParams, a list of them or None, got {sampling!r}"
+            )
         if len(params) != len(prompts):
             raise ConfigError(
                 "sampling", f"{len(params)} sampling params for {len(prompts)} prompts"
@@ -472,7 +539,19 @@ class Engine:
             external_block_hash(block_hash, self.config.events.int_block_hashes)
         )
 
+    def _flush_device_removals(self) -> None:
+        """Queue the removals seen since the last device event as one ``BlockRemoved``.
+
+        Device events are published in the order they happened: a step can cache a block (a
+        load lands) and then evict it (its request is preempted, the block reused), and a router
+        must end up without it. Consecutive removals are coalesced; nothing is reordered.
+        """
+        if self._removed_gpu:
+            self._gpu_events.append(BlockRemoved(self._removed_gpu, MEDIUM_GPU, group_idx=0))
+            self._removed_gpu = []
+
     def _device_stored(self, req: Request, indices: list[int]) -> None:
+        self._flush_device_removals()
         as_int, bs = self.config.events.int_block_hashes, self.config.block_size
         runs: list[list[int]] = []
         for i in indices:
@@ -499,10 +578,8 @@ class Engine:
             )
 
     def _publish(self) -> None:
+        self._flush_device_removals()
         events = self._gpu_events
-        if self._removed_gpu:
-            events.insert(0, BlockRemoved(self._removed_gpu, MEDIUM_GPU, group_idx=0))
-            self._removed_gpu = []
         if self.connector is not None:
             events.extend(self.connector.take_events())
         if events:
@@ -516,18 +593,16 @@ class Engine:
         out: dict[str, float] = dict(self._counters)
         out["device_blocks"] = self.num_device_blocks
         out["device_evicted_blocks"] = self.pool.num_evicted
+        out["preempted_after_load"] = self.scheduler.num_preempted_after_load
         if self.connector is not None:
             for name, value in self.connector.stats().items():
                 out[f"offload_{name}"] = value
         return out
 
     def close(self) -> None:
-        if self.tiering is not None:
-            self.tiering.drain()
-            self.tiering.close()
-        if self.worker is not None:
-            self.worker.shutdown()
-        self.publisher.shutdown()
+        """Stop the tiers, the transfer threads (freeing the host pool) and the event publisher.
+        Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> Engine:
         return self

@@ -23,7 +23,14 @@ from kvoffload.engine.model import DecoderModel
 from kvoffload.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvoffload.errors import ConfigError
 
-__all__ = ["init_random_weights", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "init_random_weights",
+    "load_model",
+    "load_model_config",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -33,6 +40,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+#: The dtype names ``load_model`` accepts.
+DTYPES = frozenset(_DTYPES)
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -78,12 +87,33 @@ def load_model(
         net = DecoderModel(config, torch_dtype, dev)
         init_random_weights(net, seed)
         return net.eval(), config, ByteTokenizer(config.vocab_size, config.eos_token_id)
+    return _load_checkpoint(_checkpoint_dir(model), torch_dtype, dev)
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """The configuration of a preset or a checkpoint directory, without loading weights."""
+    if model in PRESETS:
+        return preset_config(model)
+    return _checkpoint_config(_checkpoint_dir(model))
+
+
+def _checkpoint_dir(model: str) -> Path:
     directory = Path(model)
     if not directory.is_dir():
         raise ConfigError(
             "model", f"{model!r} is neither a preset {sorted(PRESETS)} nor a directory"
         )
-    return _load_checkpoint(directory, torch_dtype, dev)
+    return directory
+
+
+def _checkpoint_config(directory: Path) -> ModelConfig:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ConfigError("model", f"no config.json in {directory}")
+    hf = _read_json(config_path)
+    generation_path = directory / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else None
+    return config_from_hf(hf, generation)
 
 
 def init_random_weights(model: DecoderModel, seed: int) -> None:
@@ -155,12 +185,14 @@ def _targets(model: DecoderModel) -> dict[str, _Target]:
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
             raise ConfigError(
-                "model", f"{index} is not a valid safetensors index: {exc!r}"
-            ) from None
+                "model",
+                f"{index} is not a valid safetensors index: weight_map must map names to files",
+            )
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -179,13 +211,7 @@ def _load_checkpoint(
 ) -> tuple[DecoderModel, ModelConfig, Tokenizer]:
     from safetensors import SafetensorError, safe_open
 
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ConfigError("model", f"no config.json in {directory}")
-    hf = _read_json(config_path)
-    generation_path = directory / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.is_file() else None
-    config = config_from_hf(hf, generation)
+    config = _checkpoint_config(directory)
     files = _weight_files(directory)
     model = DecoderModel(config, dtype, device)
     targets = _targets(model)

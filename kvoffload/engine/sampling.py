@@ -63,6 +63,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         try:
+            if isinstance(self.stop_token_ids, str | bytes):
+                raise TypeError
             stop = tuple(self.stop_token_ids)
         except TypeError:
             raise ConfigError(

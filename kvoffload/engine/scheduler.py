@@ -2,11 +2,17 @@
 
 Each step: running requests first (decodes and unfinished prefill chunks, in admission order),
 then waiting requests (first come, first served) while the token budget, the sequence limit and
-free blocks allow. When a running request needs a block and none is free, the most recently
-admitted running request is preempted (its blocks freed, recomputed later). A waiting request's
-prompt is served from the engine's prefix cache first, then the offloading connector is asked for
-more (`get_num_new_matched_tokens`); a request with tokens to load waits (``LOADING``) until its
-load completes, holding its blocks but no token budget. A waiting request whose next block is
+free blocks allow. ``running`` stays in admission order (the order requests left ``waiting``): a
+request whose load lands goes back to its admission place, not to the end. When a running request
+needs a block and none is free, a request not yet scheduled this step is preempted (its blocks
+freed, recomputed later): the most recently admitted one, except that a request whose load just
+landed and has not run since is the last choice (its transfer would be thrown away); when only
+such requests are left to preempt, it computes what fits in the free blocks instead. Before any
+preemption or refused admission, finished requests' blocks kept only to retry a refused store are
+released. A waiting request's prompt is served from the engine's prefix cache first, then the
+offloading connector is asked for more (`get_num_new_matched_tokens`); a request with tokens to
+load waits (``LOADING``) until its load completes, holding its blocks but no token budget. A
+waiting request whose next block is
 being loaded into the engine for another request shares that load: it is passed over until the
 load lands (its blocks then enter the prefix cache) instead of loading a second copy, and the
 requests behind it are admitted meanwhile, so nobody queues behind it. A request whose offloaded
@@ -16,6 +22,8 @@ tier) is passed over the same way and asked again next step; the connector bound
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -74,6 +82,13 @@ class EngineScheduler:
         #: finished requests whose blocks a transfer still uses (freed on ConnectorUpdate.freed)
         self.held: dict[str, Request] = {}
         self._blocks: dict[str, list[KVBlock]] = {}
+        #: running requests whose load landed and that have not been scheduled since
+        self._just_loaded: set[str] = set()
+        #: admission number of every admitted request (``running`` is sorted by it)
+        self._admitted: dict[str, int] = {}
+        self._admissions = itertools.count()
+        #: preemptions that threw away a landed load (every other candidate had one too)
+        self.num_preempted_after_load = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -91,20 +106,34 @@ class EngineScheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         preempted: list[str] = []
+        stalled = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             blocks = self._blocks[req.request_id]
             need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(blocks)
+            if need > self.pool.num_free_blocks and i > 0 and self._only_just_loaded_from(i):
+                # Its load just landed and every other candidate's did too: compute what fits and
+                # keep its blocks (the requests before it ran and free blocks as they finish).
+                n = (len(blocks) + self.pool.num_free_blocks) * self.block_size
+                n -= req.num_computed_tokens
+                if n <= 0:
+                    stalled = True
+                    i += 1
+                    continue
+                need = self.pool.num_free_blocks
             while need > self.pool.num_free_blocks:
-                victim = self.running.pop()
+                if self._release_store_retries():
+                    continue
+                victim = self._pop_victim(i)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:  # preempted itself
                 break
+            self._just_loaded.discard(req.request_id)
             new = self.pool.allocate(need) if need > 0 else []
             assert new is not None
             blocks.extend(new)
@@ -115,10 +144,45 @@ class EngineScheduler:
             )
             budget -= n
             i += 1
-        if not preempted:
+        if not preempted and not stalled:
             self._admit(plan, budget)
         plan.connector_output.preempted_req_ids = preempted
         return plan
+
+    def _release_store_retries(self) -> bool:
+        """Blocks are short: free finished requests' blocks kept only for a refused store.
+
+        Returns whether that freed any now (stores still reading some free them later).
+        """
+        connector = self.connector
+        if connector is None or not connector.has_store_retries:
+            return False
+        freed = False
+        for req_id in connector.abandon_store_retries():
+            if self.held.pop(req_id, None) is not None:
+                self.pool.free(self._blocks.pop(req_id))
+                freed = True
+        return freed
+
+    def _only_just_loaded_from(self, first: int) -> bool:
+        """Whether every request of ``running[first:]`` just had its load land."""
+        just_loaded = self._just_loaded
+        return bool(just_loaded) and all(
+            self.running[k].request_id in just_loaded for k in range(first, len(self.running))
+        )
+
+    def _pop_victim(self, first: int) -> Request:
+        """Remove and return the request to preempt among ``running[first:]`` (not scheduled yet).
+
+        The most recently admitted one that did not just finish a load; a just-loaded one only
+        when every candidate did. O(running), at most ``max_num_seqs``.
+        """
+        running, just_loaded = self.running, self._just_loaded
+        if just_loaded:
+            for k in range(len(running) - 1, first - 1, -1):
+                if running[k].request_id not in just_loaded:
+                    return running.pop(k)
+        return running.pop()
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         deferred: list[Request] = []
@@ -161,10 +225,13 @@ class EngineScheduler:
             need = _cdiv(num_cached + n, bs) - len(hits)
             self.pool.take(hits)
             new = self.pool.allocate(need)
+            if new is None and self._release_store_retries():
+                new = self.pool.allocate(need)
             if new is None:
                 self.pool.free(hits)
                 break
             self.waiting.popleft()
+            self._admitted[req.request_id] = next(self._admissions)
             blocks = hits + new
             self._blocks[req.request_id] = blocks
             req.block_ids = [b.block_id for b in blocks]
@@ -204,6 +271,10 @@ class EngineScheduler:
                 del loading[h]
 
     def _preempt(self, req: Request) -> None:
+        del self._admitted[req.request_id]
+        if req.request_id in self._just_loaded:
+            self._just_loaded.discard(req.request_id)
+            self.num_preempted_after_load += 1
         self.pool.free(self._blocks.pop(req.request_id))
         req.block_ids = []
         req.num_cached_blocks = 0
@@ -227,6 +298,8 @@ class EngineScheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (running, loading or waiting); free or hold its blocks."""
         req.status = status
+        self._just_loaded.discard(req.request_id)
+        self._admitted.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         if self.loading.pop(req.request_id, None) is not None:
@@ -259,6 +332,7 @@ class EngineScheduler:
             req.num_computed_tokens += req.num_loading_tokens
             req.num_loading_tokens = 0
             self._untrack_load(req)
+            self._just_loaded.add(req_id)
             resumed.append(req)
         for req_id in update.failed_loads:
             req = self.loading.pop(req_id, None)
@@ -269,9 +343,10 @@ class EngineScheduler:
             self._untrack_load(req)
             resumed.append(req)
         out: list[tuple[Request, list[int]]] = []
+        admitted = self._admitted
         for req in resumed:
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=lambda r: admitted[r.request_id])
             out.append((req, self.cache_computed_blocks(req)))
         for req_id in update.freed:
             req = self.held.pop(req_id, None)

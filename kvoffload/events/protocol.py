@@ -4,8 +4,8 @@ Live stream (PUB): multipart ``[topic, seq, payload]``; ``seq`` counts the batch
 has accepted, from 0, as 8 big-endian bytes; ``payload`` is the msgpack batch.
 
 Replay (ROUTER): a client (DEALER) sends ``[b"", start_seq]``; the publisher answers with one
-``[b"", seq, payload]`` per buffered batch with ``seq >= start_seq``, in order, then the end
-marker ``[b"", REPLAY_END, b""]``.
+``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``, in order, then the
+end marker ``[b"", b"", REPLAY_END, b""]`` (an empty topic), as vLLM 0.33's publisher does.
 """
 
 from __future__ import annotations

@@ -305,8 +305,10 @@ class ZmqEventPublisher(EventPublisher):
             try:
                 for seq_frame, payload in self._buffer:
                     if decode_seq(seq_frame) >= start:
-                        sock.send_multipart((identity, b"", seq_frame, payload), flags=zmq.NOBLOCK)
-                sock.send_multipart((identity, b"", REPLAY_END, b""), flags=zmq.NOBLOCK)
+                        sock.send_multipart(
+                            (identity, b"", self._topic, seq_frame, payload), flags=zmq.NOBLOCK
+                        )
+                sock.send_multipart((identity, b"", b"", REPLAY_END, b""), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 self._send_errors += 1
                 logger.warning("KV event replay to a client failed", exc_info=True)

@@ -24,6 +24,7 @@ from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.codec import EventDecodeError, EventDecoder
 from kvoffload.events.messages import KVEventBatch
 from kvoffload.events.protocol import SEQ_BYTES, decode_seq, encode_seq
+from kvoffload.validation import check_int, check_real
 
 __all__ = ["Gap", "KVEventSubscriber", "ReceivedBatch"]
 
@@ -34,11 +35,16 @@ _MAX_GAPS_KEPT = 1000
 
 @dataclass(frozen=True, slots=True)
 class ReceivedBatch:
-    """One batch, as delivered: its sequence number and whether it came through replay."""
+    """One batch, as delivered: its sequence number and whether it came through replay.
+
+    ``restarted``: the first batch after the publisher restarted; state built from earlier
+    batches (a block index) is stale and must be dropped before applying this one.
+    """
 
     seq: int
     batch: KVEventBatch
     replayed: bool
+    restarted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,10 @@ class KVEventSubscriber:
         hwm: int = 100_000,
         context: zmq.Context | None = None,
     ) -> None:
+        if start_seq is not None:
+            check_int("start_seq", start_seq, 0)
+        check_real("replay_timeout_s", replay_timeout_s, 0, unit="seconds")
+        check_int("hwm", hwm, 0)
         self._closed = False
         self._replay: zmq.Socket | None = None
         self._owns_context = context is None
@@ -110,6 +120,7 @@ class KVEventSubscriber:
         self._decoder = EventDecoder()
         self._next_seq = start_seq
         self._last_live_seq: int | None = None
+        self._restart_pending = False
         self._ready: deque[ReceivedBatch] = deque()
         self._gaps: deque[Gap] = deque(maxlen=_MAX_GAPS_KEPT)
         self._stats = dict.fromkeys(
@@ -229,6 +240,7 @@ class KVEventSubscriber:
             self._stats["publisher_restarts"] += 1
             logger.warning("KV event publisher restarted (seq %d after %d)", seq, last_live)
             self._next_seq = 0
+            self._restart_pending = True
         expected = seq if self._next_seq is None else self._next_seq
         if seq < expected:
             self._stats["skipped"] += 1
@@ -249,7 +261,8 @@ class KVEventSubscriber:
             logger.warning("KV event batch %d skipped: %s", seq, exc)
             return
         self._stats["replayed" if replayed else "received"] += 1
-        self._ready.append(ReceivedBatch(seq, batch, replayed))
+        self._ready.append(ReceivedBatch(seq, batch, replayed, self._restart_pending))
+        self._restart_pending = False
 
     def _record_gap(self, first_seq: int, end_seq: int, recovered: int) -> None:
         gap = Gap(first_seq, end_seq, recovered)
@@ -272,15 +285,15 @@ class KVEventSubscriber:
                 sock.close(linger=0)
                 self._replay = None
                 return items
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != SEQ_BYTES:
+            frames = sock.recv_multipart(zmq.NOBLOCK)  # [b"", topic, seq, payload]
+            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
                 self._stats["malformed"] += 1
                 continue
-            seq = decode_seq(frames[1])
+            seq = decode_seq(frames[2])
             if seq == -1:
                 return items
             if seq >= first_seq and (end_seq is None or seq < end_seq):
-                items.append((seq, frames[2]))
+                items.append((seq, frames[3]))
 
     def _open_replay_socket(self) -> zmq.Socket:
         sock = self._replay = self._ctx.socket(zmq.DEALER)

@@ -26,7 +26,10 @@ Design choices where vLLM has known problems:
 * **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
   blocks while any of the request's jobs is in flight, and a preempted request's in-flight jobs
   are flushed (``jobs_to_flush``) before the next forward pass may overwrite its blocks.
-* A ``None`` from ``prepare_store`` re-offers the blocks next step (the policy rewinds).
+* A ``None`` from ``prepare_store`` stores the longest head of the offer that fits and re-offers
+  the whole offer next step (the policy rewinds; the stored head is skipped and protected). A
+  finished request's refused offer is kept, its blocks held, and retried each step while other
+  transfers are in flight, unless the engine needs the blocks first.
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvoffload.base import LookupResult, OffloadingManager, ReqContext
+from kvoffload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import KVCacheEvent
 from kvoffload.keys import OffloadKey, offload_key_group, offload_key_hash
@@ -47,12 +56,20 @@ from kvoffload.scheduler.policy import STORE_POLICIES, OffloadPolicy
 from kvoffload.scheduler.state import OffloadRequest, RequestKVState, SchedulerOffloadConfig
 from kvoffload.transfer import ConnectorMetadata, TransferJob, TransferResult
 
-__all__ = ["OffloadingConnectorScheduler", "parse_kv_transfer_params"]
+__all__ = ["KV_TRANSFER_PARAMS", "OffloadingConnectorScheduler", "parse_kv_transfer_params"]
 
 logger = logging.getLogger(__name__)
 
 _HIT = LookupResult.HIT
 _RETRY = LookupResult.RETRY
+
+
+#: The ``kv_transfer_params`` keys the connector reads, and the type of each value.
+KV_TRANSFER_PARAMS: dict[str, type] = {
+    "store_policy": str,
+    "max_offload_tokens": int,
+    "max_load_tokens": int,
+}
 
 
 def parse_kv_transfer_params(
@@ -65,8 +82,10 @@ def parse_kv_transfer_params(
     that many tokens beyond the engine's own prefix-cache hit); non-negative ints.
     Other keys are left for other components. Bad values raise :class:`ConfigError`.
     """
-    if not params:
+    if params is None:
         return default_policy, None, None
+    if not isinstance(params, Mapping):
+        raise ConfigError("kv_transfer_params", f"must be a dict or None, got {params!r}")
     policy = params.get("store_policy", default_policy)
     # Not a str (a JSON list, say) would be unhashable: a TypeError instead of a ConfigError.
     if not isinstance(policy, str) or policy not in STORE_POLICIES:
@@ -75,7 +94,7 @@ def parse_kv_transfer_params(
             f"unknown store policy {policy!r}; choose from {sorted(STORE_POLICIES)}",
         )
     caps: list[int | None] = []
-    for name in ("max_offload_tokens", "max_load_tokens"):
+    for name in (k for k, kind in KV_TRANSFER_PARAMS.items() if kind is int):
         value = params.get(name)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
@@ -155,6 +174,10 @@ class OffloadingConnectorScheduler:
         self._jobs_to_flush: list[int] = []
         self._failed_before_submit: list[str] = []
         self._dropped_jobs: list[int] = []  # made stale by reset() before being handed over
+        # Finished requests whose final offer the tier refused: req id -> (offerable tokens,
+        # fewest blocks of the offer left unstored by an attempt so far).
+        self._store_retries: dict[str, tuple[int, int]] = {}
+        self._freed_without_jobs: list[str] = []  # retries given up, for the next update.freed
         # Reuse fence: engine block id -> store jobs still reading it, for sliding-window groups,
         # whose blocks the engine may free while the request runs. Reallocating one flushes them.
         self._fence: dict[int, set[int]] = {}
@@ -402,13 +425,20 @@ class OffloadingConnectorScheduler:
 
     def _plan_store(
         self, state: RequestKVState, num_offloadable_tokens: int, finished: bool = False
-    ) -> TransferJob | None:
+    ) -> tuple[list[TransferJob], int]:
+        """Plan the stores of the blocks the request's policy offers now.
+
+        Returns the jobs and how many offered blocks the tier does not hold afterwards (0: the
+        whole offer is held or being stored; else the tier had no room and the policy re-offers
+        them, from the offer's start, next time). When the whole offer does not fit, the longest
+        head of it that does is stored (:meth:`_prepare_head`).
+        """
         if state.max_offload_tokens is not None:
             num_offloadable_tokens = min(num_offloadable_tokens, state.max_offload_tokens)
         policy = self._policies[state.store_policy]
         keys, starts = policy.get_blocks_to_store(state, num_offloadable_tokens, finished)
         if not keys:
-            return None
+            return [], 0
         req_id = state.req_context.req_id
         groups = self.config.groups
         # Locate each offered key: (group, offloaded block index); keys are grouped in order.
@@ -425,18 +455,62 @@ class OffloadingConnectorScheduler:
             ):
                 # The engine has not reported these blocks yet: try again next step.
                 policy.on_store_rejected(req_id, starts)
-                return None
+                return [], 0
         out = self.manager.prepare_store(keys, state.req_context)
-        if out is None:
+        if out is not None:
+            outs, missing = [out], 0
+        else:
+            held, outs = self._prepare_head(keys, located, state.req_context)
+            missing = len(keys) - held
+            # Offer everything again next time: the stored head stays protected (a tier
+            # protects the keys of an offer), so the rest never evicts its own prefix.
             policy.on_store_rejected(req_id, starts)
             self._counters["rejected_stores"] += 1
+        where = dict(zip(keys, located, strict=True))
+        jobs = [self._store_job(state, o.keys_to_store, o.store_spec, where) for o in outs]
+        return [job for job in jobs if job is not None], missing
+
+    def _prepare_head(
+        self, keys: list[OffloadKey], located: list[tuple[int, int]], ctx: ReqContext
+    ) -> tuple[int, list[PrepareStoreOutput]]:
+        """Reserve the longest head (in block order) of an offer that does not fit as a whole.
+
+        Binary search over head lengths: a refused ``prepare_store`` changes nothing, an accepted
+        one is kept and the search goes on above it (its keys are then held and skipped). At most
+        ``log2(len(keys))`` calls; runs only when the whole offer was refused. Returns the length
+        of the head now held (or being stored) and the accepted reservations.
+        """
+        groups = self.config.groups
+        # Blocks by the token their KV ends at; each probe passes its keys group by group.
+        order = sorted(
+            range(len(keys)),
+            key=lambda i: (located[i][1] + 1) * groups[located[i][0]].offloaded_block_size,
+        )
+        outs: list[PrepareStoreOutput] = []
+        lo, hi = 0, len(keys)  # the first lo blocks are held, the first hi do not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            out = self.manager.prepare_store([keys[i] for i in sorted(order[:mid])], ctx)
+            if out is None:
+                hi = mid
+                continue
+            lo = mid
+            if out.keys_to_store:
+                outs.append(out)
+        return lo, outs
+
+    def _store_job(
+        self,
+        state: RequestKVState,
+        stored: list[OffloadKey],
+        store_spec: LoadStoreSpec,
+        where: Mapping[OffloadKey, tuple[int, int]],
+    ) -> TransferJob | None:
+        """The job copying ``stored`` (just prepared in the tier) out of the request's blocks."""
+        if not stored:
             return None
-        if not out.keys_to_store:
-            return None
-        stored = out.keys_to_store
-        if stored != keys:  # the tier skipped some keys: locate the stored ones by key
-            where = dict(zip(keys, located, strict=True))
-            located = [where[key] for key in stored]
+        groups = self.config.groups
+        located = [where[key] for key in stored]
         engine_ids: list[int] = []
         group_sizes = [0] * len(groups)
         block_indices = [-1] * len(groups)
@@ -457,7 +531,10 @@ class OffloadingConnectorScheduler:
         self._counters["store_jobs"] += 1
         self._counters["stored_blocks"] += len(stored)
         return TransferJob(
-            job_id, req_id, GPULoadStoreSpec(engine_ids, group_sizes, block_indices), out.store_spec
+            job_id,
+            state.req_context.req_id,
+            GPULoadStoreSpec(engine_ids, group_sizes, block_indices),
+            store_spec,
         )
 
     def _fence_sources(self, job_id: int, engine_ids: list[int], group_sizes: list[int]) -> None:
@@ -510,14 +587,15 @@ class OffloadingConnectorScheduler:
                     if self._fence and ids:
                         self._check_fence(ids)
             state.update_offload_keys()
-            job = self._plan_store(
+            jobs, _ = self._plan_store(
                 state,
                 min(
                     request.num_computed_tokens + scheduled.num_scheduled_tokens, request.num_tokens
                 ),
             )
-            if job is not None:
-                store_jobs.append(job)
+            store_jobs.extend(jobs)
+        if self._store_retries:
+            self._retry_finished_stores()
         flush = self._jobs_to_flush
         for req_id in scheduler_output.preempted_req_ids:
             state = requests.get(req_id)
@@ -534,6 +612,9 @@ class OffloadingConnectorScheduler:
         """Apply worker results; a job completes when all ``num_workers`` workers reported it."""
         self.manager.step_begin()
         update = ConnectorUpdate()
+        if self._freed_without_jobs:
+            update.freed.extend(self._freed_without_jobs)
+            self._freed_without_jobs = []
         if self._failed_before_submit:
             update.failed_loads.extend(self._failed_before_submit)
             self._failed_before_submit = []
@@ -592,16 +673,21 @@ class OffloadingConnectorScheduler:
         state.transfer_jobs.discard(job.job_id)
         if not job.is_store and not state.finished:
             (update.failed_loads if failed else update.loaded).append(job.req_id)
-        if state.finished and not state.transfer_jobs:
+        if state.finished and not state.transfer_jobs and job.req_id not in self._store_retries:
             del self._requests[job.req_id]
             update.freed.append(job.req_id)
 
     def request_finished(self, request: OffloadRequest) -> tuple[bool, dict[str, Any] | None]:
         """The request ended (finished or aborted). Returns ``(delay_free, params)``.
 
-        Plans the request's final stores (``on_finish`` policies store everything now), then tells
-        the policy and the manager; nothing is submitted for the request afterwards. ``delay_free``
-        is True while any of its jobs is in flight: the engine must keep its blocks until a later
+        Plans the request's final stores (``on_finish`` policies store everything now). An offer
+        the tier refuses while other transfers are in flight is kept and retried every step (its
+        longest fitting head is stored each time) until it is stored, until an attempt neither
+        waits for room nor stores more of it than any before (so finished requests cannot take
+        turns evicting each other for ever), or until the engine needs the blocks
+        (:meth:`abandon_store_retries`); only then are the policy and the manager told the
+        request finished. ``delay_free`` is True while any of its jobs is in
+        flight or its offer is kept: the engine must keep its blocks until a later
         ``update_connector_output`` lists the request in ``freed``.
         """
         req_id = request.request_id
@@ -609,15 +695,58 @@ class OffloadingConnectorScheduler:
         if state is None:
             return False, None
         state.finished = True
-        job = self._plan_store(state, request.num_computed_tokens, finished=True)
-        if job is not None:
-            self._store_jobs.append(job)
-        self._policies[state.store_policy].request_finished(req_id)
-        self.manager.request_finished(state.req_context)
+        jobs, missing = self._plan_store(state, request.num_computed_tokens, finished=True)
+        self._store_jobs.extend(jobs)
+        if missing and self._jobs:
+            self._store_retries[req_id] = (request.num_computed_tokens, missing)
+            return True, None
+        self._end_request(state)
         if state.transfer_jobs:
             return True, None
         del self._requests[req_id]
         return False, None
+
+    def _end_request(self, state: RequestKVState) -> None:
+        """Nothing more is offered for this finished request: tell its policy and the manager."""
+        self._policies[state.store_policy].request_finished(state.req_context.req_id)
+        self.manager.request_finished(state.req_context)
+
+    def _retry_finished_stores(self) -> None:
+        """Offer the kept offers of finished requests again (see :meth:`request_finished`)."""
+        for req_id, (num_tokens, fewest_missing) in list(self._store_retries.items()):
+            state = self._requests[req_id]
+            jobs, missing = self._plan_store(state, num_tokens, finished=True)
+            self._store_jobs.extend(jobs)
+            if missing and jobs and missing < fewest_missing:
+                self._store_retries[req_id] = (num_tokens, missing)  # progress: go on
+            elif missing and not jobs and self._jobs:
+                continue  # nothing fits now; transfers in flight may make room
+            else:  # stored, or no better than before
+                self._give_up_retry(req_id, self._freed_without_jobs)
+
+    def _give_up_retry(self, req_id: str, freed: list[str]) -> None:
+        del self._store_retries[req_id]
+        state = self._requests[req_id]
+        self._end_request(state)
+        if not state.transfer_jobs:
+            del self._requests[req_id]
+            freed.append(req_id)
+
+    @property
+    def has_store_retries(self) -> bool:
+        """Whether finished requests' blocks are kept for offers the tier refused."""
+        return bool(self._store_retries)
+
+    def abandon_store_retries(self) -> list[str]:
+        """The engine needs blocks: stop retrying finished requests' refused offers.
+
+        Returns the requests whose blocks may be freed now; the others (a store still reading
+        their blocks) come in ``ConnectorUpdate.freed`` when their transfers end.
+        """
+        freed: list[str] = []
+        for req_id in list(self._store_retries):
+            self._give_up_retry(req_id, freed)
+        return freed
 
     # ------------------------------------------------------------------ misc
 
@@ -628,6 +757,8 @@ class OffloadingConnectorScheduler:
             or self._store_jobs
             or self._load_jobs
             or self._failed_before_submit
+            or self._store_retries
+            or self._freed_without_jobs
             or self.manager.num_background_jobs()
         )
 

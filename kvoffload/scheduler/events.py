@@ -21,19 +21,25 @@ RECENT_DESCRIPTIONS = 65536
 
 
 class _BlockDescription:
-    __slots__ = ("block_size", "parent", "token_ids")
+    """What a block holds; ``stores``: planned stores of it whose stored event is not out yet."""
+
+    __slots__ = ("block_size", "parent", "stores", "token_ids")
 
     def __init__(self, parent: BlockHash | None, token_ids: list[int], block_size: int) -> None:
         self.parent = parent
         self.token_ids = token_ids
         self.block_size = block_size
+        self.stores = 1
 
 
 class OffloadEventDescriber:
     """Remembers what each block being stored holds, and converts tier events into KV events.
 
     Descriptions are recorded when a store is planned and dropped when its stored event is
-    converted or the store fails, so memory stays bounded by the blocks in flight.
+    converted or the store fails, so memory stays bounded by the blocks in flight. A key can be
+    planned again before the stored event of its last store is converted (stored, evicted and
+    stored again within one step): descriptions count their stores, so each stored event finds
+    one (a key's tokens and parent never change, so one description serves every store).
     ``locality`` is set on events of ``STORAGE`` tiers (an event's own locality wins).
     Descriptions of announced blocks are kept for the last :data:`RECENT_DESCRIPTIONS` blocks,
     so a block that cascades to a further tier (host, then disk) is described there too.
@@ -49,20 +55,33 @@ class OffloadEventDescriber:
         self, key: OffloadKey, parent: BlockHash | None, token_ids: list[int], block_size: int
     ) -> None:
         """Describe block ``key`` (its tokens and its parent's hash) before it is stored."""
-        self._pending[key] = _BlockDescription(parent, token_ids, block_size)
+        desc = self._pending.get(key)
+        if desc is None:
+            self._pending[key] = _BlockDescription(parent, token_ids, block_size)
+        else:
+            desc.stores += 1
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Drop descriptions of blocks whose store will never be announced."""
-        pending = self._pending
         for key in keys:
-            pending.pop(key, None)
+            self._take(key)
+
+    def _take(self, key: OffloadKey) -> _BlockDescription | None:
+        """One store's use of ``key``'s description (None if none is recorded)."""
+        desc = self._pending.get(key)
+        if desc is not None:
+            desc.stores -= 1
+            if desc.stores == 0:
+                del self._pending[key]
+        return desc
 
     def clear(self) -> None:
         self._pending.clear()
         self._recent.clear()
 
     def _describe(self, key: OffloadKey) -> _BlockDescription | None:
-        desc = self._pending.pop(key, None)
+        """A stored event's description of ``key``: one planned store's, else a recent one's."""
+        desc = self._take(key)
         recent = self._recent
         if desc is None:
             return recent.get(key)

@@ -100,16 +100,17 @@ class OffloadingConnectorWorker:
         kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
         num_blocks: int | None = None,
         group_tensors: Sequence[Sequence[int]] | None = None,
+        block_dim: int | None = None,
     ) -> None:
         """Build the page views, allocate the host pool and start the copy handlers.
 
-        See :meth:`KVCacheLayout.from_kv_caches` for the accepted shapes. Raises
+        See :meth:`KVCacheLayout.from_kv_caches` for the accepted shapes and ``block_dim``. Raises
         :class:`ConfigError` for unusable tensors or a budget below one block, and
         :class:`HostAllocationError` when the host pool cannot be allocated.
         """
         check_state(self, self._state, WorkerState.CREATED, "register KV caches")
         layout = KVCacheLayout.from_kv_caches(
-            kv_caches, self.block_size_factor, num_blocks, group_tensors
+            kv_caches, self.block_size_factor, num_blocks, group_tensors, block_dim
         )
         device = layout.device.type
         if device not in ("cpu", "cuda"):

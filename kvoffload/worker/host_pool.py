@@ -65,6 +65,8 @@ class HostPool:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.nbytes = num_slots * slot_bytes
+        if self.nbytes >= 2**63:
+            raise HostAllocationError(self.nbytes, "larger than any address space")
         try:
             self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
         except RuntimeError as exc:

@@ -100,14 +100,17 @@ class KVCacheLayout:
         block_size_factor: int | Sequence[int],
         num_blocks: int | None = None,
         group_tensors: Sequence[Sequence[int]] | None = None,
+        block_dim: int | None = None,
     ) -> KVCacheLayout:
         """Build the layout of ``kv_caches``.
 
         ``group_tensors[g]`` lists the indices (in ``kv_caches`` order) of group ``g``'s tensors;
         by default one group holds them all. ``block_size_factor`` is one for all groups or one
         per group. ``num_blocks`` is inferred when every tensor agrees on exactly one candidate;
-        pass it to resolve ``[2, N, ...]`` shapes. Raises :class:`ConfigError` for shapes that are
-        ambiguous, inconsistent or not paged.
+        pass it to resolve ``[2, N, ...]`` shapes. ``block_dim`` (0, or 1 after a leading K/V dim)
+        says where the blocks are when the caller knows, e.g. for ``[2, 2, ...]`` shapes where
+        either could be. Raises :class:`ConfigError` for shapes that are ambiguous, inconsistent
+        or not paged.
         """
         names, tensors = _named_tensors(kv_caches)
         devices = {t.device for t in tensors}
@@ -123,7 +126,12 @@ class KVCacheLayout:
             group_tensors = [range(len(tensors))]
         _check_groups(group_tensors, len(tensors))
         factors = _factors(block_size_factor, len(group_tensors))
-        views = [_page_views(name, t, num_blocks) for name, t in zip(names, tensors, strict=True)]
+        if block_dim not in (None, 0, 1):
+            raise ConfigError("block_dim", f"must be None, 0 or 1, got {block_dim!r}")
+        views = [
+            _page_views(name, t, num_blocks, block_dim)
+            for name, t in zip(names, tensors, strict=True)
+        ]
         groups = []
         for members, factor in zip(group_tensors, factors, strict=True):
             group_views = _merge_views(
@@ -238,8 +246,23 @@ def _is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def _page_views(name: str, t: torch.Tensor, num_blocks: int) -> list[PageView]:
-    block_dim = _block_dim_candidates(t.shape).get(num_blocks)
+def _page_views(
+    name: str, t: torch.Tensor, num_blocks: int, known_dim: int | None = None
+) -> list[PageView]:
+    candidates = _block_dim_candidates(t.shape)
+    block_dim = candidates.get(num_blocks)
+    if known_dim is not None and block_dim is not None:
+        # The caller's word settles [2, 2, ...]; it must still be a possible block dim.
+        possible = {0} if t.shape[0] == num_blocks else set()
+        if len(t.shape) >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            possible.add(1)
+        if known_dim not in possible:
+            raise ConfigError(
+                "block_dim",
+                f"{name} has shape {tuple(t.shape)}: dim {known_dim} cannot hold {num_blocks} "
+                "blocks (dim 0, or dim 1 after a leading 2)",
+            )
+        block_dim = known_dim
     if block_dim is None:
         raise ConfigError(
             "kv_caches",
@@ -248,7 +271,8 @@ def _page_views(name: str, t: torch.Tensor, num_blocks: int) -> list[PageView]:
     if block_dim < 0:
         raise ConfigError(
             "kv_caches",
-            f"{name} has shape {tuple(t.shape)}: dim 0 and dim 1 could both be the block dim",
+            f"{name} has shape {tuple(t.shape)}: dim 0 and dim 1 could both be the block dim "
+            "(pass block_dim)",
         )
     whole = t.movedim(block_dim, 0)
     if _is_dense(whole.shape[1:], whole.stride()[1:]):
