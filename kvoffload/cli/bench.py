@@ -117,7 +117,7 @@ def add_parser(subparsers: Any) -> None:
         help="a disk tier behind the host tier in this directory (--compare: a fresh "
         "subdirectory per run, removed after it; otherwise the directory itself, kept)",
     )
-    p.add_argument("--kv-disk-size", type=float, default=0.0, help="disk tier size in GiB")
+    p.add_argument("--kv-disk-size", type=real_in(0), default=0.0, help="disk tier size in GiB")
     p.add_argument(
         "--kv-disk-eviction-policy",
         default=None,
@@ -147,7 +147,7 @@ def add_parser(subparsers: Any) -> None:
         help="run without the remote tier when its server is down at start",
     )
     p.add_argument(
-        "--kv-remote-ttl", type=float, default=None, help="seconds until the server expires a block"
+        "--kv-remote-ttl", type=real_in(0, positive=True), default=None, help="seconds until the server expires a block"
     )
     p.add_argument(
         "--kv-events-config",

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvoffload.cli.args import check_output_path
+
 __all__ = ["add_parser", "run"]
 
 DEFAULT_CAPACITIES = "250,1000,4000,16000,64000"
@@ -64,21 +66,22 @@ def add_parser(bench_subparsers: Any) -> None:
     p.add_argument("--output-json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot hit ratio vs capacity")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=_check_args)
 
 
-def _writable(setting: str, path: str | None) -> None:
-    """Refuse an output path that cannot be written, before anything runs."""
-    from kvoffload.errors import ConfigError
+def _check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """Every check of the flags before anything runs (a :class:`ConfigError` naming the setting);
+    returns the capacities and the policies."""
+    from kvoffload.validation import check_int
 
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(setting, f"{path!r} is a directory")
-    parent = target.parent
-    if not parent.is_dir():
-        raise ConfigError(setting, f"the directory of {path!r} does not exist")
+    check_int("seed", args.seed, 0)
+    if args.num_requests is not None:
+        check_int("num_requests", args.num_requests, 1)
+    for setting, path in (("output_json", args.output_json), ("plot", args.plot)):
+        if path is not None:
+            check_output_path(setting, path)
+    _plotting_available(args.plot)
+    return _capacities(args.capacities), _policies(args.policies)
 
 
 def _plotting_available(path: str | None) -> None:
@@ -126,8 +129,6 @@ def _traces(args: argparse.Namespace) -> list[tuple[str, list[list[int]]]]:
     from kvoffload.benchmark.hit_rate import load_trace
     from kvoffload.errors import ConfigError
 
-    if args.num_requests is not None and args.num_requests <= 0:
-        raise ConfigError("num_requests", f"must be positive, got {args.num_requests}")
     names = []
     for name in args.generate:
         names += sorted(traces.SUITE) if name == "suite" else [name]
@@ -259,11 +260,7 @@ def run(args: argparse.Namespace) -> int:
     from kvoffload.errors import KVOffloadError
 
     try:
-        _writable("output_json", args.output_json)
-        _writable("plot", args.plot)
-        _plotting_available(args.plot)
-        capacities = _capacities(args.capacities)
-        policies = _policies(args.policies)
+        capacities, policies = _check_args(args)
         traces = _traces(args)
         total = sum(len(reqs) for _, reqs in traces) * len(capacities) * len(policies)
         bar = (
@@ -282,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
         if args.output_json:
-            payload = {"args": vars(args) | {"func": None}, "traces": results}
+            payload = {"args": vars(args) | {"func": None, "check": None}, "traces": results}
             Path(args.output_json).write_text(json.dumps(payload, indent=2))
         if args.plot:
             plot(results, args.plot)

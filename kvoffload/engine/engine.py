@@ -140,6 +140,8 @@ class EngineConfig:
         check_choice("store_policy", self.store_policy, STORE_POLICIES)
         check_int("store_threshold", self.store_threshold, 0)
         validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
+        check_bool("kv_disk_o_direct", self.kv_disk_o_direct)
+        check_bool("kv_remote_optional", self.kv_remote_optional)
         if self.kv_disk_path is not None and not self.offloading:
             raise ConfigError(
                 "kv_disk_path", "a disk tier needs the host tier: set kv_offloading_size > 0"

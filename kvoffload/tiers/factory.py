@@ -7,13 +7,13 @@ tier adds its settings to :class:`TierSettings` and one branch here.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Protocol
 
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import KVLayout, SecondaryTier
+from kvoffload.validation import check_real
 
 __all__ = [
     "TierSettings",
@@ -44,13 +44,14 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
     """Check the disk tier's settings without touching the model: :class:`ConfigError` naming
     ``kv_disk_path`` or ``kv_disk_size``. (A size below one block is caught when the tier is built.)
     """
+    if path is not None and (isinstance(path, bool) or not isinstance(path, str | os.PathLike)):
+        raise ConfigError("kv_disk_path", f"must be a directory path, got {path!r}")
+    size = check_real("kv_disk_size", size_gib, 0, unit="GiB")
     if path is None:
-        if size_gib:
+        if size:
             raise ConfigError("kv_disk_size", f"set without kv_disk_path (got {size_gib!r})")
         return
-    if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)):
-        raise ConfigError("kv_disk_size", f"must be a number of GiB, got {size_gib!r}")
-    if not math.isfinite(size_gib) or size_gib <= 0:
+    if size <= 0:
         raise ConfigError("kv_disk_size", f"must be a positive number of GiB, got {size_gib!r}")
     root = Path(path)
     if str(path) == "":
@@ -74,13 +75,8 @@ def validate_remote_settings(url: str | None, ttl_s: float | None) -> None:
             raise ConfigError("kv_remote_ttl", f"set without kv_remote_url (got {ttl_s!r})")
         return
     parse_redis_url(url)
-    if ttl_s is not None and not (
-        isinstance(ttl_s, int | float)
-        and not isinstance(ttl_s, bool)
-        and math.isfinite(ttl_s)
-        and ttl_s > 0
-    ):
-        raise ConfigError("kv_remote_ttl", f"must be a positive number of seconds, got {ttl_s!r}")
+    if ttl_s is not None:
+        check_real("kv_remote_ttl", ttl_s, positive=True, unit="seconds")
 
 
 def build_secondary_tiers(
