@@ -13,6 +13,8 @@ It drives kvoffload exactly as vLLM drives its offloading connector. One step::
 from __future__ import annotations
 
 import itertools
+import math
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from kvoffload.events.messages import (
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import HASH_SCHEMES, BlockHash, BlockHasher
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.metrics import EngineMetrics, MetricsServer, Snapshot, StatsLogger
 from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOffloadConfig
 from kvoffload.scheduler.connector import parse_kv_transfer_params
 from kvoffload.scheduler.events import OffloadEventDescriber
@@ -58,7 +61,9 @@ class EngineConfig:
     ``None``, as many as ``kv_cache_memory`` GiB hold. Offloading is on when
     ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
     ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
-    that many requests have wanted it (reuse filter).
+    that many requests have wanted it (reuse filter). ``metrics_port`` serves Prometheus metrics
+    at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while the engine is open;
+    ``log_stats_interval`` > 0 logs a stats line every that many seconds.
     """
 
     model: str = "small"
@@ -80,6 +85,9 @@ class EngineConfig:
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    log_stats_interval: float = 0.0
     events: KVEventsConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +133,16 @@ class EngineConfig:
             raise ConfigError(
                 "hash_scheme",
                 f"unknown scheme {self.hash_scheme!r}; choose from {sorted(HASH_SCHEMES)}",
+            )
+        port = self.metrics_port
+        if port is not None and (
+            not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535
+        ):
+            raise ConfigError("metrics_port", f"must be a port in [0, 65535] or None, got {port!r}")
+        interval = self.log_stats_interval
+        if not isinstance(interval, (int, float)) or not math.isfinite(interval) or interval < 0:
+            raise ConfigError(
+                "log_stats_interval", f"must be a finite number of seconds >= 0, got {interval!r}"
             )
         events = self.kv_events_config
         if events is None:
@@ -188,6 +206,26 @@ class Engine:
         self._counters = dict.fromkeys(
             ("steps", "forward_tokens", "prompt_tokens", "output_tokens", "preemptions"), 0
         )
+        # step() holds it; metrics scrapes and stats lines read a consistent snapshot under it
+        self._lock = threading.Lock()
+        block_bytes = (
+            self.worker.bytes_per_offloaded_block if self.worker is not None else 0
+        )
+        self.metrics = EngineMetrics(self.snapshot, block_bytes)
+        self._stats_logger = (
+            StatsLogger(self.snapshot, config.log_stats_interval, block_bytes)
+            if config.log_stats_interval > 0
+            else None
+        )
+        self.metrics_server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            try:
+                self.metrics_server = MetricsServer(
+                    self.metrics.registry, config.metrics_port, config.metrics_host
+                )
+            except BaseException:
+                self.close()
+                raise
 
     def _build_offloading(self) -> None:
         config = self.config
@@ -268,9 +306,19 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (and aborts since the last)."""
+        with self._lock:
+            finished = self._step()
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log()
+        return finished
+
+    def _step(self) -> list[RequestOutput]:
         worker, connector = self.worker, self.connector
         if worker is not None and connector is not None:
-            update = connector.update_connector_output(worker.get_finished())
+            results = worker.get_finished()
+            if results:
+                self.metrics.observe_transfers(results)
+            update = connector.update_connector_output(results)
             for req, new_cached in self.scheduler.apply_connector_update(update):
                 if new_cached and self._events_on:
                     self._device_stored(req, new_cached)  # loaded blocks now in the device cache
@@ -309,6 +357,12 @@ class Engine:
     def _append(self, req: Request, token: int, now: float) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
+            self.metrics.observe_token(now - req.arrival_time, None)
+        else:
+            itl = now - req.last_token_time
+            req.inter_token_latencies.append(itl)
+            self.metrics.observe_token(None, itl)
+        req.last_token_time = now
         req.append_token(token)
         self._counters["output_tokens"] += 1
         params = req.sampling_params
@@ -323,6 +377,7 @@ class Engine:
         self.scheduler.finish(req, status)
         self._requests.pop(req.request_id, None)
         req.finish_time = time.perf_counter()
+        self.metrics.observe_finished(req.finish_time - req.arrival_time)
         self._finished.append(self._output(req))
 
     def _output(self, req: Request) -> RequestOutput:
@@ -340,6 +395,7 @@ class Engine:
             ttft=first - req.arrival_time,
             latency=req.finish_time - req.arrival_time,
             num_preemptions=req.num_preemptions,
+            inter_token_latencies=list(req.inter_token_latencies),
             logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
         )
 
@@ -428,16 +484,41 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def stats(self) -> dict[str, float]:
-        """Engine counters, plus the connector's (``offload_``-prefixed) when offloading is on."""
+        """Engine counters and gauges, plus the connector's (``offload_``-prefixed) when
+        offloading is on. ``prefix_cache_queries`` / ``prefix_cache_hits``: tokens each admission
+        needed / found in the device prefix cache (see :mod:`kvoffload.metrics.stats`)."""
         out: dict[str, float] = dict(self._counters)
+        scheduler, pool = self.scheduler, self.pool
+        out["prefix_cache_queries"] = scheduler.prefix_cache_queries
+        out["prefix_cache_hits"] = scheduler.prefix_cache_hits
+        out["num_running"] = len(scheduler.running) + len(scheduler.loading)
+        out["num_waiting"] = len(scheduler.waiting)
         out["device_blocks"] = self.num_device_blocks
-        out["device_evicted_blocks"] = self.pool.num_evicted
+        out["device_used_blocks"] = self.num_device_blocks - pool.num_free_blocks
+        out["device_evicted_blocks"] = pool.num_evicted
+        events = self.publisher.stats()
+        out["events_published"] = events.get("published", 0)
+        out["events_dropped"] = events.get("dropped", 0)
         if self.connector is not None:
             for name, value in self.connector.stats().items():
                 out[f"offload_{name}"] = value
         return out
 
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Statistics per offloading tier (``{}`` without offloading); see
+        :meth:`~kvoffload.base.OffloadingManager.tier_stats`."""
+        return {} if self.manager is None else self.manager.tier_stats()
+
+    def snapshot(self) -> Snapshot:
+        """``(stats(), tier_stats())`` taken between two steps; safe from another thread."""
+        with self._lock:
+            return self.stats(), self.tier_stats()
+
     def close(self) -> None:
+        """Stop the metrics server, the transfer threads and the event publisher. Idempotent."""
+        server = getattr(self, "metrics_server", None)
+        if server is not None:
+            server.close()
         if self.worker is not None:
             self.worker.shutdown()
         self.publisher.shutdown()

@@ -72,6 +72,10 @@ class EngineScheduler:
         #: finished requests whose blocks a transfer still uses (freed on ConnectorUpdate.freed)
         self.held: dict[str, Request] = {}
         self._blocks: dict[str, list[KVBlock]] = {}
+        #: Tokens each admission needed (re-admissions after preemption too), and those of them
+        #: the engine's prefix cache held: vLLM's prefix-cache queries and hits.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -158,6 +162,8 @@ class EngineScheduler:
                 self.pool.free(hits)
                 break
             self.waiting.popleft()
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_local
             blocks = hits + new
             self._blocks[req.request_id] = blocks
             req.block_ids = [b.block_id for b in blocks]
