@@ -25,10 +25,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One benchmark request: its prompt token ids and how many tokens to generate."""
+    """One benchmark request: its prompt token ids and how many tokens to generate;
+    ``arrival_s``: when it arrives, in seconds after the first request (traces only)."""
 
     prompt: list[int]
     output_len: int
+    arrival_s: float = 0.0
 
 
 class _Tokens:
@@ -58,14 +60,36 @@ def _non_negative(name: str, value: int) -> None:
 
 
 def random_prompts(
-    num_prompts: int, input_len: int, output_len: int, vocab_size: int, eos_token_id: int, seed: int
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    eos_token_id: int,
+    seed: int,
+    prefix_len: int = 0,
+    range_ratio: float = 0.0,
 ) -> list[BenchRequest]:
-    """Independent random prompts: no reuse at all (the offloading-overhead case)."""
+    """Random prompts (as vLLM's ``random`` dataset): ``prefix_len`` tokens shared by every
+    prompt, then ``input_len`` random tokens; with ``range_ratio`` r, each request's input and
+    output lengths are drawn uniformly from ``[len * (1 - r), len * (1 + r)]``. Without a prefix:
+    no reuse at all (the offloading-overhead case)."""
     _positive("num_prompts", num_prompts)
     _positive("random_input_len", input_len)
     _positive("output_len", output_len)
+    _non_negative("random_prefix_len", prefix_len)
+    if not 0 <= range_ratio < 1:
+        raise ConfigError("random_range_ratio", f"must be in [0, 1), got {range_ratio}")
     tokens = _Tokens(vocab_size, eos_token_id, seed)
-    return [BenchRequest(tokens.draw(input_len), output_len) for _ in range(num_prompts)]
+    prefix = tokens.draw(prefix_len)
+    rng = random.Random(seed + 1)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    out = []
+    for _ in range(num_prompts):
+        out.append(BenchRequest(prefix + tokens.draw(length(input_len)), length(output_len)))
+    return out
 
 
 def prefix_repetition(
@@ -160,6 +184,7 @@ def trace_prompts(
                 hash_ids = [int(h) for h in record["hash_ids"]]
                 input_length = int(record.get("input_length", len(hash_ids) * 512))
                 trace_output = int(record.get("output_length", 16))
+                timestamp_ms = float(record.get("timestamp", 0))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(
                     "dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({exc})"
@@ -174,10 +199,11 @@ def trace_prompts(
                 keep = max(1, -(-tail_tokens * trace_block_size // 512))
                 del prompt[len(prompt) - trace_block_size + keep :]
             n_out = max(1, trace_output if output_len is None else min(trace_output, output_len))
-            out.append(BenchRequest(prompt, n_out))
+            out.append(BenchRequest(prompt, n_out, timestamp_ms / 1000))
     if not out:
         raise ConfigError("dataset_path", f"{trace} holds no requests")
-    return out
+    first = min(r.arrival_s for r in out)
+    return [BenchRequest(r.prompt, r.output_len, r.arrival_s - first) for r in out]
 
 
 DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")
