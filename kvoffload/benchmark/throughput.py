@@ -330,8 +330,8 @@ def _cell(c: ConfigSummary, key: str, fmt: str) -> str:
     med = fmt.format(c.median(key))
     if len(c.runs) == 1:
         return med
-    lo, hi = c.spread(key)
-    return f"{med} [{fmt.format(lo)}-{fmt.format(hi)}]"
+    lo, hi = (fmt.format(v) for v in c.spread(key))
+    return med if lo == hi else f"{med} [{lo}-{hi}]"
 
 
 def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
