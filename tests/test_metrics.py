@@ -226,3 +226,19 @@ def test_stats_delta_keeps_gauges() -> None:
         "device_blocks": 64,
         "offload_tier_capacity_blocks": 100,
     }
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    """Every metric the Grafana dashboard queries is one an offloading engine exports."""
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    wanted = {m for e in exprs for m in re.findall(r"\bkvoffload_[a-z_]+", e)}
+    with tiny_engine(num_device_blocks=24, kv_offloading_size=host_gib(16), metrics_port=0) as engine:
+        engine.generate([[5] * 40, [6] * 40], greedy(3))
+        assert engine.metrics_server is not None
+        exported = {name for name, _ in scrape(engine.metrics_server.url)}
+    assert wanted and wanted <= exported, wanted - exported

@@ -211,7 +211,8 @@ class Engine:
         block_bytes = (
             self.worker.bytes_per_offloaded_block if self.worker is not None else 0
         )
-        self.metrics = EngineMetrics(self.snapshot, block_bytes)
+        directions = [("GPU", "CPU"), ("CPU", "GPU")] if self.worker is not None else []
+        self.metrics = EngineMetrics(self.snapshot, block_bytes, directions)
         self._stats_logger = (
             StatsLogger(self.snapshot, config.log_stats_interval, block_bytes)
             if config.log_stats_interval > 0

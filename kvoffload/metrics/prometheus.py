@@ -82,6 +82,8 @@ _TIER_COUNTERS = (
     ("failed_load_blocks", "kvoffload_tier_failed_load_blocks", "Blocks whose load failed."),
 )
 _FAILED_LOAD_CAUSE = "failed_load_"
+#: Causes of TierJobResult.failed_keys that fail a load; exported at 0 until they happen.
+_LOAD_FAILURE_CAUSES = ("missing", "checksum", "layout", "corrupt", "io", "timeout")
 
 
 class _StatsCollector(Collector):
@@ -181,9 +183,12 @@ class _StatsCollector(Collector):
                 counters[key].add_metric([tier], blocks)
                 bytes_key = key.replace("_blocks", "_bytes")
                 byte_counters[key].add_metric([tier], s.get(bytes_key, blocks * block_bytes))
+            by_cause = dict.fromkeys(_LOAD_FAILURE_CAUSES, 0.0)
             for key, value in s.items():
                 if key.startswith(_FAILED_LOAD_CAUSE) and key != "failed_load_blocks":
-                    causes.add_metric([tier, key[len(_FAILED_LOAD_CAUSE) :]], value)
+                    by_cause[key[len(_FAILED_LOAD_CAUSE) :]] = value
+            for cause, value in by_cause.items():
+                causes.add_metric([tier, cause], value)
         yield from gauges.values()
         yield from counters.values()
         yield from byte_counters.values()
@@ -202,10 +207,16 @@ class EngineMetrics:
     """One engine's metrics. ``registry`` is private to it (engines never share series).
 
     ``snapshot()`` must return the engine's stats and stats per tier taken between two steps;
-    the ``observe_*`` methods are called on the engine thread.
+    the ``observe_*`` methods are called on the engine thread. Transfer series of
+    ``directions`` (``(src, dst)`` media) exist from the start, at zero.
     """
 
-    def __init__(self, snapshot: Callable[[], Snapshot], block_bytes: int) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        block_bytes: int,
+        directions: Iterable[tuple[str, str]] = (),
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(snapshot, block_bytes))
         reg = self.registry
@@ -242,6 +253,8 @@ class EngineMetrics:
             registry=reg,
         )
         self._directions: dict[tuple[str, str], tuple[Any, Any]] = {}
+        for direction in directions:
+            self._children(direction)
 
     def observe_token(self, ttft: float | None, itl: float | None) -> None:
         """One output token: its request's TTFT (first token) or the gap since the previous."""
@@ -255,13 +268,15 @@ class EngineMetrics:
 
     def observe_transfers(self, results: Iterable[TransferResult]) -> None:
         for result in results:
-            children = self._directions.get(result.direction)
-            if children is None:
-                label = f"{result.direction[0] or 'unknown'}_to_{result.direction[1] or 'unknown'}"
-                children = self._directions[result.direction] = (
-                    self.transfer_seconds.labels(label),
-                    self.transfer_size.labels(label),
-                )
+            children = self._directions.get(result.direction) or self._children(result.direction)
             if result.success:
                 children[0].observe(result.seconds)
                 children[1].observe(result.num_bytes)
+
+    def _children(self, direction: tuple[str, str]) -> tuple[Any, Any]:
+        label = f"{direction[0] or 'unknown'}_to_{direction[1] or 'unknown'}"
+        children = self._directions[direction] = (
+            self.transfer_seconds.labels(label),
+            self.transfer_size.labels(label),
+        )
+        return children
