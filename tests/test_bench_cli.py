@@ -85,7 +85,13 @@ def test_compare_on_every_dataset(
     )
     assert len(re.findall(r"^Offloaded tier: \d+ evictions", stdout, re.M)) == 1
     table = stdout.split("== comparison ==", 1)[1]
-    for row in ("requests/s", "total tokens/s", "output tokens/s", "tokens from host tier", "p99 TTFT ms"):
+    for row in (
+        "requests/s",
+        "total tokens/s",
+        "output tokens/s",
+        "tokens from host tier",
+        "p99 TTFT ms",
+    ):
         assert re.search(rf"^{row}\s", table, re.M), row
     assert "offloading: " in table and "x the throughput of no offloading" in table
 
@@ -112,7 +118,9 @@ def test_compare_on_every_dataset(
     if dataset == "prefix_repetition":  # 3 x 8-block prefixes do not fit 24 device blocks
         assert results[1]["tokens_host"] > 0
         assert results[1]["external_hit_rate_pct"] > 0
-        (run,) = [r for r in json.loads(out_json.read_text())["all_runs"] if r["label"] == "offloading"]
+        (run,) = [
+            r for r in json.loads(out_json.read_text())["all_runs"] if r["label"] == "offloading"
+        ]
         assert run["stats"]["offload_loaded_blocks"] > 0
         assert run["stats"]["offload_tier_capacity_blocks"] > 0
 
@@ -260,7 +268,9 @@ def test_vllm_dataset_flags_and_no_prefix_caching(
              "--kv-offloading-size", "0", "--max-num-seqs", "1", "--output-json", str(out_json)]  # fmt: skip
     assert main([*COMMON[:-3], "--no-progress", *flags]) == 0
     stdout = capsys.readouterr().out
-    assert stdout.startswith("Workload: model tiny, 4 random requests (36-36 prompt tokens, 2-2 output")
+    assert stdout.startswith(
+        "Workload: model tiny, 4 random requests (36-36 prompt tokens, 2-2 output"
+    )
     (on,) = json.loads(out_json.read_text())["results"]
     assert on["prompt_tokens"] == 4 * 36 and on["output_tokens"] == 4 * 2
     assert on["tokens_device"] > 0 and on["prefix_cache_hit_rate_pct"] > 0

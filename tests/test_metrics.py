@@ -102,7 +102,10 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
                 while engine.has_unfinished():
                     outputs += engine.step()
                     mid_run.append(
-                        (engine.stats()["steps"], value(scrape(server.url), "kvoffload_engine_steps_total"))
+                        (
+                            engine.stats()["steps"],
+                            value(scrape(server.url), "kvoffload_engine_steps_total"),
+                        )
                     )
             engine.drain()
         finally:
@@ -141,13 +144,18 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
             == stored_events
             > 0
         )
-        assert value(samples, "kvoffload_tier_used_blocks", **tier) == stats["offload_tier_used_blocks"]
-        assert value(samples, "kvoffload_tier_capacity_blocks", **tier) == stats[
-            "offload_tier_capacity_blocks"
-        ]
-        assert value(samples, "kvoffload_tier_failed_store_blocks_total", **tier) == stats[
-            "offload_tier_failed_store_blocks"
-        ]
+        assert (
+            value(samples, "kvoffload_tier_used_blocks", **tier)
+            == stats["offload_tier_used_blocks"]
+        )
+        assert (
+            value(samples, "kvoffload_tier_capacity_blocks", **tier)
+            == stats["offload_tier_capacity_blocks"]
+        )
+        assert (
+            value(samples, "kvoffload_tier_failed_store_blocks_total", **tier)
+            == stats["offload_tier_failed_store_blocks"]
+        )
         # Injected failures are counted where they happened.
         if fault == "load":
             assert stats["offload_failed_loads"] == len(injected.injected) > 0
@@ -160,7 +168,9 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
         # Tokens by source: the scraped series, the engine's counters and the requests agree.
         sources = tokens_by_source(stats)
         for source in SOURCES:
-            assert value(samples, "kvoffload_tokens_by_source_total", source=source) == sources[source]
+            assert (
+                value(samples, "kvoffload_tokens_by_source_total", source=source) == sources[source]
+            )
         assert sum(sources.values()) == stats["prefix_cache_queries"] == stats["prompt_tokens"]
         assert sources["device"] == sum(o.cached_tokens_engine for o in outputs)
         assert sources["host"] == sum(o.cached_tokens_offload for o in outputs) > 0
@@ -175,7 +185,10 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
             len(o.inter_token_latencies) for o in outputs
         )
         loads = stats["offload_load_jobs"] - stats["offload_failed_loads"]
-        assert value(samples, "kvoffload_offload_transfer_seconds_count", direction="CPU_to_GPU") == loads
+        assert (
+            value(samples, "kvoffload_offload_transfer_seconds_count", direction="CPU_to_GPU")
+            == loads
+        )
     # The server stopped with the engine.
     with pytest.raises(urllib.error.URLError):
         scrape(server.url)
@@ -193,7 +206,12 @@ def test_port_in_use_is_a_config_error_naming_the_setting() -> None:
 
 @pytest.mark.parametrize(
     ("field", "bad"),
-    [("metrics_port", -1), ("metrics_port", 70000), ("metrics_port", "80"), ("log_stats_interval", -1.0)],
+    [
+        ("metrics_port", -1),
+        ("metrics_port", 70000),
+        ("metrics_port", "80"),
+        ("log_stats_interval", -1.0),
+    ],
 )
 def test_bad_metrics_settings_are_config_errors(field: str, bad: Any) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -208,11 +226,13 @@ def test_registries_are_per_engine() -> None:
 
 
 def test_stats_line_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="kvoffload.engine"):
-        with tiny_engine(
+    with (
+        caplog.at_level("INFO", logger="kvoffload.engine"),
+        tiny_engine(
             num_device_blocks=24, kv_offloading_size=host_gib(16), log_stats_interval=1e-9
-        ) as engine:
-            engine.generate([[5] * 40, [5] * 40], greedy(3))
+        ) as engine,
+    ):
+        engine.generate([[5] * 40, [5] * 40], greedy(3))
     lines = [r.getMessage() for r in caplog.records if r.name == "kvoffload.engine"]
     assert lines
     assert any("Prefix cache hit rate" in line and "host tier usage" in line for line in lines)
@@ -234,10 +254,14 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     import re
     from pathlib import Path
 
-    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    dashboard = json.loads(
+        (Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text()
+    )
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     wanted = {m for e in exprs for m in re.findall(r"\bkvoffload_[a-z_]+", e)}
-    with tiny_engine(num_device_blocks=24, kv_offloading_size=host_gib(16), metrics_port=0) as engine:
+    with tiny_engine(
+        num_device_blocks=24, kv_offloading_size=host_gib(16), metrics_port=0
+    ) as engine:
         engine.generate([[5] * 40, [6] * 40], greedy(3))
         assert engine.metrics_server is not None
         exported = {name for name, _ in scrape(engine.metrics_server.url)}

@@ -40,7 +40,9 @@ def plot_comparison(summaries: Sequence[ConfigSummary], path: str | Path, title:
     ax_tput.set_ylabel("requests/s")
 
     width = 0.27
-    for i, (stat, color) in enumerate((("mean", "tab:orange"), ("median", "tab:green"), ("p99", "tab:red"))):
+    for i, (stat, color) in enumerate(
+        (("mean", "tab:orange"), ("median", "tab:green"), ("p99", "tab:red"))
+    ):
         ax_ttft.bar(
             [k + (i - 1) * width for k in x],
             [c.median(f"{stat}_ttft_ms") / 1000 for c in summaries],

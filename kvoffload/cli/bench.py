@@ -44,27 +44,50 @@ def add_parser(subparsers: Any) -> None:
         "interleaves N runs of each and reports medians with their spread.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=DEFAULTS["model"], help="preset (tiny, small) or a local HF checkpoint dir")
+    p.add_argument(
+        "--model",
+        default=DEFAULTS["model"],
+        help="preset (tiny, small) or a local HF checkpoint dir",
+    )
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="by device when unset")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="by device when unset",
+    )
     p.add_argument("--seed", type=int, default=0, help="model weights and dataset seed")
-    p.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"], help="requests to run")
+    p.add_argument(
+        "--num-prompts", type=int, default=DEFAULTS["num_prompts"], help="requests to run"
+    )
     p.add_argument(
         "--dataset-name",
         choices=("random", "prefix_repetition", "multi_turn", "trace"),
         default=DEFAULTS["dataset_name"],
         help="workload",
     )
-    p.add_argument("--dataset-path", default=None, help="Mooncake-format JSONL trace (--dataset-name trace)")
-    p.add_argument("--trace-block-size", type=int, default=16, help="tokens each 512-token trace hash block becomes")
+    p.add_argument(
+        "--dataset-path", default=None, help="Mooncake-format JSONL trace (--dataset-name trace)"
+    )
+    p.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=16,
+        help="tokens each 512-token trace hash block becomes",
+    )
     p.add_argument(
         "--honor-timestamps",
         action="store_true",
         help="trace: send each request at its trace timestamp x --timestamp-scale (default: all at once)",
     )
-    p.add_argument("--timestamp-scale", type=float, default=1.0, help="factor on trace arrival times")
     p.add_argument(
-        "--input-len", type=int, default=None, help="input length of each random request (vLLM's legacy name of --random-input-len)"
+        "--timestamp-scale", type=float, default=1.0, help="factor on trace arrival times"
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="input length of each random request (vLLM's legacy name of --random-input-len)",
     )
     p.add_argument(
         "--output-len",
@@ -85,7 +108,12 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help=f"random: output tokens per request (default --output-len, else {DEFAULTS['random_output_len']})",
     )
-    p.add_argument("--random-prefix-len", type=int, default=0, help="random: tokens shared by every prompt before its random part")
+    p.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="random: tokens shared by every prompt before its random part",
+    )
     p.add_argument(
         "--random-range-ratio",
         type=float,
@@ -93,10 +121,16 @@ def add_parser(subparsers: Any) -> None:
         help="random: lengths drawn from [len*(1-r), len*(1+r)]",
     )
     p.add_argument(
-        "--prefix-repetition-prefix-len", type=int, default=DEFAULTS["prefix_repetition_prefix_len"], help="prefix tokens"
+        "--prefix-repetition-prefix-len",
+        type=int,
+        default=DEFAULTS["prefix_repetition_prefix_len"],
+        help="prefix tokens",
     )
     p.add_argument(
-        "--prefix-repetition-suffix-len", type=int, default=DEFAULTS["prefix_repetition_suffix_len"], help="suffix tokens"
+        "--prefix-repetition-suffix-len",
+        type=int,
+        default=DEFAULTS["prefix_repetition_suffix_len"],
+        help="suffix tokens",
     )
     p.add_argument(
         "--prefix-repetition-num-prefixes",
@@ -111,7 +145,9 @@ def add_parser(subparsers: Any) -> None:
         help=f"output tokens per request (default --output-len, else {DEFAULTS['prefix_repetition_output_len']})",
     )
     p.add_argument("--multi-turn-num-sessions", type=int, default=8, help="chat sessions")
-    p.add_argument("--multi-turn-system-len", type=int, default=512, help="shared system prompt tokens")
+    p.add_argument(
+        "--multi-turn-system-len", type=int, default=512, help="shared system prompt tokens"
+    )
     p.add_argument("--multi-turn-turn-len", type=int, default=256, help="tokens added per turn")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
@@ -120,11 +156,22 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help=f"engine KV blocks (when neither this nor --kv-cache-memory: {DEFAULTS['num_device_blocks']})",
     )
-    cache.add_argument("--kv-cache-memory", type=float, default=None, help="engine KV cache size in GiB")
+    cache.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="engine KV cache size in GiB"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per engine block")
-    p.add_argument("--block-size-factor", type=int, default=1, help="engine blocks per offloaded block")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"], help="requests per engine step")
+    p.add_argument(
+        "--block-size-factor", type=int, default=1, help="engine blocks per offloaded block"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULTS["max_num_seqs"],
+        help="requests per engine step",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -137,7 +184,9 @@ def add_parser(subparsers: Any) -> None:
         default=DEFAULTS["kv_offloading_size"],
         help="host tier in GiB (0 = off)",
     )
-    p.add_argument("--kv-offloading-backend", default="native", choices=("native",), help="offloading backend")
+    p.add_argument(
+        "--kv-offloading-backend", default="native", choices=("native",), help="offloading backend"
+    )
     p.add_argument(
         "--eviction-policy",
         default="lru",
@@ -145,7 +194,10 @@ def add_parser(subparsers: Any) -> None:
         help="host tier eviction policy",
     )
     p.add_argument(
-        "--store-policy", default="on_compute", choices=sorted(STORE_POLICIES), help="when blocks are stored"
+        "--store-policy",
+        default="on_compute",
+        choices=sorted(STORE_POLICIES),
+        help="when blocks are stored",
     )
     p.add_argument(
         "--store-threshold",
@@ -158,7 +210,11 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq"}',
     )
-    p.add_argument("--compare", action="store_true", help="also run without offloading and with an unlimited device cache")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run without offloading and with an unlimited device cache",
+    )
     p.add_argument(
         "--repeats",
         type=int,
@@ -166,10 +222,25 @@ def add_parser(subparsers: Any) -> None:
         help="run every configuration this many times, interleaved; report median and min-max",
     )
     p.add_argument("--output-json", default=None, help="write every figure of every run here")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput, TTFT and tokens by source")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics of each run's engine on this port")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="plot throughput, TTFT and tokens by source",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics of each run's engine on this port",
+    )
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
-    p.add_argument("--log-stats-interval", type=float, default=0.0, help="log an engine stats line every N seconds (0 = off)")
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=0.0,
+        help="log an engine stats line every N seconds (0 = off)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_run, parser=p)
 
@@ -214,7 +285,9 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
             args.prefix_repetition_prefix_len,
             args.prefix_repetition_suffix_len,
             args.prefix_repetition_num_prefixes,
-            _output_len(args, args.prefix_repetition_output_len, DEFAULTS["prefix_repetition_output_len"]),
+            _output_len(
+                args, args.prefix_repetition_output_len, DEFAULTS["prefix_repetition_output_len"]
+            ),
             **common,
         )
     if name == "multi_turn":
@@ -254,12 +327,16 @@ def _model_config(model: str) -> Any:
         raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from exc
 
 
-def _workload_lines(args: argparse.Namespace, requests: list[Any], runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+def _workload_lines(
+    args: argparse.Namespace, requests: list[Any], runs: list[tuple[str, dict[str, Any]]]
+) -> list[str]:
     """One or two lines saying what is about to run (and, for traces, what was rescaled)."""
     prompts = [len(r.prompt) for r in requests]
     outputs = [r.output_len for r in requests]
     sharing = {
-        "random": f"{args.random_prefix_len}-token shared prefix" if args.random_prefix_len else "no shared prefix",
+        "random": f"{args.random_prefix_len}-token shared prefix"
+        if args.random_prefix_len
+        else "no shared prefix",
         "prefix_repetition": f"{args.prefix_repetition_num_prefixes} shared prefixes of {args.prefix_repetition_prefix_len} tokens",
         "multi_turn": f"{args.multi_turn_num_sessions} sessions sharing a {args.multi_turn_system_len}-token system prompt",
         "trace": "prefixes shared as the trace's hash ids",
@@ -272,7 +349,11 @@ def _workload_lines(args: argparse.Namespace, requests: list[Any], runs: list[tu
         "Runs: "
         + ", ".join(label for label, _ in runs)
         + f" x {args.repeats} interleaved; device cache "
-        + (f"{device} blocks of {args.block_size} tokens" if device else f"{args.kv_cache_memory} GiB")
+        + (
+            f"{device} blocks of {args.block_size} tokens"
+            if device
+            else f"{args.kv_cache_memory} GiB"
+        )
         + (f", host tier {offload[0]['kv_offloading_size']} GiB" if offload else "")
         + ("" if args.enable_prefix_caching else ", device prefix cache off")
         + ".",
@@ -281,7 +362,11 @@ def _workload_lines(args: argparse.Namespace, requests: list[Any], runs: list[tu
         lines.append(
             f"Trace rescaled: each 512-token hash block is {args.trace_block_size} tokens "
             f"({512 / args.trace_block_size:g}x shorter prompts); "
-            + ("output lengths as in the trace" if args.output_len is None else f"output lengths capped at {args.output_len}")
+            + (
+                "output lengths as in the trace"
+                if args.output_len is None
+                else f"output lengths capped at {args.output_len}"
+            )
             + "; "
             + (
                 f"arrival times from the trace x {args.timestamp_scale:g} "
@@ -362,38 +447,60 @@ def _run(args: argparse.Namespace) -> int:
 
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         arrivals = (
-            [r.arrival_s * args.timestamp_scale for r in requests] if args.honor_timestamps else None
+            [r.arrival_s * args.timestamp_scale for r in requests]
+            if args.honor_timestamps
+            else None
         )
         for line in _workload_lines(args, requests, runs):
             print(line)
         print(flush=True)
 
         def bar(total: int, label: str) -> Any:
-            return None if args.no_progress else tqdm(total=total, desc=label, unit="req", file=sys.stderr)
+            return (
+                None
+                if args.no_progress
+                else tqdm(total=total, desc=label, unit="req", file=sys.stderr)
+            )
 
         def phase(text: str) -> None:
             if not args.no_progress:
                 print(text, file=sys.stderr, flush=True)
 
         all_runs: list[Any] = []
-        for repeat in range(1, args.repeats + 1):  # interleaved (ABC ABC), so drift hits every config
+        for repeat in range(
+            1, args.repeats + 1
+        ):  # interleaved (ABC ABC), so drift hits every config
             for label, kwargs in runs:
                 name = f"{label} (repeat {repeat}/{args.repeats})" if args.repeats > 1 else label
                 result = run_throughput(
-                    requests, label, kwargs, lambda total, _l, n=name: bar(total, n), repeat, arrivals, phase
+                    requests,
+                    label,
+                    kwargs,
+                    lambda total, _l, n=name: bar(total, n),
+                    repeat,
+                    arrivals,
+                    phase,
                 )
                 all_runs.append(result)
                 print(f"== {name} ==")
                 print(format_result(result), flush=True)
         summaries = summarize(all_runs)
         if args.compare:
-            note = f", median [min-max] of {args.repeats} interleaved repeats" if args.repeats > 1 else ""
+            note = (
+                f", median [min-max] of {args.repeats} interleaved repeats"
+                if args.repeats > 1
+                else ""
+            )
             print(f"\n== comparison{note} ==")
             print(format_comparison(summaries))
         if args.plot:
             from kvoffload.benchmark.plot import plot_comparison
 
-            plot_comparison(summaries, args.plot, title=f"{args.model}, {len(requests)} {args.dataset_name} requests")
+            plot_comparison(
+                summaries,
+                args.plot,
+                title=f"{args.model}, {len(requests)} {args.dataset_name} requests",
+            )
             print(f"plot written to {args.plot}")
         if args.output_json:
             payload = {
@@ -405,7 +512,9 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str))
             except OSError as exc:
-                raise ConfigError("output_json", f"cannot write {args.output_json!r}: {exc.strerror or exc}") from exc
+                raise ConfigError(
+                    "output_json", f"cannot write {args.output_json!r}: {exc.strerror or exc}"
+                ) from exc
     except KVOffloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -208,9 +208,7 @@ class Engine:
         )
         # step() holds it; metrics scrapes and stats lines read a consistent snapshot under it
         self._lock = threading.Lock()
-        block_bytes = (
-            self.worker.bytes_per_offloaded_block if self.worker is not None else 0
-        )
+        block_bytes = self.worker.bytes_per_offloaded_block if self.worker is not None else 0
         directions = [("GPU", "CPU"), ("CPU", "GPU")] if self.worker is not None else []
         self.metrics = EngineMetrics(self.snapshot, block_bytes, directions)
         self._stats_logger = (

@@ -34,7 +34,9 @@ def format_stats_line(
         parts.append(f"Preemptions: {int(delta['preemptions'])}")
     total = delta.get("device_blocks", 0)
     if total:
-        parts.append(f"Device KV cache usage: {100 * delta.get('device_used_blocks', 0) / total:.1f}%")
+        parts.append(
+            f"Device KV cache usage: {100 * delta.get('device_used_blocks', 0) / total:.1f}%"
+        )
     rates = hit_rates(delta)
     if rates["prefix_cache"] is not None:
         parts.append(f"Prefix cache hit rate: {100 * rates['prefix_cache']:.1f}%")
@@ -43,7 +45,8 @@ def format_stats_line(
     sources = tokens_by_source(delta)
     if any(sources.values()):
         parts.append(
-            "Tokens by source: " + ", ".join(f"{k} {v}" for k, v in sources.items() if v or k in ("computed", "device"))
+            "Tokens by source: "
+            + ", ".join(f"{k} {v}" for k, v in sources.items() if v or k in ("computed", "device"))
         )
     for tier, s in tiers.items():
         capacity = s.get("capacity_bytes", s.get("capacity_blocks", 0) * block_bytes)
@@ -62,9 +65,7 @@ class StatsLogger:
     """Logs :func:`format_stats_line` every ``interval`` seconds when :meth:`maybe_log` is called
     (once per engine step; between lines it costs one clock read)."""
 
-    def __init__(
-        self, snapshot: Callable[[], Snapshot], interval: float, block_bytes: int
-    ) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], interval: float, block_bytes: int) -> None:
         self._snapshot = snapshot
         self._interval = interval
         self._block_bytes = block_bytes

@@ -54,15 +54,39 @@ _ENGINE_COUNTERS = (
 
 # (metric name without _total, connector stats key after "offload_", help).
 _OFFLOAD_COUNTERS = (
-    ("kvoffload_offload_load_bytes", "load_bytes", "Bytes loaded from the host tier to the device."),
-    ("kvoffload_offload_store_bytes", "store_bytes", "Bytes stored from the device to the host tier."),
+    (
+        "kvoffload_offload_load_bytes",
+        "load_bytes",
+        "Bytes loaded from the host tier to the device.",
+    ),
+    (
+        "kvoffload_offload_store_bytes",
+        "store_bytes",
+        "Bytes stored from the device to the host tier.",
+    ),
     ("kvoffload_offload_load_seconds", "load_seconds", "Seconds spent in loads (sum over jobs)."),
-    ("kvoffload_offload_store_seconds", "store_seconds", "Seconds spent in stores (sum over jobs)."),
+    (
+        "kvoffload_offload_store_seconds",
+        "store_seconds",
+        "Seconds spent in stores (sum over jobs).",
+    ),
     ("kvoffload_offload_load_jobs", "load_jobs", "Load jobs submitted."),
     ("kvoffload_offload_store_jobs", "store_jobs", "Store jobs submitted."),
-    ("kvoffload_offload_loaded_blocks", "loaded_blocks", "Offloaded blocks whose load was planned."),
-    ("kvoffload_offload_stored_blocks", "stored_blocks", "Offloaded blocks whose store was planned."),
-    ("kvoffload_offload_failed_loads", "failed_loads", "Load jobs that failed (tokens recomputed)."),
+    (
+        "kvoffload_offload_loaded_blocks",
+        "loaded_blocks",
+        "Offloaded blocks whose load was planned.",
+    ),
+    (
+        "kvoffload_offload_stored_blocks",
+        "stored_blocks",
+        "Offloaded blocks whose store was planned.",
+    ),
+    (
+        "kvoffload_offload_failed_loads",
+        "failed_loads",
+        "Load jobs that failed (tokens recomputed).",
+    ),
     ("kvoffload_offload_failed_stores", "failed_stores", "Store jobs that failed."),
     (
         "kvoffload_offload_rejected_stores",
@@ -120,8 +144,12 @@ class _StatsCollector(Collector):
             "Admitted tokens served by the offloading tiers (failed loads excluded).",
             hits,
         )
-        yield _gauge("kvoffload_num_requests_running", "Requests running.", stats.get("num_running", 0))
-        yield _gauge("kvoffload_num_requests_waiting", "Requests waiting.", stats.get("num_waiting", 0))
+        yield _gauge(
+            "kvoffload_num_requests_running", "Requests running.", stats.get("num_running", 0)
+        )
+        yield _gauge(
+            "kvoffload_num_requests_waiting", "Requests waiting.", stats.get("num_waiting", 0)
+        )
         total = stats.get("device_blocks", 0)
         yield _gauge(
             "kvoffload_kv_cache_usage_perc",
@@ -153,7 +181,9 @@ class _StatsCollector(Collector):
         }
         byte_counters = {
             key: CounterMetricFamily(
-                name.replace("_blocks", "_bytes"), doc.replace("Blocks", "Bytes of blocks"), labels=label
+                name.replace("_blocks", "_bytes"),
+                doc.replace("Blocks", "Bytes of blocks"),
+                labels=label,
             )
             for key, name, doc in _TIER_COUNTERS
         }
