@@ -7,6 +7,7 @@ from kvoffload.metrics.server import MetricsServer
 from kvoffload.metrics.stats import (
     OFFLOAD_SOURCES,
     SOURCES,
+    external_hits,
     hit_rates,
     is_gauge,
     stats_delta,
@@ -20,6 +21,7 @@ __all__ = [
     "MetricsServer",
     "Snapshot",
     "StatsLogger",
+    "external_hits",
     "format_stats_line",
     "hit_rates",
     "is_gauge",

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvoffload.metrics.stats import tokens_by_source
+from kvoffload.metrics.stats import external_hits, tokens_by_source
 from kvoffload.transfer import TransferResult
 
 __all__ = ["EngineMetrics", "Snapshot"]
@@ -127,7 +127,8 @@ class _StatsCollector(Collector):
             "disk, remote); sums to kvoffload_prefix_cache_queries_total.",
             labels=["source"],
         )
-        for source, n in tokens_by_source(stats).items():
+        by_source = tokens_by_source(stats)
+        for source, n in by_source.items():
             sources.add_metric([source], n)
         yield sources
         queries = stats.get("prefix_cache_queries", 0) - stats.get("prefix_cache_hits", 0)
@@ -136,13 +137,10 @@ class _StatsCollector(Collector):
             "Admitted tokens the device prefix cache did not have (asked of the offloading tiers).",
             queries,
         )
-        hits = stats.get("offload_hit_tokens", 0) - sum(
-            v for k, v in stats.items() if k.startswith("offload_failed_load_tokens_")
-        )
         yield _counter(
             "kvoffload_external_prefix_cache_hits",
             "Admitted tokens served by the offloading tiers (failed loads excluded).",
-            hits,
+            external_hits(by_source),
         )
         yield _gauge(
             "kvoffload_num_requests_running", "Requests running.", stats.get("num_running", 0)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 __all__ = [
     "OFFLOAD_SOURCES",
     "SOURCES",
+    "external_hits",
     "hit_rates",
     "is_gauge",
     "stats_delta",
@@ -76,6 +77,11 @@ def tokens_by_source(stats: Mapping[str, float]) -> dict[str, int]:
     return out
 
 
+def external_hits(sources: Mapping[str, int]) -> int:
+    """Tokens of :func:`tokens_by_source` served by the offloading tiers."""
+    return sum(v for k, v in sources.items() if k not in ("computed", "device"))
+
+
 def hit_rates(stats: Mapping[str, float]) -> dict[str, float | None]:
     """vLLM's two hit rates, as fractions (``None`` when nothing was queried).
 
@@ -83,10 +89,9 @@ def hit_rates(stats: Mapping[str, float]) -> dict[str, float | None]:
     by the offloading tiers over the tokens the device cache did not have.
     """
     sources = tokens_by_source(stats)
-    queries = sources["computed"] + sum(v for k, v in sources.items() if k != "computed")
+    queries = sum(sources.values())
     missed = queries - sources["device"]
-    offloaded = sum(v for k, v in sources.items() if k not in ("computed", "device"))
     return {
         "prefix_cache": sources["device"] / queries if queries else None,
-        "external": offloaded / missed if missed else None,
+        "external": external_hits(sources) / missed if missed else None,
     }
