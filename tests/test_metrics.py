@@ -21,13 +21,15 @@ from engine_cases import (
     reference_outputs,
     tiny_engine,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from test_engine_events import Follower, _events_config
 
 from kvoffload.engine import Engine
 from kvoffload.errors import ConfigError
 from kvoffload.events.messages import MEDIUM_CPU, BlockStored
-from kvoffload.metrics import SOURCES, hit_rates, stats_delta, tokens_by_source
+from kvoffload.metrics import SOURCES, external_hits, hit_rates, stats_delta, tokens_by_source
 from kvoffload.worker import FaultInjectingHandler
 
 ROUNDS = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=3, seed=11)
@@ -266,3 +268,36 @@ def test_dashboard_queries_only_exported_metrics() -> None:
         assert engine.metrics_server is not None
         exported = {name for name, _ in scrape(engine.metrics_server.url)}
     assert wanted and wanted <= exported, wanted - exported
+
+
+@given(
+    queries=st.integers(0, 10**6),
+    device_share=st.floats(0, 1),
+    tiers=st.dictionaries(
+        st.sampled_from(["host", "disk", "remote", "other"]),
+        st.tuples(st.integers(0, 10**5), st.integers(0, 10**5)),
+    ),
+)
+def test_tokens_by_source_add_up(
+    queries: int, device_share: float, tiers: dict[str, tuple[int, int]]
+) -> None:
+    """Whatever the counters, the sources sum to the queried tokens, every source of SOURCES is
+    reported, each tier counts its planned tokens less its failed ones, and the hit rates are
+    the shares the sources say."""
+    device = int(queries * device_share)
+    stats: dict[str, float] = {"prefix_cache_queries": queries, "prefix_cache_hits": device}
+    for tier, (served, failed) in tiers.items():
+        stats[f"offload_hit_tokens_{tier}"] = served + failed
+        stats[f"offload_failed_load_tokens_{tier}"] = failed
+    sources = tokens_by_source(stats)
+    assert set(SOURCES) <= set(sources)
+    assert sum(sources.values()) == queries
+    assert sources["device"] == device
+    for tier, (served, _) in tiers.items():
+        assert sources[tier] == served
+    rates = hit_rates(stats)
+    if queries:
+        assert rates["prefix_cache"] == device / queries
+    missed = queries - device
+    if missed:
+        assert rates["external"] == pytest.approx(external_hits(sources) / missed)
