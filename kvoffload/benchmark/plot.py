@@ -23,7 +23,10 @@ _SOURCE_LABELS = {
 def plot_comparison(summaries: Sequence[ConfigSummary], path: str | Path, title: str = "") -> None:
     """Write a PNG with three panels: requests/s (median, bars from min to max of the repeats),
     TTFT mean / median / p99, and admitted tokens by source, stacked."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("plot", "needs matplotlib: pip install 'kvoffload[plot]'") from None
 
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt

@@ -438,6 +438,11 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
         if args.honor_timestamps and args.dataset_name != "trace":
             raise ConfigError("honor_timestamps", "only applies to --dataset-name trace")
+        if args.plot:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ConfigError("plot", "needs matplotlib: pip install 'kvoffload[plot]'")
         if not args.timestamp_scale > 0:
             raise ConfigError("timestamp_scale", f"must be > 0, got {args.timestamp_scale}")
         for _, kwargs in runs:  # refuse a bad configuration before anything runs
