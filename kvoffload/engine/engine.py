@@ -204,7 +204,15 @@ class Engine:
         self._finished: list[RequestOutput] = []
         self._ids = itertools.count()
         self._counters = dict.fromkeys(
-            ("steps", "forward_tokens", "prompt_tokens", "output_tokens", "preemptions"), 0
+            (
+                "steps",
+                "forward_tokens",
+                "prompt_tokens",
+                "prefilled_prompt_tokens",
+                "output_tokens",
+                "preemptions",
+            ),
+            0,
         )
         # step() holds it; metrics scrapes and stats lines read a consistent snapshot under it
         self._lock = threading.Lock()
@@ -356,6 +364,7 @@ class Engine:
     def _append(self, req: Request, token: int, now: float) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
+            self._counters["prefilled_prompt_tokens"] += req.num_prompt_tokens
             self.metrics.observe_token(now - req.arrival_time, None)
         else:
             itl = now - req.last_token_time

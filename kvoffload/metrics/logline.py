@@ -25,7 +25,7 @@ def format_stats_line(
     """One line over an interval of ``seconds`` whose counters moved by ``delta``."""
     per_s = 1.0 / seconds if seconds > 0 else 0.0
     parts = [
-        f"Avg prompt throughput: {delta.get('prompt_tokens', 0) * per_s:.1f} tokens/s",
+        f"Avg prompt throughput: {delta.get('prefilled_prompt_tokens', 0) * per_s:.1f} tokens/s",
         f"Avg generation throughput: {delta.get('output_tokens', 0) * per_s:.1f} tokens/s",
         f"Running: {int(delta.get('num_running', 0))} reqs",
         f"Waiting: {int(delta.get('num_waiting', 0))} reqs",

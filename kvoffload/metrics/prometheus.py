@@ -29,7 +29,11 @@ _TRANSFER_SIZE_BUCKETS = (1e5, 1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 15
 
 # (metric name without _total, Engine.stats key, help) of engine-wide counters.
 _ENGINE_COUNTERS = (
-    ("kvoffload_prompt_tokens", "prompt_tokens", "Prompt tokens of requests added."),
+    (
+        "kvoffload_prompt_tokens",
+        "prefilled_prompt_tokens",
+        "Prompt tokens of requests whose prefill completed (their first token came).",
+    ),
     ("kvoffload_generation_tokens", "output_tokens", "Tokens generated."),
     ("kvoffload_engine_steps", "steps", "Engine steps run."),
     ("kvoffload_num_preemptions", "preemptions", "Requests preempted (recomputed or reloaded)."),
