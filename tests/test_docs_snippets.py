@@ -56,3 +56,5 @@ def test_snippet_runs(code: str, tmp_path: Path) -> None:
         timeout=280,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    if "from the host tier" in code:  # the engine examples claim host-tier hits: show them
+        assert re.search(r"\b[1-9]\d* from the host tier", result.stdout), result.stdout
