@@ -348,7 +348,8 @@ def _workload_lines(
         f"({min(prompts)}-{max(prompts)} prompt tokens, {min(outputs)}-{max(outputs)} output tokens), {sharing}.",
         "Runs: "
         + ", ".join(label for label, _ in runs)
-        + f" x {args.repeats} interleaved; device cache "
+        + (f", {args.repeats} interleaved repeats" if args.repeats > 1 else "")
+        + "; device cache "
         + (
             f"{device} blocks of {args.block_size} tokens"
             if device
