@@ -364,8 +364,8 @@ class OffloadingConnectorScheduler:
         for key in keys:
             source = load_source(key, ctx)
             counts[source] = counts.get(source, 0) + 1
-        if len(counts) == 1:
-            return dict.fromkeys(counts, num_tokens)
+        if len(counts) <= 1:
+            return dict.fromkeys(counts or ("host",), num_tokens)
         out = {source: num_tokens * n // len(keys) for source, n in counts.items()}
         out[next(iter(out))] += num_tokens - sum(out.values())
         return out
