@@ -110,6 +110,7 @@ _TIER_COUNTERS = (
     ("failed_load_blocks", "kvoffload_tier_failed_load_blocks", "Blocks whose load failed."),
 )
 _FAILED_LOAD_CAUSE = "failed_load_"
+_FAILED_LOAD_TOKENS = "offload_failed_load_tokens_"
 #: Causes of TierJobResult.failed_keys that fail a load; exported at 0 until they happen.
 _LOAD_FAILURE_CAUSES = ("missing", "checksum", "layout", "corrupt", "io", "timeout")
 
@@ -162,6 +163,14 @@ class _StatsCollector(Collector):
         if "offload_load_jobs" in stats:
             for name, key, doc in _OFFLOAD_COUNTERS:
                 yield _counter(name, doc, stats.get(f"offload_{key}", 0))
+            recomputed = CounterMetricFamily(
+                "kvoffload_offload_recomputed_tokens",
+                "Tokens whose load from the tier failed, recomputed instead.",
+                labels=["tier"],
+            )
+            for tier in tiers or ("host",):
+                recomputed.add_metric([tier], stats.get(f"{_FAILED_LOAD_TOKENS}{tier}", 0))
+            yield recomputed
         yield from self._tier_metrics(tiers)
 
     def _tier_metrics(self, tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:
