@@ -287,14 +287,14 @@ def test_trace_replay_says_what_it_rescaled_and_honors_timestamps(
     assert main([*COMMON, *args]) == 0
     assert "timestamps ignored" in capsys.readouterr().out
     out_json = tmp_path / "out.json"
-    argv = [*COMMON, *args, "--output-len", "2", "--honor-timestamps", "--timestamp-scale", "0.01",
+    argv = [*COMMON, *args, "--output-len", "2", "--honor-timestamps", "--timestamp-scale", "50",
             "--output-json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "each 512-token hash block is 4 tokens" in stdout
     assert "output lengths capped at 2" in stdout
-    assert "arrival times from the trace x 0.01" in stdout
+    assert "arrival times from the trace x 50 (last request at 0.2 s)" in stdout
     (result,) = json.loads(out_json.read_text())["results"]
     assert result["num_requests"] == 5
-    # the last request arrives 4 ms x 0.01 after the first: the run lasts at least that long
-    assert result["elapsed_s"] >= 4 / 1000 * 0.01
+    # the last request arrives 4 ms x 50 after the first: the run cannot end before it
+    assert result["elapsed_s"] >= 0.2
