@@ -66,7 +66,8 @@ def plot_comparison(summaries: Sequence[ConfigSummary], path: str | Path, title:
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax_src.set_title("Admitted tokens by source")
     ax_src.set_ylabel("tokens")
-    ax_src.legend()
+    ax_src.set_ylim(0, max(bottom, default=0) * 1.3 or 1)  # room for the legend above the bars
+    ax_src.legend(loc="upper left", ncol=3, fontsize="small")
 
     for ax in (ax_tput, ax_ttft, ax_src):
         ax.set_xticks(list(x), labels, rotation=12)

@@ -373,12 +373,13 @@ def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
                 f"over {len(c.runs)} repeats (more than {100 * WIDE_SPREAD:.0f}% of its median); "
                 "rerun on a quieter machine or with more --repeats."
             )
-    for c in summaries[1:]:
-        lo = c.spread(key)[0] / base.spread(key)[1]
-        hi = c.spread(key)[1] / base.spread(key)[0]
+    pairs = [(c, base) for c in summaries[1:]] + [(c, ideal) for c in summaries[1:-1]]
+    for c, other in pairs:
+        lo = c.spread(key)[0] / other.spread(key)[1]
+        hi = c.spread(key)[1] / other.spread(key)[0]
         if repeats > 1 and lo < 1 < hi:
             out.append(
-                f"Cannot conclude whether {c.label} is faster than {base.label}: "
+                f"Cannot conclude whether {c.label} is faster than {other.label}: "
                 f"the ratio ranges {lo:.2f}x-{hi:.2f}x over the repeats."
             )
     return "\n".join(out)
