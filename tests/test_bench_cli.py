@@ -220,6 +220,18 @@ def test_repeats_interleave_and_report_median_and_spread(
         assert result["elapsed_s"] == same[1]  # the median, not the best
         assert result["spread"]["elapsed_s"] == [same[0], same[2]]
         assert result["elapsed_time"] == result["elapsed_s"]
+    ratios = {(r["config"], r["against"]): r for r in payload["throughput_ratios"]}
+    assert set(ratios) == {
+        ("offloading", "no offloading"),
+        ("unlimited device cache", "no offloading"),
+        ("offloading", "unlimited device cache"),
+    }
+    for r in ratios.values():
+        assert r["min"] <= r["median"] <= r["max"]
+        assert r["inconclusive"] == (r["min"] < 1 < r["max"])
+        assert (
+            f"Cannot conclude whether {r['config']} is faster than {r['against']}" in stdout
+        ) == r["inconclusive"]
 
 
 def test_plot_writes_a_png_that_opens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

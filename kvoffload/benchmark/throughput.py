@@ -28,6 +28,7 @@ __all__ = [
     "format_result",
     "run_throughput",
     "summarize",
+    "throughput_ratios",
     "unlimited_device_blocks",
 ]
 
@@ -354,17 +355,16 @@ def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
     for (_, name, _), row in zip(rows, cells, strict=True):
         out.append(f"{name:<{name_width}}" + "".join(f"{x:>{width}}" for x in row))
     out.append("")
+    ratios = throughput_ratios(summaries)
     base, ideal = summaries[0], summaries[-1]
-    key = "requests_per_s"
     for c in summaries[1:]:
-        line = f"{c.label}: {_ratio(c, base, key)} the throughput of {base.label}"
+        line = f"{c.label}: {_ratio_text(ratios[(c.label, base.label)])} the throughput of {base.label}"
         if c is not ideal:
-            ratio = _ratio(ideal_pct=True, a=c, b=ideal, key=key)
-            line += f", {ratio} of {ideal.label}"
+            line += f", {_ratio_text(ratios[(c.label, ideal.label)], pct=True)} of {ideal.label}"
         out.append(line)
-    repeats = len(base.runs)
-    if repeats == 1:
+    if len(base.runs) == 1:
         out.append("One run per configuration: no spread to judge (use --repeats 3 or more).")
+    key = "requests_per_s"
     for c in summaries:
         if c.is_wide(key):
             lo, hi = c.spread(key)
@@ -373,25 +373,43 @@ def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
                 f"over {len(c.runs)} repeats (more than {100 * WIDE_SPREAD:.0f}% of its median); "
                 "rerun on a quieter machine or with more --repeats."
             )
-    pairs = [(c, base) for c in summaries[1:]] + [(c, ideal) for c in summaries[1:-1]]
-    for c, other in pairs:
-        lo = c.spread(key)[0] / other.spread(key)[1]
-        hi = c.spread(key)[1] / other.spread(key)[0]
-        if repeats > 1 and lo < 1 < hi:
+    for (label, other), r in ratios.items():
+        if r["inconclusive"]:
             out.append(
-                f"Cannot conclude whether {c.label} is faster than {other.label}: "
-                f"the ratio ranges {lo:.2f}x-{hi:.2f}x over the repeats."
+                f"Cannot conclude whether {label} is faster than {other}: "
+                f"the ratio ranges {r['min']:.2f}x-{r['max']:.2f}x over the repeats."
             )
     return "\n".join(out)
 
 
-def _ratio(a: ConfigSummary, b: ConfigSummary, key: str, ideal_pct: bool = False) -> str:
-    """Median ratio ``a / b``, with its range over the repeats when there are several."""
-    med = a.median(key) / b.median(key)
-    (alo, ahi), (blo, bhi) = a.spread(key), b.spread(key)
-    lo, hi = alo / bhi, ahi / blo
-    if ideal_pct:
-        text = f"{100 * med:.1f}%"
-        return text if len(a.runs) == 1 else f"{text} (range {100 * lo:.0f}-{100 * hi:.0f}%)"
-    text = f"{med:.2f}x"
-    return text if len(a.runs) == 1 else f"{text} (range {lo:.2f}x-{hi:.2f}x)"
+def throughput_ratios(summaries: Sequence[ConfigSummary]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Requests/s of each configuration against the first (no offloading) and of the middle ones
+    against the last (ideal): ``(label, other) -> {median, min, max, inconclusive}``, where the
+    range pairs the extremes of the repeats and ``inconclusive`` means it includes 1."""
+    key = "requests_per_s"
+    base, ideal = summaries[0], summaries[-1]
+    pairs = [(c, base) for c in summaries[1:]] + [(c, ideal) for c in summaries[1:-1]]
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for c, other in pairs:
+        (clo, chi), (olo, ohi) = c.spread(key), other.spread(key)
+        lo, hi = clo / ohi, chi / olo
+        out[(c.label, other.label)] = {
+            "median": c.median(key) / other.median(key),
+            "min": lo,
+            "max": hi,
+            "inconclusive": len(c.runs) > 1 and lo < 1 < hi,
+        }
+    return out
+
+
+def _ratio_text(r: dict[str, Any], pct: bool = False) -> str:
+    """``2.88x (range 2.10x-3.40x)``, or as a percentage; no range when min == max."""
+    if pct:
+        text, lo, hi = (
+            f"{100 * r['median']:.1f}%",
+            f"{100 * r['min']:.0f}",
+            f"{100 * r['max']:.0f}%",
+        )
+    else:
+        text, lo, hi = f"{r['median']:.2f}x", f"{r['min']:.2f}x", f"{r['max']:.2f}x"
+    return text if r["min"] == r["max"] else f"{text} (range {lo}-{hi})"

@@ -389,6 +389,7 @@ def _run(args: argparse.Namespace) -> int:
         format_result,
         run_throughput,
         summarize,
+        throughput_ratios,
         unlimited_device_blocks,
     )
     from kvoffload.engine import EngineConfig
@@ -513,6 +514,12 @@ def _run(args: argparse.Namespace) -> int:
                 "args": {k: v for k, v in vars(args).items() if k not in ("func", "parser")},
                 "workload": _workload_lines(args, requests, runs),
                 "results": [s.to_dict() for s in summaries],
+                "throughput_ratios": [
+                    {"config": label, "against": other, **ratio}
+                    for (label, other), ratio in throughput_ratios(summaries).items()
+                ]
+                if args.compare
+                else [],
                 "all_runs": [r.to_dict() for r in all_runs],
             }
             try:
