@@ -195,3 +195,20 @@ class OffloadingManager(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Return monotonic counters and current gauges (names documented per manager)."""
+
+    def load_source(self, key: OffloadKey, ctx: ReqContext) -> str:
+        """The tier that supplies ``key`` to a load (``"host"``, ``"disk"``, ``"remote"``).
+
+        Asked once per key when a load of a ``HIT`` is planned, for hit counts by source (as
+        vLLM's ``get_load_source``). Composing managers override it. Default: ``"host"``.
+        """
+        return "host"
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """``stats()`` per tier, by tier name (``"host"`` first, then secondary tiers).
+
+        The metrics export one series per tier from this. Composing managers override it and
+        return each secondary tier's :meth:`~kvoffload.tiers.base.SecondaryTier.stats`.
+        Default: the whole manager is the host tier.
+        """
+        return {"host": self.stats()}

@@ -86,7 +86,13 @@ def test_compare_on_every_dataset(
     )
     assert len(re.findall(r"^Offloaded tier: \d+ evictions", stdout, re.M)) == 1
     table = stdout.split("== comparison ==", 1)[1]
-    for row in ("requests/s", "total tokens/s", "output tokens/s", "offloaded-tier hit tokens"):
+    for row in (
+        "requests/s",
+        "total tokens/s",
+        "output tokens/s",
+        "tokens from host tier",
+        "p99 TTFT ms",
+    ):
         assert re.search(rf"^{row}\s", table, re.M), row
     assert "offloading: " in table and "x the throughput of no offloading" in table
 
@@ -98,12 +104,26 @@ def test_compare_on_every_dataset(
         assert re.search(
             rf"^Total num {field.split('_')[0]} tokens:\s+{results[0][field]}$", stdout, re.M
         )
-    assert results[0]["cached_tokens_offload"] == results[2]["cached_tokens_offload"] == 0
+    assert results[0]["tokens_host"] == results[2]["tokens_host"] == 0
+    for r in results:  # vLLM's keys, latency percentiles, tokens by source adding up
+        for key in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second",
+                    "tokens_per_second", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                    "mean_itl_ms", "median_itl_ms", "p99_itl_ms"):  # fmt: skip
+            assert isinstance(r[key], (int, float)), key
+        assert r["p99_ttft_ms"] >= r["median_ttft_ms"] > 0
+    for run in json.loads(out_json.read_text())["all_runs"]:
+        assert sum(run["tokens_by_source"].values()) == run["stats"]["prefix_cache_queries"]
+        assert run["stats"]["device_blocks"] == run["num_device_blocks"] > 0  # gauges not zeroed
     if dataset == "random":
         assert results[0]["prompt_tokens"] == 6 * 24 and results[0]["output_tokens"] == 6 * 3
     if dataset == "prefix_repetition":  # 3 x 8-block prefixes do not fit 24 device blocks
-        assert results[1]["cached_tokens_offload"] > 0
-        assert results[1]["stats"]["offload_loaded_blocks"] > 0
+        assert results[1]["tokens_host"] > 0
+        assert results[1]["external_hit_rate_pct"] > 0
+        (run,) = [
+            r for r in json.loads(out_json.read_text())["all_runs"] if r["label"] == "offloading"
+        ]
+        assert run["stats"]["offload_loaded_blocks"] > 0
+        assert run["stats"]["offload_tier_capacity_blocks"] > 0
 
 
 def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,9 +142,9 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
         r"^== (?!comparison).* ==$", stdout, re.M
     )
     assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
-    results = json.loads(out_json.read_text())["results"]
-    assert [r["label"] for r in results] == labels
-    assert results[2]["stats"]["offload_tier_promoted_blocks"] > 0
+    runs = json.loads(out_json.read_text())["all_runs"]
+    assert [r["label"] for r in runs] == labels
+    assert runs[2]["stats"]["offload_tier_promoted_blocks"] > 0
     assert list(disk.iterdir()) == []
 
 
@@ -144,7 +164,7 @@ def test_with_kv_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(argv) == 0
     assert len(THROUGHPUT.findall(capsys.readouterr().out)) == 1
     (result,) = json.loads(out_json.read_text())["results"]
-    assert result["label"] == "offloading" and result["cached_tokens_offload"] > 0
+    assert result["label"] == "offloading" and result["tokens_host"] > 0
 
 
 SMALL_RANDOM = ["--dataset-name", "random", "--num-prompts", "2", "--random-input-len", "8",
@@ -153,8 +173,6 @@ SMALL_RANDOM = ["--dataset-name", "random", "--num-prompts", "2", "--random-inpu
 # errors of the flag itself: tests/test_input_validation.py tries every flag. Here: settings
 # that only the command's checks, before anything runs, can refuse.
 BAD_FLAGS = {
-    "unknown eviction policy": (["--eviction-policy", "nope"], "eviction_policy"),
-    "unknown store policy": (["--store-policy", "nope"], "store_policy"),
     "missing dataset path": (["--dataset-name", "trace"], "dataset_path"),
     "dataset path without trace": (["--dataset-path", __file__], "dataset_path"),
     "not a trace": (["--dataset-name", "trace", "--dataset-path", __file__], "dataset_path"),
@@ -163,29 +181,12 @@ BAD_FLAGS = {
         ["--kv-events-config", '{"enable_kv_cache_events": true, "colour": 1}'],
         "colour",
     ),
-    "zero device blocks": (["--num-device-blocks", "0"], "num_device_blocks"),
-    "zero repeats": (["--repeats", "0"], "repeats"),
     "disk path is a file": (["--kv-disk-path", __file__, "--kv-disk-size", "1"], "kv_disk_path"),
     "zero disk size": (
         ["--kv-disk-path", str(Path(__file__).parent), "--kv-disk-size", "0"],
         "kv_disk_size",
     ),
-    "unknown cascade": (
-        [
-            "--kv-disk-path",
-            str(Path(__file__).parent),
-            "--kv-disk-size",
-            "1",
-            "--kv-tier-cascade",
-            "never",
-        ],
-        "kv_tier_cascade",
-    ),
     # every run's configuration is checked before the first run starts
-    "unknown policy with --compare": (
-        ["--eviction-policy", "nope", "--compare"],
-        "eviction_policy",
-    ),
     "missing model directory": (["--model", "/nonexistent/model"], "model"),
     "bad events endpoint": (
         ["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "http://x"}'],
@@ -238,28 +239,133 @@ def test_malformed_traces_are_refused_naming_the_line(
     assert "Throughput:" not in stdout
 
 
-def test_unknown_dataset_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--dataset-name",
+        "--eviction-policy",
+        "--store-policy",
+        "--kv-offloading-backend",
+        "--kv-tier-cascade",
+    ],
+)
+def test_unknown_choice_is_an_argparse_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main([*COMMON, "--dataset-name", "sharegpt"])
+        main([*COMMON, flag, "nope"])
     assert exc.value.code == 2
-    assert "--dataset-name" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid choice: 'nope'" in err
 
 
-def test_repeats_interleave_and_keep_the_fastest(
+def test_repeats_interleave_and_report_median_and_spread(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_json = tmp_path / "out.json"
-    argv = [*COMMON, *SMALL_RANDOM, "--compare", "--repeats", "2", "--output-json", str(out_json)]
+    argv = [*COMMON, *SMALL_RANDOM, "--compare", "--repeats", "3", "--output-json", str(out_json)]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert [
-        m.group(1) for m in re.finditer(r"^== (.+) \(repeat \d/2\) ==$", stdout, re.M)
-    ] == LABELS * 2
+        m.group(1) for m in re.finditer(r"^== (.+) \(repeat \d/3\) ==$", stdout, re.M)
+    ] == LABELS * 3
+    assert "median [min-max] of 3 interleaved repeats" in stdout
     payload = json.loads(out_json.read_text())
-    assert [r["label"] for r in payload["all_runs"]] == LABELS * 2
+    assert [r["label"] for r in payload["all_runs"]] == LABELS * 3
     for result in payload["results"]:
-        same = [r["elapsed_s"] for r in payload["all_runs"] if r["label"] == result["label"]]
-        assert result["elapsed_s"] == min(same)
+        same = sorted(r["elapsed_s"] for r in payload["all_runs"] if r["label"] == result["label"])
+        assert result["repeats"] == 3
+        assert result["elapsed_s"] == same[1]  # the median, not the best
+        assert result["spread"]["elapsed_s"] == [same[0], same[2]]
+        assert result["elapsed_time"] == result["elapsed_s"]
+    ratios = {(r["config"], r["against"]): r for r in payload["throughput_ratios"]}
+    assert set(ratios) == {
+        ("offloading", "no offloading"),
+        ("unlimited device cache", "no offloading"),
+        ("offloading", "unlimited device cache"),
+    }
+    for r in ratios.values():
+        assert r["min"] <= r["median"] <= r["max"]
+        assert r["inconclusive"] == (r["min"] < 1 < r["max"])
+        assert (
+            f"Cannot conclude whether {r['config']} is faster than {r['against']}" in stdout
+        ) == r["inconclusive"]
+
+
+def test_plot_writes_a_png_that_opens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from PIL import Image
+
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    png = tmp_path / "compare.png"
+    assert main([*COMMON, *args, "--compare", "--plot", str(png)]) == 0
+    assert f"plot written to {png}" in capsys.readouterr().out
+    with Image.open(png) as image:
+        assert image.format == "PNG"
+        image.load()  # decodes every pixel: a truncated file raises
+        assert image.size[0] > 400 and image.size[1] > 200
+
+
+def test_unknown_flag_prints_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*COMMON, *SMALL_RANDOM, "--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvoffload bench throughput ")
+    assert "unrecognized arguments: --no-such-flag" in err
+
+
+def test_help_shows_defaults_and_choices_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{adaptive,arc,lru,prefix,s3fifo}" in text and "(default: lru)" in text
+    assert "{on_compute,on_finish,prompt_only}" in text and "(default: on_compute)" in text
+    assert "--no-enable-prefix-caching" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert re.match(r"kvoffload \d+\.\d+", capsys.readouterr().out)
+
+
+def test_vllm_dataset_flags_and_no_prefix_caching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's meanings: --input-len / --random-output-len size random requests, a shared
+    --random-prefix-len is found in the device cache unless it is off."""
+    out_json = tmp_path / "out.json"
+    flags = ["--dataset-name", "random", "--num-prompts", "4", "--input-len", "20",
+             "--random-output-len", "2", "--random-prefix-len", "16", "--num-device-blocks", "64",
+             "--kv-offloading-size", "0", "--max-num-seqs", "1", "--output-json", str(out_json)]  # fmt: skip
+    assert main([*COMMON[:-3], "--no-progress", *flags]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.startswith(
+        "Workload: model tiny, 4 random requests (36-36 prompt tokens, 2-2 output"
+    )
+    (on,) = json.loads(out_json.read_text())["results"]
+    assert on["prompt_tokens"] == 4 * 36 and on["output_tokens"] == 4 * 2
+    assert on["tokens_device"] > 0 and on["prefix_cache_hit_rate_pct"] > 0
+    assert main([*COMMON[:-3], "--no-progress", *flags, "--no-enable-prefix-caching"]) == 0
+    assert "device prefix cache off" in capsys.readouterr().out
+    (off,) = json.loads(out_json.read_text())["results"]
+    assert off["tokens_device"] == 0 and off["tokens_computed"] == off["prompt_tokens"]
+
+
+def test_trace_replay_says_what_it_rescaled_and_honors_timestamps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args, _ = _dataset_args("trace", tmp_path)
+    assert main([*COMMON, *args]) == 0
+    assert "timestamps ignored" in capsys.readouterr().out
+    out_json = tmp_path / "out.json"
+    argv = [*COMMON, *args, "--output-len", "2", "--honor-timestamps", "--timestamp-scale", "50",
+            "--output-json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "each 512-token hash block is 4 tokens" in stdout
+    assert "output lengths capped at 2" in stdout
+    assert "arrival times from the trace x 50 (last request at 0.2 s)" in stdout
+    (result,) = json.loads(out_json.read_text())["results"]
+    assert result["num_requests"] == 5
+    # the last request arrives 4 ms x 50 after the first: the run cannot end before it
+    assert result["elapsed_s"] >= 0.2
 
 
 def test_with_a_remote_tier(
@@ -271,8 +377,8 @@ def test_with_a_remote_tier(
     out_json = tmp_path / "out.json"
     flags = [*COMMON, *args, "--kv-remote-url", redis_server.url, "--output-json", str(out_json)]
     assert main(flags) == 0
-    results = json.loads(out_json.read_text())["results"]
-    assert [r["label"] for r in results] == ["offloading + remote"]
-    assert results[0]["stats"]["offload_tier_remote_stored_blocks"] > 0
+    runs = json.loads(out_json.read_text())["all_runs"]
+    assert [r["label"] for r in runs] == ["offloading + remote"]
+    assert runs[0]["stats"]["offload_tier_remote_stored_blocks"] > 0
     assert main([*COMMON, *args, "--kv-remote-ttl", "5"]) == 2  # a TTL without a URL
     assert "kv_remote_ttl" in capsys.readouterr().err

@@ -7,6 +7,7 @@ minus the EOS id, so a prompt never contains an early stop token.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One benchmark request: its prompt token ids and how many tokens to generate."""
+    """One benchmark request: its prompt token ids and how many tokens to generate;
+    ``arrival_s``: when it arrives, in seconds after the first request (traces only)."""
 
     prompt: list[int]
     output_len: int
+    arrival_s: float = 0.0
 
 
 class _Tokens:
@@ -57,14 +60,36 @@ def _non_negative(name: str, value: int) -> None:
 
 
 def random_prompts(
-    num_prompts: int, input_len: int, output_len: int, vocab_size: int, eos_token_id: int, seed: int
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    eos_token_id: int,
+    seed: int,
+    prefix_len: int = 0,
+    range_ratio: float = 0.0,
 ) -> list[BenchRequest]:
-    """Independent random prompts: no reuse at all (the offloading-overhead case)."""
+    """Random prompts (as vLLM's ``random`` dataset): ``prefix_len`` tokens shared by every
+    prompt, then ``input_len`` random tokens; with ``range_ratio`` r, each request's input and
+    output lengths are drawn uniformly from ``[len * (1 - r), len * (1 + r)]``. Without a prefix:
+    no reuse at all (the offloading-overhead case)."""
     _positive("num_prompts", num_prompts)
     _positive("random_input_len", input_len)
     _positive("output_len", output_len)
+    _non_negative("random_prefix_len", prefix_len)
+    if not 0 <= range_ratio < 1:
+        raise ConfigError("random_range_ratio", f"must be in [0, 1), got {range_ratio}")
     tokens = _Tokens(vocab_size, eos_token_id, seed)
-    return [BenchRequest(tokens.draw(input_len), output_len) for _ in range(num_prompts)]
+    prefix = tokens.draw(prefix_len)
+    rng = random.Random(seed + 1)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    out = []
+    for _ in range(num_prompts):
+        out.append(BenchRequest(prefix + tokens.draw(length(input_len)), length(output_len)))
+    return out
 
 
 def prefix_repetition(
@@ -156,7 +181,9 @@ def trace_prompts(
                     break
                 if not line.strip():
                     continue
-                hash_ids, input_length, trace_output = _trace_record(trace, line_no, line)
+                hash_ids, input_length, trace_output, arrival_s = _trace_record(
+                    trace, line_no, line
+                )
                 if not hash_ids:
                     continue
                 prompt: list[int] = []
@@ -169,19 +196,21 @@ def trace_prompts(
                 n_out = max(
                     1, trace_output if output_len is None else min(trace_output, output_len)
                 )
-                out.append(BenchRequest(prompt, n_out))
+                out.append(BenchRequest(prompt, n_out, arrival_s))
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 "dataset_path", f"{trace}: not UTF-8 text near line {line_no + 1} ({exc.reason})"
             ) from None
     if not out:
         raise ConfigError("dataset_path", f"{trace} holds no requests")
-    return out
+    first = min(r.arrival_s for r in out)
+    return [BenchRequest(r.prompt, r.output_len, r.arrival_s - first) for r in out]
 
 
-def _trace_record(trace: Path, line_no: int, line: str) -> tuple[list[int], int, int]:
-    """``(hash_ids, input_length, output_length)`` of one trace line; every value a JSON integer
-    (``1e400`` or ``2.5`` or ``true`` is no token count), else :class:`ConfigError`."""
+def _trace_record(trace: Path, line_no: int, line: str) -> tuple[list[int], int, int, float]:
+    """``(hash_ids, input_length, output_length, arrival seconds)`` of one trace line; every
+    count a JSON integer (``1e400`` or ``2.5`` or ``true`` is no token count) and the timestamp
+    (milliseconds) a finite number, else :class:`ConfigError`."""
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
@@ -202,7 +231,14 @@ def _trace_record(trace: Path, line_no: int, line: str) -> tuple[list[int], int,
     hash_ids = [integer("hash_ids", h) for h in record["hash_ids"]]
     input_length = integer("input_length", record.get("input_length", len(hash_ids) * 512))
     output_length = integer("output_length", record.get("output_length", 16))
-    return hash_ids, input_length, output_length
+    timestamp_ms = record.get("timestamp", 0)
+    if (
+        isinstance(timestamp_ms, bool)
+        or not isinstance(timestamp_ms, int | float)
+        or not math.isfinite(timestamp_ms)
+    ):
+        raise bad(f"timestamp must be a finite number of milliseconds, got {timestamp_ms!r}")
+    return hash_ids, input_length, output_length, timestamp_ms / 1000
 
 
 DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")

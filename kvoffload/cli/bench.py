@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -26,7 +27,10 @@ DEFAULTS: dict[str, Any] = {
     "prefix_repetition_prefix_len": 2048,
     "prefix_repetition_suffix_len": 32,
     "prefix_repetition_num_prefixes": 8,
-    "output_len": 16,
+    "prefix_repetition_output_len": 16,
+    "random_input_len": 1024,
+    "random_output_len": 128,
+    "output_len": 16,  # multi_turn; a cap for traces only when given
     "num_device_blocks": 600,  # 9,600 tokens: about 4 of the 8 prefixes
     "max_num_seqs": 8,
     "kv_offloading_size": 1.0,  # GiB: every prefix fits
@@ -34,62 +38,132 @@ DEFAULTS: dict[str, Any] = {
 
 
 def add_parser(subparsers: Any) -> None:
+    from kvoffload.eviction import available_eviction_policies
+    from kvoffload.scheduler.policy import STORE_POLICIES
+
     bench = subparsers.add_parser("bench", help="benchmarks of the reference engine")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser(
         "throughput",
         help="offline throughput with and without KV offloading",
         description="Offline throughput of the reference engine. --compare runs the same workload without "
-        "offloading, with offloading, and with an unlimited device cache, side by side.",
+        "offloading, with offloading, and with an unlimited device cache, side by side; --repeats N "
+        "interleaves N runs of each and reports medians with their spread.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--model",
         default=DEFAULTS["model"],
         help="preset (tiny, small) or a local HF checkpoint dir",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument(
-        "--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)"
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="by device when unset",
     )
-    p.add_argument("--seed", type=int_in(0, 2**64 - 1), default=0)
-    p.add_argument("--num-prompts", type=int_in(1), default=DEFAULTS["num_prompts"])
+    p.add_argument(
+        "--seed", type=int_in(0, 2**64 - 1), default=0, help="model weights and dataset seed"
+    )
+    p.add_argument(
+        "--num-prompts", type=int_in(1), default=DEFAULTS["num_prompts"], help="requests to run"
+    )
     p.add_argument(
         "--dataset-name",
         choices=("random", "prefix_repetition", "multi_turn", "trace"),
         default=DEFAULTS["dataset_name"],
+        help="workload",
     )
     p.add_argument(
         "--dataset-path", default=None, help="Mooncake-format JSONL trace (--dataset-name trace)"
     )
     p.add_argument(
-        "--trace-block-size", type=int_in(1), default=16, help="tokens per trace hash id"
+        "--trace-block-size",
+        type=int_in(1),
+        default=16,
+        help="tokens each 512-token trace hash block becomes",
     )
-    p.add_argument("--output-len", type=int_in(1), default=DEFAULTS["output_len"])
-    p.add_argument("--random-input-len", type=int_in(1), default=1024)
+    p.add_argument(
+        "--honor-timestamps",
+        action="store_true",
+        help="trace: send each request at its trace timestamp x --timestamp-scale (default: all at once)",
+    )
+    p.add_argument(
+        "--timestamp-scale", type=real_in(0, positive=True), default=1.0, help="factor on trace arrival times"
+    )
+    p.add_argument(
+        "--input-len",
+        type=int_in(1),
+        default=None,
+        help="input length of each random request (vLLM's legacy name of --random-input-len)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int_in(1),
+        default=None,
+        help="output length of every request, overriding the dataset's (a cap for traces); "
+        f"multi_turn uses {DEFAULTS['output_len']} when unset",
+    )
+    p.add_argument(
+        "--random-input-len",
+        type=int_in(1),
+        default=None,
+        help=f"random: input tokens per request (default --input-len, else {DEFAULTS['random_input_len']})",
+    )
+    p.add_argument(
+        "--random-output-len",
+        type=int_in(1),
+        default=None,
+        help=f"random: output tokens per request (default --output-len, else {DEFAULTS['random_output_len']})",
+    )
+    p.add_argument(
+        "--random-prefix-len",
+        type=int_in(0),
+        default=0,
+        help="random: tokens shared by every prompt before its random part",
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=real_in(0),
+        default=0.0,
+        help="random: lengths drawn from [len*(1-r), len*(1+r)]",
+    )
     p.add_argument(
         "--prefix-repetition-prefix-len",
         type=int_in(1),
         default=DEFAULTS["prefix_repetition_prefix_len"],
+        help="prefix tokens",
     )
     p.add_argument(
         "--prefix-repetition-suffix-len",
         type=int_in(0),
         default=DEFAULTS["prefix_repetition_suffix_len"],
+        help="suffix tokens",
     )
     p.add_argument(
         "--prefix-repetition-num-prefixes",
         type=int_in(1),
         default=DEFAULTS["prefix_repetition_num_prefixes"],
+        help="distinct prefixes",
     )
-    p.add_argument("--multi-turn-num-sessions", type=int_in(1), default=8)
-    p.add_argument("--multi-turn-system-len", type=int_in(0), default=512)
-    p.add_argument("--multi-turn-turn-len", type=int_in(1), default=256)
+    p.add_argument(
+        "--prefix-repetition-output-len",
+        type=int_in(1),
+        default=None,
+        help=f"output tokens per request (default --output-len, else {DEFAULTS['prefix_repetition_output_len']})",
+    )
+    p.add_argument("--multi-turn-num-sessions", type=int_in(1), default=8, help="chat sessions")
+    p.add_argument(
+        "--multi-turn-system-len", type=int_in(0), default=512, help="shared system prompt tokens"
+    )
+    p.add_argument("--multi-turn-turn-len", type=int_in(1), default=256, help="tokens added per turn")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
         "--num-device-blocks",
         type=int_in(1),
         default=None,
-        help=f"engine KV blocks (default {DEFAULTS['num_device_blocks']})",
+        help=f"engine KV blocks (when neither this nor --kv-cache-memory: {DEFAULTS['num_device_blocks']})",
     )
     cache.add_argument(
         "--kv-cache-memory",
@@ -101,16 +175,42 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--block-size-factor", type=int_in(1), default=1, help="engine blocks per offloaded block"
     )
-    p.add_argument("--max-num-batched-tokens", type=int_in(1), default=2048)
-    p.add_argument("--max-num-seqs", type=int_in(1), default=DEFAULTS["max_num_seqs"])
+    p.add_argument(
+        "--max-num-batched-tokens", type=int_in(1), default=2048, help="tokens per engine step"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int_in(1),
+        default=DEFAULTS["max_num_seqs"],
+        help="requests per engine step",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's own device prefix cache",
+    )
     p.add_argument(
         "--kv-offloading-size",
         type=real_in(0),
         default=DEFAULTS["kv_offloading_size"],
         help="host tier in GiB (0 = off)",
     )
-    p.add_argument("--kv-offloading-backend", default="native")
-    p.add_argument("--eviction-policy", default="lru")
+    p.add_argument(
+        "--kv-offloading-backend", default="native", choices=("native",), help="offloading backend"
+    )
+    p.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=available_eviction_policies(),
+        help="host tier eviction policy",
+    )
+    p.add_argument(
+        "--store-policy",
+        default="on_compute",
+        choices=sorted(STORE_POLICIES),
+        help="when blocks are stored",
+    )
     p.add_argument(
         "--kv-disk-path",
         default=None,
@@ -121,19 +221,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-disk-eviction-policy",
         default=None,
+        choices=available_eviction_policies(),
         help="the disk tier's eviction policy (default: --eviction-policy)",
     )
     p.add_argument(
         "--kv-tier-cascade",
         default="write_through",
-        help="write_through or on_evict: when host blocks are copied to the disk tier",
+        choices=("write_through", "on_evict"),
+        help="when host blocks are copied to the disk tier",
     )
-    p.add_argument("--store-policy", default="on_compute")
     p.add_argument(
         "--store-threshold",
         type=int_in(0),
         default=0,
-        help="store a block once this many requests wanted it (>= 2)",
+        help="store a block once this many requests wanted it (>= 2; 0 = always)",
     )
     p.add_argument(
         "--kv-remote-url",
@@ -159,19 +260,55 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="also run without offloading and with an unlimited device cache",
     )
-    p.add_argument("--output-json", default=None, help="write the results here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--repeats",
         type=int_in(1),
         default=1,
-        help="run every configuration this many times, interleaved; report the fastest of each",
+        help="run every configuration this many times, interleaved; report median and min-max",
     )
-    p.set_defaults(func=_run, check=_check_args)
+    p.add_argument("--output-json", default=None, help="write every figure of every run here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="plot throughput, TTFT and tokens by source",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int_in(0, 65535),
+        default=None,
+        help="serve Prometheus /metrics of each run's engine on this port",
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
+    p.add_argument(
+        "--log-stats-interval",
+        type=real_in(0),
+        default=0.0,
+        help="log an engine stats line every N seconds (0 = off)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_run, check=_check_args, parser=p)
 
     from kvoffload.cli.trace import add_parser as add_trace_parser
 
     add_trace_parser(sub)
+
+
+def _steady_threads() -> None:
+    """What the tests do for steady runs, unless the user chose: OpenMP threads that sleep when
+    idle (spinning ones slow everything down on a shared machine) and one torch thread per core
+    this process may use."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+def _output_len(args: argparse.Namespace, specific: int | None, default: int) -> int:
+    if specific is not None:
+        return specific
+    return default if args.output_len is None else args.output_len
 
 
 def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
@@ -180,8 +317,16 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
     common = {"vocab_size": vocab_size, "eos_token_id": eos, "seed": args.seed}
     name = args.dataset_name
     if name == "random":
+        input_len = args.random_input_len
+        if input_len is None:
+            input_len = DEFAULTS["random_input_len"] if args.input_len is None else args.input_len
         return datasets.random_prompts(
-            args.num_prompts, args.random_input_len, args.output_len, **common
+            args.num_prompts,
+            input_len,
+            _output_len(args, args.random_output_len, DEFAULTS["random_output_len"]),
+            prefix_len=args.random_prefix_len,
+            range_ratio=args.random_range_ratio,
+            **common,
         )
     if name == "prefix_repetition":
         return datasets.prefix_repetition(
@@ -189,7 +334,9 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
             args.prefix_repetition_prefix_len,
             args.prefix_repetition_suffix_len,
             args.prefix_repetition_num_prefixes,
-            args.output_len,
+            _output_len(
+                args, args.prefix_repetition_output_len, DEFAULTS["prefix_repetition_output_len"]
+            ),
             **common,
         )
     if name == "multi_turn":
@@ -198,7 +345,7 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
             args.multi_turn_num_sessions,
             args.multi_turn_system_len,
             args.multi_turn_turn_len,
-            args.output_len,
+            _output_len(args, None, DEFAULTS["output_len"]),
             **common,
         )
     return datasets.trace_prompts(
@@ -228,8 +375,16 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         raise ConfigError(
             "dataset_path", f"only read with --dataset-name trace (not {args.dataset_name!r})"
         )
-    if args.output_json is not None:
-        check_output_path("output_json", args.output_json)
+    for setting, path in (("output_json", args.output_json), ("plot", args.plot)):
+        if path is not None:
+            check_output_path(setting, path)
+    if args.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("plot", "needs matplotlib: pip install 'kvoffload[plot]'")
+    if args.honor_timestamps and args.dataset_name != "trace":
+        raise ConfigError("honor_timestamps", "only applies to --dataset-name trace")
     engine_kwargs: dict[str, Any] = {
         "model": args.model,
         "device": args.device,
@@ -239,11 +394,15 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         "block_size_factor": args.block_size_factor,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "kv_offloading_backend": args.kv_offloading_backend,
         "eviction_policy": args.eviction_policy,
         "store_policy": args.store_policy,
         "store_threshold": args.store_threshold,
         "kv_events_config": args.kv_events_config,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
+        "log_stats_interval": args.log_stats_interval,
     }
     if args.kv_cache_memory is not None:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
@@ -277,7 +436,12 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         runs.append(("offloading + disk" + plus, with_disk))
     if args.compare:
         # Sized from the requests in _run; a placeholder that passes EngineConfig's checks here.
-        ideal = {**engine_kwargs, "kv_offloading_size": 0.0, "num_device_blocks": 1}
+        ideal = {
+            **engine_kwargs,
+            "kv_offloading_size": 0.0,
+            "enable_prefix_caching": True,
+            "num_device_blocks": 1,
+        }
         ideal.pop("kv_cache_memory", None)
         runs.append(("unlimited device cache", ideal))
     for _, kwargs in runs:
@@ -301,17 +465,73 @@ def _disk_directory(kwargs: dict[str, Any], fresh: bool) -> Iterator[dict[str, A
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _workload_lines(
+    args: argparse.Namespace, requests: list[Any], runs: list[tuple[str, dict[str, Any]]]
+) -> list[str]:
+    """One or two lines saying what is about to run (and, for traces, what was rescaled)."""
+    prompts = [len(r.prompt) for r in requests]
+    outputs = [r.output_len for r in requests]
+    sharing = {
+        "random": f"{args.random_prefix_len}-token shared prefix"
+        if args.random_prefix_len
+        else "no shared prefix",
+        "prefix_repetition": f"{args.prefix_repetition_num_prefixes} shared prefixes of {args.prefix_repetition_prefix_len} tokens",
+        "multi_turn": f"{args.multi_turn_num_sessions} sessions sharing a {args.multi_turn_system_len}-token system prompt",
+        "trace": "prefixes shared as the trace's hash ids",
+    }[args.dataset_name]
+    offload = [kw for label, kw in runs if kw.get("kv_offloading_size", 0) > 0]
+    device = runs[0][1].get("num_device_blocks")
+    lines = [
+        f"Workload: model {args.model}, {len(requests)} {args.dataset_name} requests "
+        f"({min(prompts)}-{max(prompts)} prompt tokens, {min(outputs)}-{max(outputs)} output tokens), {sharing}.",
+        "Runs: "
+        + ", ".join(label for label, _ in runs)
+        + (f", {args.repeats} interleaved repeats" if args.repeats > 1 else "")
+        + "; device cache "
+        + (
+            f"{device} blocks of {args.block_size} tokens"
+            if device
+            else f"{args.kv_cache_memory} GiB"
+        )
+        + (f", host tier {offload[0]['kv_offloading_size']} GiB" if offload else "")
+        + ("" if args.enable_prefix_caching else ", device prefix cache off")
+        + ".",
+    ]
+    if args.dataset_name == "trace":
+        lines.append(
+            f"Trace rescaled: each 512-token hash block is {args.trace_block_size} tokens "
+            f"({512 / args.trace_block_size:g}x shorter prompts); "
+            + (
+                "output lengths as in the trace"
+                if args.output_len is None
+                else f"output lengths capped at {args.output_len}"
+            )
+            + "; "
+            + (
+                f"arrival times from the trace x {args.timestamp_scale:g} "
+                f"(last request at {max(r.arrival_s for r in requests) * args.timestamp_scale:.1f} s)"
+                if args.honor_timestamps
+                else "timestamps ignored, all requests at once (--honor-timestamps to replay them)"
+            )
+            + "."
+        )
+    return lines
+
+
 def _run(args: argparse.Namespace) -> int:
+    _steady_threads()
     from tqdm import tqdm
 
     from kvoffload.benchmark.throughput import (
         format_comparison,
         format_result,
         run_throughput,
+        summarize,
+        throughput_ratios,
         unlimited_device_blocks,
     )
     from kvoffload.engine.loader import load_model_config
-    from kvoffload.errors import KVOffloadError
+    from kvoffload.errors import ConfigError, KVOffloadError
 
     try:
         runs = _check_args(args)
@@ -319,6 +539,18 @@ def _run(args: argparse.Namespace) -> int:
         requests = _requests(args, model.vocab_size, model.eos_token_id)
         if args.compare:
             runs[-1][1]["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
+        if args.log_stats_interval > 0:
+            import logging
+
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        arrivals = (
+            [r.arrival_s * args.timestamp_scale for r in requests]
+            if args.honor_timestamps
+            else None
+        )
+        for line in _workload_lines(args, requests, runs):
+            print(line)
+        print(flush=True)
 
         def bar(total: int, label: str) -> Any:
             return (
@@ -327,30 +559,66 @@ def _run(args: argparse.Namespace) -> int:
                 else tqdm(total=total, desc=label, unit="req", file=sys.stderr)
             )
 
+        def phase(text: str) -> None:
+            if not args.no_progress:
+                print(text, file=sys.stderr, flush=True)
+
         all_runs: list[Any] = []
-        best: dict[str, Any] = {}
-        for repeat in range(args.repeats):  # interleaved (ABC ABC), so drift hits every config
+        for repeat in range(
+            1, args.repeats + 1
+        ):  # interleaved (ABC ABC), so drift hits every config
             for label, kwargs in runs:
+                name = f"{label} (repeat {repeat}/{args.repeats})" if args.repeats > 1 else label
                 with _disk_directory(kwargs, fresh=args.compare) as run_kwargs:
-                    result = run_throughput(requests, label, run_kwargs, bar)
+                    result = run_throughput(
+                        requests,
+                        label,
+                        run_kwargs,
+                        lambda total, _l, n=name: bar(total, n),
+                        repeat,
+                        arrivals,
+                        phase,
+                    )
                 all_runs.append(result)
-                if label not in best or result.elapsed_s < best[label].elapsed_s:
-                    best[label] = result
-                suffix = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
-                print(f"== {label}{suffix} ==")
+                print(f"== {name} ==")
                 print(format_result(result), flush=True)
-        results = [best[label] for label, _ in runs]
+        summaries = summarize(all_runs)
         if args.compare:
-            note = f", best of {args.repeats} interleaved repeats" if args.repeats > 1 else ""
+            note = (
+                f", median [min-max] of {args.repeats} interleaved repeats"
+                if args.repeats > 1
+                else ""
+            )
             print(f"\n== comparison{note} ==")
-            print(format_comparison(results))
+            print(format_comparison(summaries))
+        if args.plot:
+            from kvoffload.benchmark.plot import plot_comparison
+
+            plot_comparison(
+                summaries,
+                args.plot,
+                title=f"{args.model}, {len(requests)} {args.dataset_name} requests",
+            )
+            print(f"plot written to {args.plot}")
         if args.output_json:
             payload = {
-                "args": vars(args) | {"func": None, "check": None},
-                "results": [r.to_dict() for r in results],
+                "args": {k: v for k, v in vars(args).items() if k not in ("func", "check", "parser")},
+                "workload": _workload_lines(args, requests, runs),
+                "results": [s.to_dict() for s in summaries],
+                "throughput_ratios": [
+                    {"config": label, "against": other, **ratio}
+                    for (label, other), ratio in throughput_ratios(summaries).items()
+                ]
+                if args.compare
+                else [],
                 "all_runs": [r.to_dict() for r in all_runs],
             }
-            Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str))
+            try:
+                Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str))
+            except OSError as exc:
+                raise ConfigError(
+                    "output_json", f"cannot write {args.output_json!r}: {exc.strerror or exc}"
+                ) from exc
     except KVOffloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     listen.add_argument("--max-batches", type=int_in(1), metavar="N", help="stop after N batches")
     listen.add_argument("--timeout", type=real_in(0), metavar="S", help="stop after S seconds")
-    listen.set_defaults(func=_listen)
+    listen.set_defaults(func=_listen, parser=listen)
 
 
 def _listen(args: argparse.Namespace) -> int:

@@ -15,9 +15,12 @@ _COMMAND_GROUPS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from kvoffload import __version__
+
     parser = argparse.ArgumentParser(
-        prog="kvoffload", description="Tiered KV-cache offloading for LLM inference."
+        prog="kvoffload", description="KV-cache offloading for LLM inference."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(
         dest="group", required=True, metavar="{" + ",".join(_COMMAND_GROUPS) + "}"
     )
@@ -32,7 +35,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args, unknown = build_parser(argv).parse_known_args(argv)
+    if unknown:
+        # The subcommand's usage, not the top-level one (leaf parsers set ``parser``).
+        leaf = getattr(args, "parser", None)
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        if leaf is None:
+            build_parser(argv).error(message)
+        leaf.error(message)
     return int(args.func(args) or 0)
 
 

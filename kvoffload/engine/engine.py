@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,6 +48,7 @@ from kvoffload.managers.tiering import (
     TieringOffloadingManager,
     validate_tier_params,
 )
+from kvoffload.metrics import EngineMetrics, MetricsServer, Snapshot, StatsLogger
 from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOffloadConfig
 from kvoffload.scheduler.connector import parse_kv_transfer_params
 from kvoffload.scheduler.events import OffloadEventDescriber
@@ -82,7 +84,9 @@ class EngineConfig:
     to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
     tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
     (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
-    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks.
+    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks. ``metrics_port`` serves
+    Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
+    the engine is open; ``log_stats_interval`` > 0 logs a stats line every that many seconds.
     """
 
     model: str = "small"
@@ -112,6 +116,9 @@ class EngineConfig:
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    log_stats_interval: float = 0.0
     events: KVEventsConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +167,10 @@ class EngineConfig:
         check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
         check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
         check_str("hash_seed", self.hash_seed, allow_empty=True)
+        if self.metrics_port is not None:
+            check_int("metrics_port", self.metrics_port, 0, 65535)
+        check_str("metrics_host", self.metrics_host)
+        check_real("log_stats_interval", self.log_stats_interval, 0, unit="seconds")
         events = self.kv_events_config
         if events is None:
             self.events = KVEventsConfig()
@@ -188,6 +199,17 @@ def _release(owned: list[Callable[[], object]]) -> None:
             shutdown()
         except Exception:
             logger.exception("engine shutdown: %r failed", shutdown)
+
+
+def _weak_snapshot(engine: Engine) -> Callable[[], Snapshot]:
+    """``engine.snapshot`` without a strong reference (empty once the engine is gone)."""
+    ref = weakref.ref(engine)
+
+    def snapshot() -> Snapshot:
+        alive = ref()
+        return ({}, {}) if alive is None else alive.snapshot()
+
+    return snapshot
 
 
 class Engine:
@@ -265,8 +287,34 @@ class Engine:
         self._finished: list[RequestOutput] = []
         self._ids = itertools.count()
         self._counters = dict.fromkeys(
-            ("steps", "forward_tokens", "prompt_tokens", "output_tokens", "preemptions"), 0
+            (
+                "steps",
+                "forward_tokens",
+                "prompt_tokens",
+                "prefilled_prompt_tokens",
+                "output_tokens",
+                "preemptions",
+            ),
+            0,
         )
+        # step() holds it; metrics scrapes and stats lines read a consistent snapshot under it
+        self._lock = threading.Lock()
+        block_bytes = self.worker.bytes_per_offloaded_block if self.worker is not None else 0
+        directions = [("GPU", "CPU"), ("CPU", "GPU")] if self.worker is not None else []
+        # Weakly bound: a metrics server thread must not keep a dropped engine alive.
+        snapshot = _weak_snapshot(self)
+        self.metrics = EngineMetrics(snapshot, block_bytes, directions)
+        self._stats_logger = (
+            StatsLogger(snapshot, config.log_stats_interval, block_bytes)
+            if config.log_stats_interval > 0
+            else None
+        )
+        self.metrics_server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            self.metrics_server = MetricsServer(
+                self.metrics.registry, config.metrics_port, config.metrics_host
+            )
+            self._owned.append(self.metrics_server.close)
 
     def _build_offloading(self) -> None:
         config = self.config
@@ -414,9 +462,19 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (and aborts since the last)."""
+        with self._lock:
+            finished = self._step()
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log()
+        return finished
+
+    def _step(self) -> list[RequestOutput]:
         worker, connector = self.worker, self.connector
         if worker is not None and connector is not None:
-            update = connector.update_connector_output(worker.get_finished())
+            results = worker.get_finished()
+            if results:
+                self.metrics.observe_transfers(results)
+            update = connector.update_connector_output(results)
             for req, new_cached in self.scheduler.apply_connector_update(update):
                 if new_cached and self._events_on:
                     self._device_stored(req, new_cached)  # loaded blocks now in the device cache
@@ -457,6 +515,13 @@ class Engine:
     def _append(self, req: Request, token: int, now: float) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
+            self._counters["prefilled_prompt_tokens"] += req.num_prompt_tokens
+            self.metrics.observe_token(now - req.arrival_time, None)
+        else:
+            itl = now - req.last_token_time
+            req.inter_token_latencies.append(itl)
+            self.metrics.observe_token(None, itl)
+        req.last_token_time = now
         req.append_token(token)
         self._counters["output_tokens"] += 1
         params = req.sampling_params
@@ -471,6 +536,7 @@ class Engine:
         self.scheduler.finish(req, status)
         self._requests.pop(req.request_id, None)
         req.finish_time = time.perf_counter()
+        self.metrics.observe_finished(req.finish_time - req.arrival_time)
         self._finished.append(self._output(req))
 
     def _output(self, req: Request) -> RequestOutput:
@@ -488,6 +554,7 @@ class Engine:
             ttft=first - req.arrival_time,
             latency=req.finish_time - req.arrival_time,
             num_preemptions=req.num_preemptions,
+            inter_token_latencies=list(req.inter_token_latencies),
             logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
         )
 
@@ -591,19 +658,40 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def stats(self) -> dict[str, float]:
-        """Engine counters, plus the connector's (``offload_``-prefixed) when offloading is on."""
+        """Engine counters and gauges, plus the connector's (``offload_``-prefixed) when
+        offloading is on. ``prefix_cache_queries`` / ``prefix_cache_hits``: tokens each admission
+        needed / found in the device prefix cache (see :mod:`kvoffload.metrics.stats`)."""
         out: dict[str, float] = dict(self._counters)
+        scheduler, pool = self.scheduler, self.pool
+        out["prefix_cache_queries"] = scheduler.prefix_cache_queries
+        out["prefix_cache_hits"] = scheduler.prefix_cache_hits
+        out["num_running"] = len(scheduler.running) + len(scheduler.loading)
+        out["num_waiting"] = len(scheduler.waiting)
         out["device_blocks"] = self.num_device_blocks
-        out["device_evicted_blocks"] = self.pool.num_evicted
-        out["preempted_after_load"] = self.scheduler.num_preempted_after_load
+        out["device_used_blocks"] = self.num_device_blocks - pool.num_free_blocks
+        out["device_evicted_blocks"] = pool.num_evicted
+        out["preempted_after_load"] = scheduler.num_preempted_after_load
+        events = self.publisher.stats()
+        out["events_published"] = events.get("published", 0)
+        out["events_dropped"] = events.get("dropped", 0)
         if self.connector is not None:
             for name, value in self.connector.stats().items():
                 out[f"offload_{name}"] = value
         return out
 
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Statistics per offloading tier (``{}`` without offloading); see
+        :meth:`~kvoffload.base.OffloadingManager.tier_stats`."""
+        return {} if self.manager is None else self.manager.tier_stats()
+
+    def snapshot(self) -> Snapshot:
+        """``(stats(), tier_stats())`` taken between two steps; safe from another thread."""
+        with self._lock:
+            return self.stats(), self.tier_stats()
+
     def close(self) -> None:
-        """Stop the tiers, the transfer threads (freeing the host pool) and the event publisher.
-        Idempotent."""
+        """Stop the metrics server, the tiers, the transfer threads (freeing the host pool) and
+        the event publisher. Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> Engine:

@@ -53,6 +53,8 @@ class RequestOutput:
     ttft: float
     latency: float
     num_preemptions: int
+    #: Seconds between consecutive output tokens (one fewer than the output tokens).
+    inter_token_latencies: list[float] = field(default_factory=list)
     #: Per output token, ``token id -> log-probability`` (when ``SamplingParams.logprobs`` is set).
     logprobs: list[dict[int, float]] | None = None
 
@@ -87,6 +89,8 @@ class Request:
     cached_tokens_offload: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
+    last_token_time: float = 0.0
+    inter_token_latencies: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
 

@@ -89,6 +89,10 @@ class EngineScheduler:
         self._admissions = itertools.count()
         #: preemptions that threw away a landed load (every other candidate had one too)
         self.num_preempted_after_load = 0
+        #: Tokens each admission needed (re-admissions after preemption too), and those of them
+        #: the engine's prefix cache held: vLLM's prefix-cache queries and hits.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -232,6 +236,8 @@ class EngineScheduler:
                 break
             self.waiting.popleft()
             self._admitted[req.request_id] = next(self._admissions)
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_local
             blocks = hits + new
             self._blocks[req.request_id] = blocks
             req.block_ids = [b.block_id for b in blocks]

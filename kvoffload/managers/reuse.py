@@ -147,6 +147,12 @@ class FilterReusedOffloadingManager(OffloadingManager):
     def reset(self) -> None:
         self._backing.reset()
 
+    def load_source(self, key: OffloadKey, ctx: ReqContext) -> str:
+        return self._backing.load_source(key, ctx)
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        return self._backing.tier_stats()
+
     def stats(self) -> dict[str, int]:
         stats = self._backing.stats()
         stats["filtered_blocks"] = self._filtered

@@ -118,6 +118,7 @@ class _Job:
         "keys",
         "pending",
         "req_id",
+        "sources",
         "stale",
     )
 
@@ -139,6 +140,7 @@ class _Job:
         self.failed = False
         self.stale = False  # started before a reset: the manager no longer knows its keys
         self.fenced: list[int] = []  # engine block ids registered in the reuse fence
+        self.sources: dict[str, int] = {}  # a load's hit tokens by the tier that supplies them
 
 
 class OffloadingConnectorScheduler:
@@ -206,6 +208,9 @@ class OffloadingConnectorScheduler:
             0,
         )
         self._transfer_seconds = {"load": 0.0, "store": 0.0}
+        # hit_tokens split by load_source(); the failed part fell back to recompute
+        self._hit_tokens_by_source: dict[str, int] = {}
+        self._failed_load_tokens_by_source: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -394,6 +399,12 @@ class OffloadingConnectorScheduler:
             self._failed_before_submit.append(request.request_id)
             return
         job_id = self._new_job(state, keys, is_store=False)
+        sources = self._jobs[job_id].sources = self._split_by_source(
+            keys, state.req_context, num_external_tokens
+        )
+        by_source = self._hit_tokens_by_source
+        for source, n in sources.items():
+            by_source[source] = by_source.get(source, 0) + n
         self._load_jobs.append(
             TransferJob(
                 job_id,
@@ -406,6 +417,22 @@ class OffloadingConnectorScheduler:
         self._counters["load_jobs"] += 1
         self._counters["loaded_blocks"] += len(keys)
         self._counters["hit_tokens"] += num_external_tokens
+
+    def _split_by_source(
+        self, keys: list[OffloadKey], ctx: ReqContext, num_tokens: int
+    ) -> dict[str, int]:
+        """``num_tokens`` split by the tier each key loads from, in proportion to the keys (the
+        rounding remainder goes to the first tier); one dict operation per key."""
+        load_source = self.manager.load_source
+        counts: dict[str, int] = {}
+        for key in keys:
+            source = load_source(key, ctx)
+            counts[source] = counts.get(source, 0) + 1
+        if len(counts) <= 1:
+            return dict.fromkeys(counts or ("host",), num_tokens)
+        out = {source: num_tokens * n // len(keys) for source, n in counts.items()}
+        out[next(iter(out))] += num_tokens - sum(out.values())
+        return out
 
     def _new_job(self, state: RequestKVState, keys: list[OffloadKey], is_store: bool) -> int:
         job_id = self._next_job_id
@@ -658,6 +685,10 @@ class OffloadingConnectorScheduler:
                 self.manager.complete_load(job.keys, job.ctx)
         if job.is_store and failed and self._events is not None:
             self._events.forget(job.keys)
+        if failed and not job.is_store:
+            failed_by_source = self._failed_load_tokens_by_source
+            for source, n in job.sources.items():
+                failed_by_source[source] = failed_by_source.get(source, 0) + n
         if job.failed:
             self._counters["failed_stores" if job.is_store else "failed_loads"] += 1
             logger.warning(
@@ -789,9 +820,14 @@ class OffloadingConnectorScheduler:
 
     def stats(self) -> dict[str, float]:
         """Connector counters (``lookups``: calls of get_num_new_matched_tokens, retries included;
-        ``hit_tokens``: tokens whose load was planned; jobs, blocks, bytes, seconds) plus the
-        manager's, the latter prefixed ``tier_``."""
+        ``hit_tokens``: tokens whose load was planned, split by tier as ``hit_tokens_<tier>``, and
+        ``failed_load_tokens_<tier>`` of those whose load failed and were recomputed; jobs,
+        blocks, bytes, seconds) plus the manager's, the latter prefixed ``tier_``."""
         out: dict[str, float] = dict(self._counters)
+        for source, n in self._hit_tokens_by_source.items():
+            out[f"hit_tokens_{source}"] = n
+        for source, n in self._failed_load_tokens_by_source.items():
+            out[f"failed_load_tokens_{source}"] = n
         out["load_seconds"] = self._transfer_seconds["load"]
         out["store_seconds"] = self._transfer_seconds["store"]
         out["live_requests"] = len(self._requests)
