@@ -382,3 +382,33 @@ def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
     assert index.blocks("STORAGE/LOCAL") == on_disk
     assert all(e.locality == "LOCAL" for e in stored)
     assert all(e.token_ids and e.block_size == 4 for e in stored)  # self-describing
+
+
+def test_disk_hits_are_counted_by_source_in_stats_and_metrics(tmp_path: Path, reference) -> None:
+    """A warm restart loads its first prefix from disk: the tokens count as ``disk`` in the
+    connector's counters, in tokens by source and in the scraped ``tier="disk"`` series."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvoffload.metrics.stats import tokens_by_source
+
+    with disk_engine(tmp_path) as engine:
+        run_rounds(engine, ROUNDS[:1], SAMPLING)
+    with disk_engine(tmp_path) as engine:
+        outputs = run_rounds(engine, ROUNDS[1:2], SAMPLING)[0]
+        stats, tiers = engine.snapshot()
+        text = generate_latest(engine.metrics.registry).decode()
+    assert_same_outputs(outputs, reference[8:16])
+    assert set(tiers) == {"host", "disk"}
+    assert stats["offload_hit_tokens_disk"] > 0
+    assert tokens_by_source(stats)["disk"] == stats["offload_hit_tokens_disk"]
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("kvoffload_tokens_by_source_total", (("source", "disk"),))] == (
+        stats["offload_hit_tokens_disk"]
+    )
+    disk_series = [k for k in samples if ("tier", "disk") in k[1]]
+    assert disk_series, "no tier=disk series"

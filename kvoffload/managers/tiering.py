@@ -140,6 +140,9 @@ class TieringOffloadingManager(OffloadingManager):
             ([], []) for _ in self.tiers
         ]
         self._dirty: dict[OffloadKey, None] = {}  # on_evict: stored in host, not yet cascaded
+        #: promoted into the host and not loaded since: key -> the tier it came from (entries
+        #: leave on their first load or their host eviction, so at most one per host slot)
+        self._promoted_from: dict[OffloadKey, int] = {}
         self._counters = dict.fromkeys(
             (
                 "promoted_blocks",
@@ -206,6 +209,11 @@ class TieringOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         return self.host.prepare_load(keys, ctx)
 
+    def load_source(self, key: OffloadKey, ctx: ReqContext) -> str:
+        """The tier a promotion brought ``key`` from, for its first load; else ``"host"``."""
+        tier = self._promoted_from.pop(key, None)
+        return "host" if tier is None else self.tier_names[tier]
+
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.host.complete_load(keys, ctx)
 
@@ -220,8 +228,8 @@ class TieringOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
         out = self.host.prepare_store(keys, ctx)
-        if out is not None and out.evicted_keys and self._dirty:
-            self._forget_dirty(out.evicted_keys)
+        if out is not None and out.evicted_keys:
+            self._host_evicted(out.evicted_keys)
         return out
 
     def complete_store(
@@ -261,6 +269,16 @@ class TieringOffloadingManager(OffloadingManager):
             queued_keys.extend(wanted)
             queued_slots.extend(spec.block_ids)  # type: ignore[attr-defined]
 
+    def _host_evicted(self, evicted: Sequence[OffloadKey]) -> None:
+        """Forget what the host no longer holds: promotion sources, and (``on_evict``) blocks
+        that never reached a secondary tier."""
+        if self._promoted_from:
+            promoted_from = self._promoted_from
+            for key in evicted:
+                promoted_from.pop(key, None)
+        if self._dirty:
+            self._forget_dirty(evicted)
+
     def _forget_dirty(self, evicted: Sequence[OffloadKey]) -> None:
         dirty, lost = self._dirty, 0
         for key in evicted:
@@ -291,6 +309,9 @@ class TieringOffloadingManager(OffloadingManager):
                         self._promoting.pop(key, None)
                     if ok:
                         host.complete_store(ok, ctx, True)
+                        promoted_from = self._promoted_from
+                        for key in ok:
+                            promoted_from[key] = job.tier
                     if failed:
                         bad = [k for k in job.keys if k in failed]
                         host.complete_store(bad, ctx, False)
@@ -341,8 +362,8 @@ class TieringOffloadingManager(OffloadingManager):
             keys = keys[:n]
             if out is None:
                 return
-        if out.evicted_keys and self._dirty:
-            self._forget_dirty(out.evicted_keys)
+        if out.evicted_keys:
+            self._host_evicted(out.evicted_keys)
         wanted = set(keys)
         slots: list[int] = []
         promoted: list[OffloadKey] = []
@@ -433,6 +454,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._promote_queue = [{} for _ in self.tiers]
         self._cascade_queue = [([], []) for _ in self.tiers]
         self._dirty.clear()
+        self._promoted_from.clear()
         self.host.reset()
 
     def stats(self) -> dict[str, int]:
@@ -442,6 +464,12 @@ class TieringOffloadingManager(OffloadingManager):
         for name, tier in zip(self.tier_names, self.tiers, strict=True):
             for stat, value in tier.stats().items():
                 out[f"{name}_{stat}"] = value
+        return out
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        out = {"host": self.host.stats()}
+        for name, tier in zip(self.tier_names, self.tiers, strict=True):
+            out[name] = tier.stats()
         return out
 
     def close(self) -> None:
