@@ -168,6 +168,12 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
 
     try:
         with ZmqEventPublisher(endpoint) as old:
+            # Restarts are seen as sequence numbers going back. Number the old publisher's
+            # batches far beyond what the new one can reach before the deadline (one batch per
+            # 50 ms poll), so the listener sees the new numbers as lower whichever of the new
+            # publisher's first batches it misses while reconnecting.
+            for _ in range(1000):
+                old.publish(_stored(1, 2))
             assert cpu_blocks_until(lambda n: n == 2, old, _stored(1, 2)) == 2
         with ZmqEventPublisher(endpoint) as new:
             assert cpu_blocks_until(lambda n: n != 2, new, _stored(3)) == 1

@@ -1,6 +1,8 @@
 """``OffloadEventDescriber``: every stored event of a tier describes its block, also when the block
 is stored, evicted and planned for storing again before the first stored event is converted
-(all within one engine step, with a tier of a few blocks)."""
+(all within one engine step, with a tier of a few blocks), and descriptions of planned stores do
+not outlive them (announced blocks' descriptions are kept only in the bounded recent cache, for a
+cascade to a further tier)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def test_a_key_planned_again_before_its_stored_event_is_described_each_time() ->
     events += describer.convert([_stored()])  # store 2 completes a step later
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert [(e.token_ids, e.block_size) for e in stored] == [(TOKENS, 4), (TOKENS, 4)]
-    assert describer.convert([_stored()])[0].block_size == 0  # nothing left over: bounded
+    assert not describer._pending  # nothing left over in flight: bounded by the stores planned
 
 
 def test_a_failed_store_forgets_one_description() -> None:
@@ -35,5 +37,6 @@ def test_a_failed_store_forgets_one_description() -> None:
     describer.forget([KEY])  # store 2 failed
     (event,) = describer.convert([_stored()])
     assert isinstance(event, BlockStored) and event.token_ids == TOKENS
-    describer.forget([KEY])  # nothing recorded: ignored
-    assert describer.convert([_stored()])[0].block_size == 0
+    assert not describer._pending  # both planned stores accounted for
+    describer.forget([KEY])  # nothing planned: ignored
+    assert not describer._pending
