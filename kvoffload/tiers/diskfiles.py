@@ -23,6 +23,7 @@ import itertools
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,7 +80,11 @@ class SpaceLedger:
 
     def __init__(self, path: Path, capacity: int) -> None:
         self.capacity = capacity
+        #: The count after the latest change made through this ledger.
+        self.last_seen = 0
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # flock excludes other processes only: threads sharing the descriptor need this too.
+        self._thread_lock = threading.Lock()
         self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
 
     def claim_alone(self) -> bool:
@@ -95,7 +100,7 @@ class SpaceLedger:
         fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
     def _locked(self) -> _LedgerLock:
-        return _LedgerLock(self._fd)
+        return _LedgerLock(self._fd, self._thread_lock)
 
     def read(self) -> int:
         with self._locked():
@@ -107,6 +112,7 @@ class SpaceLedger:
 
     def _set(self, value: int) -> None:
         os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+        self.last_seen = max(0, value)
 
     def reserve(self, nbytes: int, victims: list[Path], victim_bytes: int) -> tuple[bool, int]:
         """Unlink ``victims`` (each ``victim_bytes``), then take ``nbytes`` if they fit.
@@ -162,16 +168,27 @@ class SpaceLedger:
 
 
 class _LedgerLock:
-    __slots__ = ("_fd",)
+    """This process's threads (a mutex), then other processes (``flock``)."""
 
-    def __init__(self, fd: int) -> None:
+    __slots__ = ("_fd", "_lock")
+
+    def __init__(self, fd: int, lock: threading.Lock) -> None:
         self._fd = fd
+        self._lock = lock
 
     def __enter__(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
 
 class BlockFiles:
