@@ -50,6 +50,9 @@ _U64 = struct.Struct("<Q")
 #: Temporary files older than this (seconds) at a scan are leftovers of a killed writer.
 STALE_TMP_SECONDS = 60.0
 _DISK_BLOCK = 4096
+#: Numbers temporary files, unique within the process (``next`` is atomic): with the pid in the
+#: name, no two writers (threads or tiers) ever share a temporary file.
+_TMP_IDS = itertools.count()
 #: The fault hook: called as ``hook(op, key)`` before each block's I/O (``op`` is ``"write"`` or
 #: ``"read"``); raising ``OSError`` makes that block's I/O fail exactly as the OS would.
 FaultHook = Callable[[str, OffloadKey], None]
@@ -216,9 +219,8 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
-        self._tmp_ids = itertools.count()
         #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
-        self.fresh_temporaries = 0  # next() is atomic: unique names across I/O threads
+        self.fresh_temporaries = 0
 
     def path_of(self, key: OffloadKey) -> Path:
         name = key.hex()
@@ -246,7 +248,7 @@ class BlockFiles:
         payload = self._slot(slot)
         header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
         final = self.path_of(key)
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(_TMP_IDS)}.tmp")
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
