@@ -127,8 +127,8 @@ def test_compare_on_every_dataset(
 
 
 def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A host tier of 12 blocks (half a prefix set) in front of a disk tier: the disk row gets promotions, and each
-    run's fresh directory is removed afterwards."""
+    """A host tier of 12 blocks in front of a disk tier: an extra row whose blocks reach the
+    disk, and each run's fresh directory is removed afterwards."""
     args, _ = _dataset_args("prefix_repetition", tmp_path)
     disk = tmp_path / "disk"
     out_json = tmp_path / "out.json"
@@ -142,9 +142,17 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
         r"^== (?!comparison).* ==$", stdout, re.M
     )
     assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
+<<<<<<< HEAD
     runs = json.loads(out_json.read_text())["all_runs"]
     assert [r["label"] for r in runs] == labels
     assert runs[2]["stats"]["offload_tier_promoted_blocks"] > 0
+=======
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["label"] for r in results] == labels
+    # Blocks reached the disk (whether later requests find them there first depends on timing).
+    assert results[2]["stats"]["offload_tier_disk_stored_blocks"] > 0
+    assert results[2]["output_tokens"] == results[1]["output_tokens"]
+>>>>>>> tier
     assert list(disk.iterdir()) == []
 
 
