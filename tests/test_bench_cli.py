@@ -142,17 +142,11 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
         r"^== (?!comparison).* ==$", stdout, re.M
     )
     assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
-<<<<<<< HEAD
     runs = json.loads(out_json.read_text())["all_runs"]
     assert [r["label"] for r in runs] == labels
-    assert runs[2]["stats"]["offload_tier_promoted_blocks"] > 0
-=======
-    results = json.loads(out_json.read_text())["results"]
-    assert [r["label"] for r in results] == labels
     # Blocks reached the disk (whether later requests find them there first depends on timing).
-    assert results[2]["stats"]["offload_tier_disk_stored_blocks"] > 0
-    assert results[2]["output_tokens"] == results[1]["output_tokens"]
->>>>>>> tier
+    assert runs[2]["stats"]["offload_tier_disk_stored_blocks"] > 0
+    assert runs[2]["output_tokens"] == runs[1]["output_tokens"]
     assert list(disk.iterdir()) == []
 
 
