@@ -4,7 +4,7 @@ the host tier, reference runs, and the checks that nothing is left pinned, held 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 from kvoffload.base import OffloadingManager
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.worker import DelayedCompletionHandler
 
 #: Engine block size of every test engine (small, so short prompts span many blocks).
 BLOCK_SIZE = 4
@@ -44,6 +45,19 @@ def tiny_engine(**kwargs: Any) -> Engine:
     options: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_device_blocks": 512}
     options.update(kwargs)
     return Engine("tiny", **options)
+
+
+def delay_completions(engine: Engine, delay: Callable[[int], int]) -> DelayedCompletionHandler:
+    """Report each of ``engine``'s transfer jobs ``delay(job_id)`` engine steps late, whatever the
+    copy threads' timing: the run becomes reproducible step for step (loads and stores both)."""
+    assert engine.worker is not None
+    router = engine.worker.offloading_worker
+    inner = router.handler("GPU", "CPU")
+    handler = DelayedCompletionHandler(inner, lambda: engine.stats()["steps"], delay)
+    for direction in (("GPU", "CPU"), ("CPU", "GPU")):
+        assert router.handler(*direction) is inner
+        router.register_handler(*direction, handler, replace=True)
+    return handler
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

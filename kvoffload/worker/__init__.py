@@ -7,6 +7,7 @@ Imports torch (the scheduler-side core never imports this package). The engine u
 
 from kvoffload.worker.connector import OffloadingConnectorWorker, default_copy_threads
 from kvoffload.worker.cpu_copy import CopyPlanner, CPUCopyHandler
+from kvoffload.worker.delays import DelayedCompletionHandler
 from kvoffload.worker.faults import FaultInjectingHandler
 from kvoffload.worker.handler import OffloadingHandler, OffloadingWorker, TransferSpec, WorkerState
 from kvoffload.worker.host_pool import HostPool, num_host_blocks
@@ -19,6 +20,7 @@ __all__ = [
     "BlockMapping",
     "CPUCopyHandler",
     "CopyPlanner",
+    "DelayedCompletionHandler",
     "DirectionStats",
     "FaultInjectingHandler",
     "GroupLayout",
