@@ -107,13 +107,8 @@ def test_compare_on_every_dataset(
 
 
 def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A host tier of 12 blocks (half a prefix set) in front of a disk tier: the disk row writes
-    blocks to disk, and each run's fresh directory is removed afterwards.
-
-    Whether this run also promotes depends on timing, so it is not asserted here: a cascade pins
-    its host slots until the disk write reports, and while it does the host refuses stores
-    instead of evicting, so the blocks a later request wants may still be in the host (see
-    test_a_warm_disk_directory_serves_the_next_run)."""
+    """A host tier of 12 blocks in front of a disk tier: an extra row whose blocks reach the
+    disk, and each run's fresh directory is removed afterwards."""
     args, _ = _dataset_args("prefix_repetition", tmp_path)
     disk = tmp_path / "disk"
     out_json = tmp_path / "out.json"
@@ -129,11 +124,9 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
     results = json.loads(out_json.read_text())["results"]
     assert [r["label"] for r in results] == labels
-    # The first store after the warm-up finds every host slot free or evictable (the warm-up was
-    # drained), so it is accepted and cascaded, whatever the timing.
-    stats = results[2]["stats"]
-    assert stats["offload_tier_cascaded_blocks"] > 0
-    assert stats["offload_tier_disk_stored_blocks"] > 0
+    # Blocks reached the disk (whether later requests find them there first depends on timing).
+    assert results[2]["stats"]["offload_tier_disk_stored_blocks"] > 0
+    assert results[2]["output_tokens"] == results[1]["output_tokens"]
     assert list(disk.iterdir()) == []
 
 

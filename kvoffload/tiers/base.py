@@ -2,8 +2,9 @@
 
 A secondary tier holds whole offloaded blocks by :data:`~kvoffload.keys.OffloadKey`, outside the
 device and outside the host pool. It reads and writes the host pool only, through the
-``memoryview`` it is built with (``pool[slot]`` is one slot's bytes; ``pool.strides[0]`` is the
-slot size), as vLLM 0.33's ``SecondaryTierManager`` reads vLLM's CPU pool.
+``memoryview`` it is built with (2-D, ``(num_slots, slot_bytes)``; ``pool.strides[0]`` is the
+slot size; slot ``s`` is ``pool.cast("B")[s * B:(s + 1) * B]``, since a 2-D memoryview has no
+row sub-views), as vLLM 0.33's ``SecondaryTierManager`` reads vLLM's CPU pool.
 
 Calls come from the scheduler's one thread and must never block on I/O:
 

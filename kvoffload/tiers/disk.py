@@ -145,9 +145,8 @@ class DiskTier(SecondaryTier):
         self._num_threads = max(1, num_threads)
         self._closed = False
         self._counters: dict[str, int] = collections.defaultdict(int)
-        # The ledger's count (every process's files) as the I/O threads last saw it, the copy the
-        # scheduler thread took at the last poll, and the bytes of stores submitted since.
-        self._ledger_seen = 0
+        # The ledger's count (every process's files) as the scheduler thread saw it at the last
+        # poll, and the bytes of stores submitted since.
         self._dir_used = 0
         self._dir_submitted = 0
         self.scan_seconds = self._warm_start()
@@ -200,7 +199,7 @@ class DiskTier(SecondaryTier):
         on_disk += self._files.fresh_temporaries * fb
         on_disk = self._ledger.reconcile(on_disk, alone)
         self._ledger.share()
-        self._ledger_seen = self._dir_used = on_disk
+        self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)
         return time.perf_counter() - start
 
@@ -295,7 +294,7 @@ class DiskTier(SecondaryTier):
             running = done.popleft()
             results.append(self._apply(running))
         if results:
-            self._dir_used = self._ledger_seen
+            self._dir_used = self._ledger.last_seen
         return results
 
     def _apply(self, running: _Running) -> TierJobResult:
@@ -373,8 +372,8 @@ class DiskTier(SecondaryTier):
         self.get_finished_jobs()
         keys = list(self._policy)
         for key in keys:
-            self._ledger_seen = self._ledger.remove(self._files.path_of(key), self.file_bytes)
-        self._dir_used, self._dir_submitted = self._ledger_seen, 0
+            self._ledger.remove(self._files.path_of(key), self.file_bytes)
+        self._dir_used, self._dir_submitted = self._ledger.last_seen, 0
         self._policy.clear()
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
@@ -425,17 +424,17 @@ class DiskTier(SecondaryTier):
         nbytes = 0
         for key, slot in items:
             try:
-                ok, self._ledger_seen = ledger.reserve(fb, victims, fb)
+                ok, _ = ledger.reserve(fb, victims, fb)
                 victims = []
                 if not ok:
                     failed[key] = "full"
                     continue
                 try:
                     if not files.write(key, slot):
-                        self._ledger_seen = ledger.release(fb)  # another process published it
+                        ledger.release(fb)  # another process published it
                     nbytes += self.layout.block_bytes
                 except BaseException:
-                    self._ledger_seen = ledger.release(fb)
+                    ledger.release(fb)
                     raise
             except OSError as exc:
                 failed[key] = "full" if is_no_space(exc) else "io"
@@ -461,7 +460,7 @@ class DiskTier(SecondaryTier):
                 failed[key] = exc.cause
                 logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
                 with contextlib.suppress(OSError):
-                    self._ledger_seen = self._ledger.remove(files.path_of(key), self.file_bytes)
+                    self._ledger.remove(files.path_of(key), self.file_bytes)
             except OSError as exc:
                 failed[key] = "io"
                 logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)

@@ -23,6 +23,7 @@ import itertools
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,6 +50,9 @@ _U64 = struct.Struct("<Q")
 #: Temporary files older than this (seconds) at a scan are leftovers of a killed writer.
 STALE_TMP_SECONDS = 60.0
 _DISK_BLOCK = 4096
+#: Numbers temporary files, unique within the process (``next`` is atomic): with the pid in the
+#: name, no two writers (threads or tiers) ever share a temporary file.
+_TMP_IDS = itertools.count()
 #: The fault hook: called as ``hook(op, key)`` before each block's I/O (``op`` is ``"write"`` or
 #: ``"read"``); raising ``OSError`` makes that block's I/O fail exactly as the OS would.
 FaultHook = Callable[[str, OffloadKey], None]
@@ -79,7 +83,11 @@ class SpaceLedger:
 
     def __init__(self, path: Path, capacity: int) -> None:
         self.capacity = capacity
+        #: The count after the latest change made through this ledger.
+        self.last_seen = 0
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # flock excludes other processes only: threads sharing the descriptor need this too.
+        self._thread_lock = threading.Lock()
         self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
 
     def claim_alone(self) -> bool:
@@ -95,7 +103,7 @@ class SpaceLedger:
         fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
     def _locked(self) -> _LedgerLock:
-        return _LedgerLock(self._fd)
+        return _LedgerLock(self._fd, self._thread_lock)
 
     def read(self) -> int:
         with self._locked():
@@ -107,6 +115,7 @@ class SpaceLedger:
 
     def _set(self, value: int) -> None:
         os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+        self.last_seen = max(0, value)
 
     def reserve(self, nbytes: int, victims: list[Path], victim_bytes: int) -> tuple[bool, int]:
         """Unlink ``victims`` (each ``victim_bytes``), then take ``nbytes`` if they fit.
@@ -162,16 +171,27 @@ class SpaceLedger:
 
 
 class _LedgerLock:
-    __slots__ = ("_fd",)
+    """This process's threads (a mutex), then other processes (``flock``)."""
 
-    def __init__(self, fd: int) -> None:
+    __slots__ = ("_fd", "_lock")
+
+    def __init__(self, fd: int, lock: threading.Lock) -> None:
         self._fd = fd
+        self._lock = lock
 
     def __enter__(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
 
 class BlockFiles:
@@ -199,9 +219,8 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
-        self._tmp_ids = itertools.count()
         #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
-        self.fresh_temporaries = 0  # next() is atomic: unique names across I/O threads
+        self.fresh_temporaries = 0
 
     def path_of(self, key: OffloadKey) -> Path:
         name = key.hex()
@@ -229,7 +248,7 @@ class BlockFiles:
         payload = self._slot(slot)
         header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
         final = self.path_of(key)
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(_TMP_IDS)}.tmp")
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
