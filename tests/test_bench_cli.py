@@ -150,6 +150,34 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert list(disk.iterdir()) == []
 
 
+def test_a_warm_disk_directory_serves_the_next_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs without --compare on one disk directory: the second promotes what the first
+    wrote. One request at a time, so the second run's first request looks up its prefix alone,
+    finds it on disk only, and its promotion finds the host's slots free or evictable (the
+    warm-up was drained): promotions whatever the timing of the copy and I/O threads."""
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    disk = tmp_path / "disk"
+    flags = [*COMMON, *args, "--max-num-seqs", "1", "--kv-offloading-size",
+             str(12 * 2048 / 2**30), "--kv-disk-path", str(disk), "--kv-disk-size", "0.01"]  # fmt: skip
+    results = []
+    for run in ("first", "second"):
+        out_json = tmp_path / f"{run}.json"
+        assert main([*flags, "--output-json", str(out_json)]) == 0
+        (result,) = json.loads(out_json.read_text())["results"]
+        assert result["label"] == "offloading + disk"
+        results.append(result["stats"])
+    stdout, _ = capsys.readouterr()
+    assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 2
+    first, second = results
+    assert first["offload_tier_disk_stored_blocks"] > 0
+    assert second["offload_tier_promoted_blocks"] > 0
+    assert second["offload_tier_disk_loaded_blocks"] == second["offload_tier_promoted_blocks"]
+    assert second["offload_tier_disk_failed_load_blocks"] == 0
+    assert any(disk.rglob("*.kvb"))  # without --compare the directory is kept
+
+
 def test_with_kv_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Events published over ZMQ during the benchmark (no subscriber) change nothing it reports."""
     args, _ = _dataset_args("prefix_repetition", tmp_path)

@@ -343,7 +343,14 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _submit_promotion(self, tier: int, ctx: ReqContext, keys: list[OffloadKey]) -> None:
         state = self._state(ctx)
-        scan = state.scan if state.scan_step == self._step - 1 else []
+        # The scan's hits still held (a device store this step may have evicted some; those are
+        # looked up again, and must not take room here).
+        held = self.host.policy.get
+        scan = (
+            [k for k in state.scan if held(k) is not None]
+            if state.scan_step == self._step - 1
+            else []
+        )
         promoting = self._promoting
         # As many of the keys (a prefix: the rest is of no use without it) as the host has room
         # for; halving costs O(log n) refusals, each O(1) when nothing is evictable.
@@ -364,18 +371,11 @@ class TieringOffloadingManager(OffloadingManager):
                 return
         if out.evicted_keys:
             self._host_evicted(out.evicted_keys)
+        # Every scan key is held, so only promotion keys are stored (those a device store did not
+        # bring in meanwhile and the policy admitted).
+        promoted = out.keys_to_store
+        slots = out.store_spec.block_ids  # type: ignore[attr-defined]
         wanted = set(keys)
-        slots: list[int] = []
-        promoted: list[OffloadKey] = []
-        stray: list[OffloadKey] = []
-        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):  # type: ignore[attr-defined]
-            if key in wanted:
-                promoted.append(key)
-                slots.append(slot)
-            else:
-                stray.append(key)  # a scan hit evicted meanwhile: give its slot back
-        if stray:
-            self.host.complete_store(stray, ctx, False)
         declined = wanted.difference(promoted)
         if declined:
             host_lookup = self.host.lookup
