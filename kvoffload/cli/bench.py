@@ -225,6 +225,12 @@ def add_parser(subparsers: Any) -> None:
         help="the disk tier's eviction policy (default: --eviction-policy)",
     )
     p.add_argument(
+        "--kv-lookup-retry-seconds",
+        type=real_in(0),
+        default=2.0,
+        help="how long a request waits for its blocks' promotion from a secondary tier",
+    )
+    p.add_argument(
         "--kv-tier-cascade",
         default="write_through",
         choices=("write_through", "on_evict"),
@@ -403,6 +409,7 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "log_stats_interval": args.log_stats_interval,
+        "kv_lookup_retry_seconds": args.kv_lookup_retry_seconds,
     }
     if args.kv_cache_memory is not None:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory

@@ -84,7 +84,9 @@ class EngineConfig:
     to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
     tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
     (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
-    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks. ``metrics_port`` serves
+    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks. A request whose blocks
+    are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_seconds``
+    (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
     Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
     the engine is open; ``log_stats_interval`` > 0 logs a stats line every that many seconds.
     """
@@ -110,6 +112,7 @@ class EngineConfig:
     kv_disk_eviction_policy: str | None = None
     kv_disk_o_direct: bool = False
     kv_tier_cascade: str = "write_through"
+    kv_lookup_retry_seconds: float = 2.0
     kv_remote_url: str | None = None
     kv_remote_optional: bool = False
     kv_remote_ttl: float | None = None
@@ -165,6 +168,7 @@ class EngineConfig:
                 "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
             )
         check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
+        check_real("kv_lookup_retry_seconds", self.kv_lookup_retry_seconds, 0, unit="seconds")
         check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
         check_str("hash_seed", self.hash_seed, allow_empty=True)
         if self.metrics_port is not None:
@@ -356,7 +360,10 @@ class Engine:
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(manager, config.store_threshold)
         sched_config = SchedulerOffloadConfig.single_group(
-            config.block_size, config.block_size_factor, store_policy=config.store_policy
+            config.block_size,
+            config.block_size_factor,
+            store_policy=config.store_policy,
+            max_lookup_retry_seconds=config.kv_lookup_retry_seconds,
         )
         describer = (
             OffloadEventDescriber(config.events.int_block_hashes) if self._events_on else None

@@ -123,6 +123,7 @@ class SchedulerOffloadConfig:
         block_size_factor: int = 1,
         num_workers: int = 1,
         store_policy: str = "on_compute",
+        max_lookup_retry_seconds: float = 2.0,
     ) -> SchedulerOffloadConfig:
         """One full-attention group, hashed at the engine block size (the reference engine's case)."""
         return cls(
@@ -130,6 +131,7 @@ class SchedulerOffloadConfig:
             engine_block_size,
             num_workers,
             store_policy,
+            max_lookup_retry_seconds,
         )
 
 
