@@ -14,7 +14,10 @@ from engine_cases import one_thread  # noqa: F401 - autouse fixture
 
 from kvoffload.cli.main import main
 
-CONVERSATION_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+#: The shared Mooncake trace, ``../shared/traces/`` from the repository root (where CI lays it).
+CONVERSATION_TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+)
 
 COMMON = [
     "bench", "throughput", "--model", "tiny", "--block-size", "4", "--max-num-seqs", "4",
