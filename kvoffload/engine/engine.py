@@ -697,8 +697,14 @@ class Engine:
             return self.stats(), self.tier_stats()
 
     def close(self) -> None:
-        """Stop the metrics server, the tiers, the transfer threads (freeing the host pool) and
-        the event publisher. Idempotent."""
+        """Finish the stores of finished requests when no request is live (so their blocks reach
+        every tier, the disk too, for the next engine), then stop the metrics server, the tiers,
+        the transfer threads (freeing the host pool) and the event publisher. Idempotent."""
+        if self._finalizer.alive and self.connector is not None and not self._requests:
+            try:
+                self.drain()
+            except TimeoutError as exc:
+                logger.warning("closing with transfers still in flight: %s", exc)
         self._finalizer()
 
     def __enter__(self) -> Engine:
