@@ -28,7 +28,7 @@ from engine_cases import (
 from tier_cases import dir_bytes, small_tmpfs
 
 from kvoffload.base import LookupResult, ReqContext
-from kvoffload.engine import Engine, EngineConfig, RequestOutput
+from kvoffload.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.events.index import BlockIndex
 from kvoffload.events.messages import BlockStored, KVEventBatch
@@ -75,7 +75,11 @@ def block_files(path: Path) -> list[Path]:
     return sorted(path.rglob("*.kvb"))
 
 
-def one_at_a_time(engine: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
+def one_at_a_time(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams | list[SamplingParams] = SAMPLING,
+) -> list[RequestOutput]:
     """Each prompt alone, the engine's transfers and the tiers' jobs drained after it.
 
     Run together, a round's requests race for the host's slots: a promotion reserves its slots
@@ -85,8 +89,9 @@ def one_at_a_time(engine: Engine, prompts: list[list[int]]) -> list[RequestOutpu
     and the host refuses stores meanwhile). Alone, a request's lookup meets a drained host whose
     slots are free or evictable: every prefix is cascaded, and every disk hit is promoted."""
     outputs = []
-    for prompt in prompts:
-        outputs.extend(engine.generate([prompt], SAMPLING))
+    params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    for prompt, param in zip(prompts, params, strict=True):
+        outputs.extend(engine.generate([prompt], param))
         engine.drain()
     return outputs
 
@@ -285,7 +290,7 @@ def test_writer_killed_mid_stores_leaves_no_partial_block(tmp_path: Path) -> Non
     ) as engine:
         assert block_files(tmp_path / "tier")
         assert _count_bad_files(tmp_path / "tier", engine) == 0  # no partial block, ever
-        outputs = engine.generate(prompts, params)
+        outputs = one_at_a_time(engine, prompts, params)  # each disk hit is promoted
         stats = engine.stats()
     assert_same_outputs(outputs, want)
     assert stats["offload_tier_disk_failed_load_blocks"] == 0
