@@ -28,7 +28,7 @@ from engine_cases import (
 from tier_cases import dir_bytes, small_tmpfs
 
 from kvoffload.base import LookupResult, ReqContext
-from kvoffload.engine import Engine, EngineConfig
+from kvoffload.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.events.index import BlockIndex
 from kvoffload.events.messages import BlockStored, KVEventBatch
@@ -75,12 +75,34 @@ def block_files(path: Path) -> list[Path]:
     return sorted(path.rglob("*.kvb"))
 
 
+def one_at_a_time(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams | list[SamplingParams] = SAMPLING,
+) -> list[RequestOutput]:
+    """Each prompt alone, the engine's transfers and the tiers' jobs drained after it.
+
+    Run together, a round's requests race for the host's slots: a promotion reserves its slots
+    at ``step_end``, after the device stores planned in the same step (by requests that found
+    nothing to load), and refused, its request recomputes. Which prefixes reach the disk at all
+    depends on when the cascades' disk writes report (a cascade pins its host slots until then,
+    and the host refuses stores meanwhile). Alone, a request's lookup meets a drained host whose
+    slots are free or evictable: every prefix is cascaded, and every disk hit is promoted."""
+    outputs = []
+    params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    for prompt, param in zip(prompts, params, strict=True):
+        outputs.extend(engine.generate([prompt], param))
+        engine.drain()
+    return outputs
+
+
 def test_prefixes_beyond_the_host_tier_come_back_from_disk(tmp_path: Path, reference) -> None:
     with disk_engine(tmp_path) as engine:
-        outputs = [o for r in run_rounds(engine, ROUNDS, SAMPLING) for o in r]
+        outputs = [o for r in ROUNDS for o in one_at_a_time(engine, r)]
         stats = engine.stats()
     assert_same_outputs(outputs, reference)
     assert stats["offload_tier_promoted_blocks"] > 0
+    assert stats["offload_tier_refused_promotion_blocks"] == 0  # alone, a request finds room
     assert stats["offload_retries"] > 0  # requests waited for their promotions
     assert stats["offload_tier_disk_loaded_blocks"] == stats["offload_tier_promoted_blocks"]
     assert stats["offload_tier_disk_failed_load_blocks"] == 0
@@ -99,10 +121,10 @@ def test_cascade_modes_give_identical_outputs(tmp_path: Path, reference, cascade
 
 def test_warm_restart_serves_hits_on_the_first_requests(tmp_path: Path, reference) -> None:
     with disk_engine(tmp_path) as engine:
-        run_rounds(engine, ROUNDS[:1], SAMPLING)
+        one_at_a_time(engine, ROUNDS[0])
     with disk_engine(tmp_path) as engine:
         assert engine.stats()["offload_tier_disk_scanned_blocks"] > 0
-        outputs = run_rounds(engine, ROUNDS[1:2], SAMPLING)[0]
+        outputs = one_at_a_time(engine, ROUNDS[1])
     assert_same_outputs(outputs, reference[8:16])
     assert outputs[0].cached_tokens_offload > 0
 
@@ -123,13 +145,13 @@ def test_damaged_files_are_recomputed_and_counted(
     tmp_path: Path, reference, damage, cause: str
 ) -> None:
     with disk_engine(tmp_path) as engine:
-        run_rounds(engine, ROUNDS[:1], SAMPLING)
+        one_at_a_time(engine, ROUNDS[0])  # every prefix reaches the disk
     files = block_files(tmp_path)
-    assert files
+    assert len(files) >= len(ROUNDS[0]) * 6
     for path in files:
         damage(path)
     with disk_engine(tmp_path) as engine:
-        outputs = run_rounds(engine, ROUNDS[1:2], SAMPLING)[0]
+        outputs = one_at_a_time(engine, ROUNDS[1])  # every prefix is promoted: its files read
         stats = engine.stats()
         # Bad files that were asked for were dropped (and rewritten from the recomputed KV).
         assert _count_bad_files(tmp_path, engine) < len(files)
@@ -141,7 +163,7 @@ def test_damaged_files_are_recomputed_and_counted(
 def test_another_models_blocks_are_never_served(tmp_path: Path, reference) -> None:
     """Blocks of the same tokens from a model with other weights, planted under our names."""
     with disk_engine(tmp_path, seed=1) as other:  # other random weights: another fingerprint
-        run_rounds(other, ROUNDS[:1], SAMPLING)
+        one_at_a_time(other, ROUNDS[0])
         other_ns = other.tiering.tiers[0].namespace  # type: ignore[union-attr]
     with disk_engine(tmp_path) as engine:
         mine = engine.tiering.tiers[0].namespace  # type: ignore[union-attr]
@@ -151,7 +173,7 @@ def test_another_models_blocks_are_never_served(tmp_path: Path, reference) -> No
         target.parent.mkdir(parents=True, exist_ok=True)
         os.link(path, target)
     with disk_engine(tmp_path) as engine:
-        outputs = run_rounds(engine, ROUNDS[1:2], SAMPLING)[0]
+        outputs = one_at_a_time(engine, ROUNDS[1])
         stats = engine.stats()
     assert_same_outputs(outputs, reference[8:16])
     assert stats["offload_tier_disk_failed_load_layout"] > 0
@@ -188,7 +210,7 @@ def test_full_filesystem_keeps_serving(tmp_path: Path, reference) -> None:
 
 def test_per_request_tier_selection(tmp_path: Path, reference) -> None:
     with disk_engine(tmp_path) as engine:
-        run_rounds(engine, ROUNDS[:1], SAMPLING)
+        one_at_a_time(engine, ROUNDS[0])
     with disk_engine(tmp_path) as engine:
         ids = [
             engine.add_request(p, SAMPLING, kv_transfer_params={"kv_load_tiers": []})
@@ -268,7 +290,7 @@ def test_writer_killed_mid_stores_leaves_no_partial_block(tmp_path: Path) -> Non
     ) as engine:
         assert block_files(tmp_path / "tier")
         assert _count_bad_files(tmp_path / "tier", engine) == 0  # no partial block, ever
-        outputs = engine.generate(prompts, params)
+        outputs = one_at_a_time(engine, prompts, params)  # each disk hit is promoted
         stats = engine.stats()
     assert_same_outputs(outputs, want)
     assert stats["offload_tier_disk_failed_load_blocks"] == 0
@@ -396,9 +418,9 @@ def test_disk_hits_are_counted_by_source_in_stats_and_metrics(tmp_path: Path, re
     from kvoffload.metrics.stats import tokens_by_source
 
     with disk_engine(tmp_path) as engine:
-        run_rounds(engine, ROUNDS[:1], SAMPLING)
+        one_at_a_time(engine, ROUNDS[0])
     with disk_engine(tmp_path) as engine:
-        outputs = run_rounds(engine, ROUNDS[1:2], SAMPLING)[0]
+        outputs = one_at_a_time(engine, ROUNDS[1])
         stats, tiers = engine.snapshot()
         text = generate_latest(engine.metrics.registry).decode()
     assert_same_outputs(outputs, reference[8:16])
