@@ -4,6 +4,7 @@ processes on one directory), and bad settings are clear errors."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -297,6 +298,21 @@ def test_writer_killed_mid_stores_leaves_no_partial_block(tmp_path: Path) -> Non
     assert stats["offload_tier_promoted_blocks"] > 0
 
 
+def _snapshot_bytes(root: Path) -> int:
+    """:func:`dir_bytes` taken while holding the tier's ledger lock: every unlink and every
+    reservation happens under it, so no process frees or claims room during the walk and the
+    walk is a snapshot (a walk without it can count a file evicted after it was seen and one
+    written before it is reached, both)."""
+    fds = [os.open(p, os.O_RDWR) for p in sorted(root.glob("kvoffload-v1/*/ledger"))]
+    try:
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        return dir_bytes(root)
+    finally:
+        for fd in fds:
+            os.close(fd)  # releases the lock
+
+
 def test_two_engine_processes_share_one_directory(tmp_path: Path) -> None:
     bound_blocks = 40
     size = disk_gib(bound_blocks)
@@ -307,7 +323,7 @@ def test_two_engine_processes_share_one_directory(tmp_path: Path) -> None:
 
     def watch() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], dir_bytes(path))
+            peak[0] = max(peak[0], _snapshot_bytes(path))
             stop.wait(0.002)
 
     watcher = threading.Thread(target=watch)
