@@ -448,8 +448,9 @@ def test_disk_hits_are_counted_by_source_in_stats_and_metrics(tmp_path: Path, re
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    assert samples[("kvoffload_tokens_by_source_total", (("source", "disk"),))] == (
-        stats["offload_hit_tokens_disk"]
+    assert (
+        samples[("kvoffload_tokens_by_source_total", (("source", "disk"),))]
+        == (stats["offload_hit_tokens_disk"])
     )
     disk_series = [k for k in samples if ("tier", "disk") in k[1]]
     assert disk_series, "no tier=disk series"

@@ -90,7 +90,10 @@ def add_parser(subparsers: Any) -> None:
         help="trace: send each request at its trace timestamp x --timestamp-scale (default: all at once)",
     )
     p.add_argument(
-        "--timestamp-scale", type=real_in(0, positive=True), default=1.0, help="factor on trace arrival times"
+        "--timestamp-scale",
+        type=real_in(0, positive=True),
+        default=1.0,
+        help="factor on trace arrival times",
     )
     p.add_argument(
         "--input-len",
@@ -157,7 +160,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--multi-turn-system-len", type=int_in(0), default=512, help="shared system prompt tokens"
     )
-    p.add_argument("--multi-turn-turn-len", type=int_in(1), default=256, help="tokens added per turn")
+    p.add_argument(
+        "--multi-turn-turn-len", type=int_in(1), default=256, help="tokens added per turn"
+    )
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(
         "--num-device-blocks",
@@ -254,7 +259,10 @@ def add_parser(subparsers: Any) -> None:
         help="run without the remote tier when its server is down at start",
     )
     p.add_argument(
-        "--kv-remote-ttl", type=real_in(0, positive=True), default=None, help="seconds until the server expires a block"
+        "--kv-remote-ttl",
+        type=real_in(0, positive=True),
+        default=None,
+        help="seconds until the server expires a block",
     )
     p.add_argument(
         "--kv-events-config",
@@ -609,7 +617,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
         if args.output_json:
             payload = {
-                "args": {k: v for k, v in vars(args).items() if k not in ("func", "check", "parser")},
+                "args": {
+                    k: v for k, v in vars(args).items() if k not in ("func", "check", "parser")
+                },
                 "workload": _workload_lines(args, requests, runs),
                 "results": [s.to_dict() for s in summaries],
                 "throughput_ratios": [
