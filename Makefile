@@ -59,7 +59,7 @@ $(VLLM_STAMP): $(STAMP) $(VLLM_REQS)
 
 test-vllm: $(STAMP)
 	$(MAKE) vllm-setup || echo "!!! vLLM could not be installed: the vLLM plug-in tests will SKIP"
-	$(PY) -m pytest -q $(VLLM_TESTS)
+	$(PY) -m pytest -q $(VLLM_TESTS) || [ $$? -eq 5 ]  # 5: all skipped, loudly (no vLLM)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvoffload bench throughput --compare --repeats 2 $(BENCH_ARGS)
