@@ -454,3 +454,6 @@ def test_disk_hits_are_counted_by_source_in_stats_and_metrics(tmp_path: Path, re
     )
     disk_series = [k for k in samples if ("tier", "disk") in k[1]]
     assert disk_series, "no tier=disk series"
+    promotions = stats["offload_tier_promotion_jobs"]
+    assert promotions > 0
+    assert samples[("kvoffload_tier_promotion_seconds_count", ())] == promotions

@@ -305,3 +305,34 @@ def test_tokens_by_source_add_up(
     missed = queries - device
     if missed:
         assert rates["external"] == pytest.approx(external_hits(sources) / missed)
+
+
+def test_async_tier_lookups_and_promotions_are_summaries() -> None:
+    """Round trips of an asynchronous tier's lookups (per tier) and promotions are exported as
+    Prometheus summaries whose count and sum are the tiers' own counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvoffload.metrics.prometheus import _StatsCollector
+
+    stats = {
+        "offload_load_jobs": 1,
+        "offload_tier_promotion_jobs": 4,
+        "offload_tier_promotion_us": 2_500_000,
+    }
+    tiers = {
+        "host": {"capacity_blocks": 8},
+        "remote": {"lookup_round_trips": 3, "lookup_round_trip_us": 1_500_000},
+    }
+    registry = CollectorRegistry()
+    registry.register(_StatsCollector(lambda: (stats, tiers), 1024))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    remote = (("tier", "remote"),)
+    assert samples[("kvoffload_tier_lookup_round_trip_seconds_count", remote)] == 3
+    assert samples[("kvoffload_tier_lookup_round_trip_seconds_sum", remote)] == 1.5
+    assert ("kvoffload_tier_lookup_round_trip_seconds_count", (("tier", "host"),)) not in samples
+    assert samples[("kvoffload_tier_promotion_seconds_count", ())] == 4
+    assert samples[("kvoffload_tier_promotion_seconds_sum", ())] == 2.5

@@ -33,6 +33,7 @@ locality), in that order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -93,13 +94,14 @@ class _RequestTiers:
 
 
 class _BackgroundJob:
-    __slots__ = ("ctx", "keys", "promotion", "tier")
+    __slots__ = ("ctx", "keys", "promotion", "submitted", "tier")
 
     def __init__(self, tier: int, keys: list[OffloadKey], ctx: ReqContext | None, promotion: bool):
         self.tier = tier
         self.keys = keys
         self.ctx = ctx
         self.promotion = promotion
+        self.submitted = time.perf_counter()
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -107,7 +109,8 @@ class TieringOffloadingManager(OffloadingManager):
 
     Counters (:meth:`stats`): the host's, unprefixed; per tier ``<name>_<counter>``; and
     ``promoted_blocks``, ``failed_promotion_blocks``, ``refused_promotion_blocks`` (no host room),
-    ``cascaded_blocks``, ``failed_cascade_blocks``, ``cascade_lost_blocks``, ``retry_answers``.
+    ``cascaded_blocks``, ``failed_cascade_blocks``, ``cascade_lost_blocks``, ``retry_answers``,
+    ``promotion_jobs`` and ``promotion_us`` (microseconds from submission to the result, summed).
     """
 
     medium = "CPU"
@@ -154,6 +157,8 @@ class TieringOffloadingManager(OffloadingManager):
                 "failed_cascade_blocks",
                 "cascade_lost_blocks",
                 "retry_answers",
+                "promotion_jobs",
+                "promotion_us",
             ),
             0,
         )
@@ -319,6 +324,8 @@ class TieringOffloadingManager(OffloadingManager):
                         host.complete_store(bad, ctx, False)
                         self._state(ctx).failed.update(bad)
                     counters["promoted_blocks"] += len(ok)
+                    counters["promotion_jobs"] += 1
+                    counters["promotion_us"] += int((time.perf_counter() - job.submitted) * 1e6)
                     counters["failed_promotion_blocks"] += len(job.keys) - len(ok)
                 else:
                     host.complete_load(job.keys, _NO_REQUEST)

@@ -12,7 +12,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from kvoffload.metrics.stats import external_hits, tokens_by_source
@@ -171,6 +176,14 @@ class _StatsCollector(Collector):
             for tier in tiers or ("host",):
                 recomputed.add_metric([tier], stats.get(f"{_FAILED_LOAD_TOKENS}{tier}", 0))
             yield recomputed
+            if "offload_tier_promotion_jobs" in stats:
+                yield SummaryMetricFamily(
+                    "kvoffload_tier_promotion_seconds",
+                    "Promotions from a secondary tier into the host tier: time from submission "
+                    "to the tier's result (vLLM: kv_offload_tiering_promotion_latency_seconds).",
+                    count_value=stats["offload_tier_promotion_jobs"],
+                    sum_value=stats.get("offload_tier_promotion_us", 0) / 1e6,
+                )
         yield from self._tier_metrics(tiers)
 
     def _tier_metrics(self, tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:
@@ -234,6 +247,19 @@ class _StatsCollector(Collector):
         yield from counters.values()
         yield from byte_counters.values()
         yield causes
+        lookups = SummaryMetricFamily(
+            "kvoffload_tier_lookup_round_trip_seconds",
+            "Batched lookups of an asynchronous tier: one network round trip each, off the "
+            "engine thread (the engine never waits on it).",
+            labels=label,
+        )
+        for tier, s in tiers.items():
+            if "lookup_round_trips" in s:
+                lookups.add_metric(
+                    [tier], s["lookup_round_trips"], s.get("lookup_round_trip_us", 0) / 1e6
+                )
+        if lookups.samples:
+            yield lookups
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -333,6 +333,7 @@ class RedisTier(SecondaryTier):
             "dropped_store_blocks": 0,
             "lookups_sent": 0,
             "lookup_round_trips": 0,
+            "lookup_round_trip_us": 0,
             "connection_errors": 0,
             "reconnects": 0,
             "connected": int(time.monotonic() >= self._down_until),
@@ -651,8 +652,10 @@ class RedisTier(SecondaryTier):
             return None
         rkeys = [self._prefix + key for key in keys]
         self._count("lookups_sent", len(keys))
-        self._count("lookup_round_trips")
+        start = time.perf_counter()
         results = self._round_trip(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
+        self._count("lookup_round_trip_us", int((time.perf_counter() - start) * 1e6))
+        self._count("lookup_round_trips")
         return [not isinstance(r, BaseException) and r > 0 for r in results]
 
     def _read_server_figures(self, client: Any) -> dict[str, int]:
