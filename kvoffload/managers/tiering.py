@@ -7,10 +7,8 @@ exchange blocks with host slots only. Behind the unchanged :class:`OffloadingMan
 * **Lookup** answers the host first; a host miss asks the secondary tiers in order. A secondary
   hit is *promoted*: host slots are reserved (host ``prepare_store``) and the tier loads into them
   (``submit_load``); until it lands the answer is ``RETRY`` (the scheduler asks again next step),
-  then ``HIT`` from the host. A failed promotion (or one the host's policy does not admit)
-  answers ``MISS`` to that request from then on: it recomputes. One refused for lack of host room
-  (slots pending or pinned) is asked for again by the request's next lookup, within its retry
-  budget.
+  then ``HIT`` from the host. A failed or refused promotion answers ``MISS`` to that request from
+  then on: it recomputes.
 * **Stores** go to the host. When a host store completes, its blocks *cascade* to the secondary
   tiers (``cascade="write_through"``), or, with ``cascade="on_evict"``, only when the host runs
   short of free slots (oldest-stored first; a block the host evicts before its turn is lost to
@@ -371,10 +369,9 @@ class TieringOffloadingManager(OffloadingManager):
         if out is None:
             n = 0
         if n < len(keys):
-            # No host room right now (slots pending or pinned): not a failure. The request's
-            # next lookup asks again, within its retry budget, once stores and loads free room.
             for key in keys[n:]:
                 promoting.pop(key, None)
+            state.failed.update(keys[n:])
             self._counters["refused_promotion_blocks"] += len(keys) - n
             keys = keys[:n]
             if out is None:
