@@ -108,13 +108,8 @@ class AdaptivePolicy(S3FIFOPolicy):
         stored: Sequence[Sequence[OffloadKey]],
         ctx: ReqContext,
     ) -> None:
-        small, main = self._small, self._main
-        for keys in reversed(stored):
-            for key in reversed(keys):
-                if key in small:
-                    small.move_to_end(key)
-                elif main.get(key) == 0:
-                    main.move_to_end(key)
+        super().request_finished(touched, stored, ctx)  # stored chains: tail first
+        main = self._main
         for keys in reversed(touched):  # then the chains it used: main's recency, head last
             for key in reversed(keys):
                 if key in main:
