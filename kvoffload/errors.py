@@ -36,6 +36,11 @@ class ConfigError(KVOffloadError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # Rebuilt from both arguments, so that it crosses process boundaries (pickle).
+        return type(self), (self.field, self.message)
 
 
 class ContractError(KVOffloadError, RuntimeError):

@@ -1,6 +1,7 @@
-"""Real ``redis-server`` processes for tests and benchmarks: one standalone server, or a Cluster
-of masters with one replica each, on free loopback ports, stopped (and their files removed) on
-:meth:`close`.
+"""Real ``redis-server`` processes for tests and benchmarks: one standalone server
+(:mod:`kvoffload.benchmark.redis_server`, which ``bench throughput --instances 2`` uses too), or a
+Cluster of masters with one replica each, on free loopback ports, stopped (and their files
+removed) on :meth:`close`.
 
 Nothing here is a fake: the processes are Debian's ``redis-server`` (``make setup`` installs it as
 root). When the binaries are missing, :func:`require_redis_binaries` raises
@@ -14,148 +15,37 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-INSTALL_HINT = (
-    "redis-server and redis-cli are needed by the remote-tier tests. Install them with "
-    "`make setup` as root (it runs `apt-get install -y redis-server` on Debian/Ubuntu), or "
-    "`sudo apt-get install -y redis-server`; without root, build Redis from source "
-    "(`make` in a Redis release tarball) and put its src/ directory on PATH."
+from kvoffload.benchmark.redis_server import (
+    INSTALL_HINT,
+    RedisServer,
+    RedisUnavailableError,
+    free_port,
+    require_redis_binaries,
+    standalone_server,
+    wait_until,
 )
 
-#: Seconds a server may take to accept connections, and a cluster to agree on its state.
-START_TIMEOUT_S = 20.0
+__all__ = [
+    "INSTALL_HINT",
+    "RedisClusterServers",
+    "RedisServer",
+    "RedisUnavailableError",
+    "cluster_servers",
+    "free_port",
+    "require_redis_binaries",
+    "standalone_server",
+]
+
+#: Seconds a cluster may take to agree on its state.
 CLUSTER_TIMEOUT_S = 30.0
-
-
-class RedisUnavailableError(RuntimeError):
-    """``redis-server`` or ``redis-cli`` is not installed."""
-
-
-def require_redis_binaries() -> tuple[str, str]:
-    """Paths of ``redis-server`` and ``redis-cli``; :class:`RedisUnavailableError` if missing."""
-    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
-    if server is None or cli is None:
-        raise RedisUnavailableError(INSTALL_HINT)
-    return server, cli
-
-
-def free_port(bus_offset: int | None = None) -> int:
-    """A loopback port nobody listens on (and, with ``bus_offset``, port + offset free too)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if bus_offset is None:
-            return port
-        if port + bus_offset < 65536:
-            with socket.socket() as s, contextlib.suppress(OSError):
-                s.bind(("127.0.0.1", port + bus_offset))
-                return port
-    raise RuntimeError("no free loopback port found")
-
-
-def _wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
-@dataclass
-class RedisServer:
-    """One ``redis-server`` process on ``127.0.0.1:port``."""
-
-    port: int
-    workdir: Path
-    password: str | None = None
-    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    extra_args: tuple[str, ...] = ()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        """``redis://`` URL of this server (with the password, if any)."""
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def client(self, **kwargs: object) -> redis.Redis:
-        """A plain redis-py client of this server (for checks and test setup)."""
-        return redis.Redis(
-            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **kwargs
-        )
-
-    def start(self) -> None:
-        server, _ = require_redis_binaries()
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [
-            server,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self.workdir),
-            "--logfile", "redis.log",
-            "--enable-debug-command", "local",
-            *self.extra_args,
-        ]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        try:
-            _wait_until(self._answers, START_TIMEOUT_S, f"redis-server on port {self.port}")
-        except TimeoutError as exc:
-            self.stop()
-            raise TimeoutError(f"{exc}; log:\n{self.log_tail()}") from None
-
-    def _answers(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(
-                f"redis-server exited with {self.proc.returncode}:\n{self.log_tail()}"
-            )
-        try:
-            with self.client() as c:
-                return bool(c.ping())
-        except redis.RedisError:
-            return False
-
-    def log_tail(self, lines: int = 20) -> str:
-        log = self.workdir / "redis.log"
-        return (
-            "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
-        )
-
-    def kill(self) -> None:
-        """SIGKILL the process (a crash, as far as clients and the cluster can tell)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc = None
 
 
 @dataclass
@@ -198,25 +88,11 @@ class RedisClusterServers:
                 return False
             return len(self.masters()) == num_masters
 
-        _wait_until(healthy, timeout_s, "the cluster to report cluster_state:ok", 0.1)
+        wait_until(healthy, timeout_s, "the cluster to report cluster_state:ok", 0.1)
 
     def close(self) -> None:
         for node in self.nodes:
             node.stop()
-
-
-@contextlib.contextmanager
-def standalone_server(
-    *, password: str | None = None, extra_args: tuple[str, ...] = ()
-) -> Iterator[RedisServer]:
-    """A running standalone server, stopped and removed on exit."""
-    with tempfile.TemporaryDirectory(prefix="kvo-redis-") as tmp:
-        server = RedisServer(free_port(), Path(tmp), password=password, extra_args=extra_args)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
 
 
 @contextlib.contextmanager
@@ -252,7 +128,7 @@ def cluster_servers(masters: int = 3, node_timeout_ms: int = 1000) -> Iterator[R
                 check=True, capture_output=True, timeout=CLUSTER_TIMEOUT_S, env=_cli_env(),
             )  # fmt: skip
             cluster.wait_healthy(masters)
-            _wait_until(
+            wait_until(
                 lambda: _replicas_in_sync(nodes, masters),
                 CLUSTER_TIMEOUT_S,
                 "replicas to sync",

@@ -36,7 +36,7 @@ class BenchRequest:
 
 
 class _Tokens:
-    def __init__(self, vocab_size: int, eos_token_id: int, seed: int) -> None:
+    def __init__(self, vocab_size: int, eos_token_id: int, seed: int | str) -> None:
         self._rng = random.Random(seed)
         self._vocab = vocab_size
         self._eos = eos_token_id
@@ -49,6 +49,13 @@ class _Tokens:
             if t != self._eos:
                 out.append(t)
         return out
+
+
+def _variant(tokens: _Tokens, vocab_size: int, eos: int, seed: int, variant: int) -> _Tokens:
+    """The draws after a workload's shared part: ``tokens`` itself for variant 0 (the workload
+    as it always was), else a stream of their own."""
+    _non_negative("variant", variant)
+    return tokens if variant == 0 else _Tokens(vocab_size, eos, f"{seed}:variant:{variant}")
 
 
 def _positive(name: str, value: int) -> None:
@@ -68,11 +75,13 @@ def random_prompts(
     seed: int,
     prefix_len: int = 0,
     range_ratio: float = 0.0,
+    variant: int = 0,
 ) -> list[BenchRequest]:
     """Random prompts (as vLLM's ``random`` dataset): ``prefix_len`` tokens shared by every
     prompt, then ``input_len`` random tokens; with ``range_ratio`` r, each request's input and
     output lengths are drawn uniformly from ``[len * (1 - r), len * (1 + r)]``. Without a prefix:
-    no reuse at all (the offloading-overhead case)."""
+    no reuse at all (the offloading-overhead case). Another ``variant`` than 0 draws other
+    random parts after the same prefix (fresh requests on it; same lengths)."""
     _positive("num_prompts", num_prompts)
     _positive("random_input_len", input_len)
     _positive("output_len", output_len)
@@ -81,6 +90,7 @@ def random_prompts(
         raise ConfigError("random_range_ratio", f"must be in [0, 1), got {range_ratio}")
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     prefix = tokens.draw(prefix_len)
+    tokens = _variant(tokens, vocab_size, eos_token_id, seed, variant)
     rng = random.Random(seed + 1)
 
     def length(n: int) -> int:
@@ -101,9 +111,12 @@ def prefix_repetition(
     vocab_size: int,
     eos_token_id: int,
     seed: int,
+    variant: int = 0,
 ) -> list[BenchRequest]:
     """``num_prefixes`` shared prefixes, each followed by a random suffix; requests shuffled so
-    that consecutive requests rarely share a prefix (as vLLM's ``prefix_repetition``)."""
+    that consecutive requests rarely share a prefix (as vLLM's ``prefix_repetition``). Another
+    ``variant`` than 0 draws other suffixes after the same prefixes, in the same order (fresh
+    requests on them)."""
     _positive("num_prompts", num_prompts)
     _positive("prefix_repetition_prefix_len", prefix_len)
     _non_negative("prefix_repetition_suffix_len", suffix_len)
@@ -111,6 +124,7 @@ def prefix_repetition(
     _positive("output_len", output_len)
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     prefixes = [tokens.draw(prefix_len) for _ in range(num_prefixes)]
+    tokens = _variant(tokens, vocab_size, eos_token_id, seed, variant)
     out = [
         BenchRequest(prefixes[i % num_prefixes] + tokens.draw(suffix_len), output_len)
         for i in range(num_prompts)

@@ -282,6 +282,15 @@ def format_result(r: ThroughputResult) -> str:
             f"{int(s['offload_tier_disk_evicted_blocks'])} evictions, "
             f"{int(s['offload_retries'])} deferred lookups"
         )
+    if "offload_tier_remote_stored_blocks" in s:
+        lines.append(
+            f"Remote tier: {int(s['offload_tier_remote_stored_blocks'])} blocks stored, "
+            f"{int(s['offload_tier_remote_loaded_blocks'])} loaded "
+            f"({int(s['offload_tier_remote_failed_load_blocks'])} failed, "
+            f"{int(s['offload_tier_remote_vanished_blocks'])} vanished), "
+            f"{int(s['offload_tier_remote_dropped_store_blocks'])} stores dropped, "
+            f"{int(s['offload_tier_remote_lookups_sent'])} lookups sent"
+        )
     return "\n".join(lines)
 
 

@@ -20,6 +20,9 @@ __all__ = ["add_parser"]
 
 # The main job's workload (`make bench`): long shared prefixes that do not fit the device cache
 # but fit the host tier, requests shuffled so that the device cache alone keeps missing.
+#: ``kv_remote_url`` of --instances 2's runs while checking, before the server is started.
+_PLACEHOLDER_URL = "redis://127.0.0.1:6379/0"
+
 DEFAULTS: dict[str, Any] = {
     "model": "small",
     "num_prompts": 64,
@@ -48,7 +51,8 @@ def add_parser(subparsers: Any) -> None:
         help="offline throughput with and without KV offloading",
         description="Offline throughput of the reference engine. --compare runs the same workload without "
         "offloading, with offloading, and with an unlimited device cache, side by side; --repeats N "
-        "interleaves N runs of each and reports medians with their spread.",
+        "interleaves N runs of each and reports medians with their spread. --instances 2 measures "
+        "a second engine on the prefixes a first one stored in a shared Redis.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -265,6 +269,22 @@ def add_parser(subparsers: Any) -> None:
         help="seconds until the server expires a block",
     )
     p.add_argument(
+        "--kv-remote-lookup-wait",
+        type=real_in(0, positive=True),
+        default=0.25,
+        help="seconds a block's remote lookup may take before it counts as a miss for now",
+    )
+    p.add_argument(
+        "--instances",
+        type=int_in(1, 2),
+        default=1,
+        help="2: engine A, in a process of its own, serves the workload with the remote tier; "
+        "then engines B serve fresh requests on A's prefixes loading them from Redis, against B "
+        "recomputing them (interleaved over --repeats). A redis-server is started on a free "
+        "loopback port (and stopped) unless --kv-remote-url is given. prefix_repetition or "
+        "random (with --random-prefix-len) workloads",
+    )
+    p.add_argument(
         "--kv-events-config",
         default=None,
         help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq"}',
@@ -272,7 +292,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also run without offloading and with an unlimited device cache",
+        help="also run without offloading and with an unlimited device cache (--instances 2: "
+        "engine B also with a host tier only, and with an unlimited device cache)",
     )
     p.add_argument(
         "--repeats",
@@ -325,7 +346,11 @@ def _output_len(args: argparse.Namespace, specific: int | None, default: int) ->
     return default if args.output_len is None else args.output_len
 
 
-def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
+def _requests(
+    args: argparse.Namespace, vocab_size: int, eos: int, variant: int = 0
+) -> list[Any]:
+    """The workload's requests; another ``variant`` (prefix_repetition and random only): fresh
+    requests on the same shared prefixes."""
     from kvoffload.benchmark import datasets
 
     common = {"vocab_size": vocab_size, "eos_token_id": eos, "seed": args.seed}
@@ -340,6 +365,7 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
             _output_len(args, args.random_output_len, DEFAULTS["random_output_len"]),
             prefix_len=args.random_prefix_len,
             range_ratio=args.random_range_ratio,
+            variant=variant,
             **common,
         )
     if name == "prefix_repetition":
@@ -351,6 +377,7 @@ def _requests(args: argparse.Namespace, vocab_size: int, eos: int) -> list[Any]:
             _output_len(
                 args, args.prefix_repetition_output_len, DEFAULTS["prefix_repetition_output_len"]
             ),
+            variant=variant,
             **common,
         )
     if name == "multi_turn":
@@ -418,6 +445,7 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         "metrics_host": args.metrics_host,
         "log_stats_interval": args.log_stats_interval,
         "kv_lookup_retry_seconds": args.kv_lookup_retry_seconds,
+        "kv_remote_lookup_wait": args.kv_remote_lookup_wait,
     }
     if args.kv_cache_memory is not None:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
@@ -426,18 +454,27 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         engine_kwargs["num_device_blocks"] = (
             DEFAULTS["num_device_blocks"] if blocks is None else blocks
         )
+    if args.instances == 2:
+        _check_instances(args)
+    two = args.instances == 2
     runs: list[tuple[str, dict[str, Any]]] = []
-    if args.compare:
+    if args.compare or two:
         runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
+    host_only = {**engine_kwargs, "kv_offloading_size": args.kv_offloading_size}
+    if two and args.compare:
+        runs.append(("offloading", host_only))
+    url = args.kv_remote_url
+    if two and url is None:
+        url = _PLACEHOLDER_URL  # until _run has started the server
     remote: dict[str, Any] = {}
-    if args.kv_remote_url is not None or args.kv_remote_ttl is not None:  # every offloading run
+    if url is not None or args.kv_remote_ttl is not None:  # every offloading run
         remote = {
-            "kv_remote_url": args.kv_remote_url,
+            "kv_remote_url": url,
             "kv_remote_optional": args.kv_remote_optional,
             "kv_remote_ttl": args.kv_remote_ttl,
         }
     plus = " + remote" if remote else ""
-    host_only = {**engine_kwargs, **remote, "kv_offloading_size": args.kv_offloading_size}
+    host_only = {**host_only, **remote}
     with_disk = {
         **host_only,
         "kv_disk_path": args.kv_disk_path,
@@ -462,6 +499,89 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     for _, kwargs in runs:
         EngineConfig(**kwargs)
     return runs
+
+
+def _check_instances(args: argparse.Namespace) -> None:
+    """``--instances 2``'s own checks: :class:`ConfigError` naming the flag that cannot go with
+    it. Without ``--kv-remote-url``, ``redis-server`` must be installed."""
+    from kvoffload.errors import ConfigError
+
+    name = args.dataset_name
+    if name not in ("prefix_repetition", "random"):
+        raise ConfigError(
+            "dataset_name",
+            f"--instances 2 serves engine B fresh requests on engine A's shared prefixes: use "
+            f"prefix_repetition or random with --random-prefix-len (not {name!r})",
+        )
+    if name == "random" and args.random_prefix_len == 0:
+        raise ConfigError(
+            "random_prefix_len", "--instances 2 on random prompts needs a shared prefix (> 0)"
+        )
+    if args.kv_offloading_size == 0:
+        raise ConfigError(
+            "kv_offloading_size", "--instances 2 needs the host tier the remote tier sits behind"
+        )
+    if args.kv_disk_path is not None:
+        raise ConfigError(
+            "kv_disk_path", "--instances 2 compares the remote tier with recomputing: no disk tier"
+        )
+    if args.kv_remote_optional:
+        raise ConfigError(
+            "kv_remote_optional",
+            "--instances 2 measures the remote tier: its server must be up, not optional",
+        )
+    if args.kv_remote_url is None:
+        from kvoffload.benchmark.redis_server import RedisUnavailableError, require_redis_binaries
+
+        try:
+            require_redis_binaries()
+        except RedisUnavailableError as exc:
+            raise ConfigError(
+                "kv_remote_url",
+                f"--instances 2 without --kv-remote-url starts a local redis-server: {exc}",
+            ) from None
+
+
+@contextlib.contextmanager
+def _remote_server(args: argparse.Namespace) -> Iterator[str]:
+    """The URL of ``--kv-remote-url``, or of a ``redis-server`` started here on a free loopback
+    port and stopped (its files removed) on exit."""
+    if args.kv_remote_url is not None:
+        yield args.kv_remote_url
+        return
+    from kvoffload.benchmark.redis_server import standalone_server
+    from kvoffload.errors import ConfigError
+
+    server = contextlib.ExitStack()
+    with server:
+        try:
+            started = server.enter_context(standalone_server())
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise ConfigError("kv_remote_url", f"cannot start a local redis-server: {exc}") from exc
+        print(f"Started redis-server on {started.address} (stopped at the end).", flush=True)
+        yield started.url
+
+
+def _engine_a(
+    requests: list[Any], kwargs: dict[str, Any], arrivals: list[float] | None
+) -> Any:
+    """Engine A of ``--instances 2``, in its own process: serve the workload, store its blocks."""
+    _steady_threads()
+    from kvoffload.benchmark.throughput import run_throughput
+
+    return run_throughput(requests, "engine A", kwargs, arrivals=arrivals)
+
+
+def _run_engine_a(
+    requests: list[Any], kwargs: dict[str, Any], arrivals: list[float] | None
+) -> Any:
+    """:func:`_engine_a` in a spawned process (no state shared with this one but the server);
+    its result, or its exception re-raised here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_engine_a, requests, kwargs, arrivals).result()
 
 
 @contextlib.contextmanager
@@ -499,7 +619,7 @@ def _workload_lines(
     lines = [
         f"Workload: model {args.model}, {len(requests)} {args.dataset_name} requests "
         f"({min(prompts)}-{max(prompts)} prompt tokens, {min(outputs)}-{max(outputs)} output tokens), {sharing}.",
-        "Runs: "
+        ("Engine B runs: " if args.instances == 2 else "Runs: ")
         + ", ".join(label for label, _ in runs)
         + (f", {args.repeats} interleaved repeats" if args.repeats > 1 else "")
         + "; device cache "
@@ -533,14 +653,76 @@ def _workload_lines(
     return lines
 
 
-def _run(args: argparse.Namespace) -> int:
-    _steady_threads()
+def _interleaved(
+    args: argparse.Namespace,
+    runs: list[tuple[str, dict[str, Any]]],
+    requests: list[Any],
+    arrivals: list[float] | None,
+) -> list[Any]:
+    """Every run ``args.repeats`` times, interleaved (ABC ABC, so drift hits every config),
+    each printed as it ends; the results in order."""
     from tqdm import tqdm
 
+    from kvoffload.benchmark.throughput import format_result, run_throughput
+
+    def bar(total: int, label: str) -> Any:
+        if args.no_progress:
+            return None
+        return tqdm(total=total, desc=label, unit="req", file=sys.stderr)
+
+    def phase(text: str) -> None:
+        if not args.no_progress:
+            print(text, file=sys.stderr, flush=True)
+
+    results: list[Any] = []
+    for repeat in range(1, args.repeats + 1):
+        for label, kwargs in runs:
+            name = f"{label} (repeat {repeat}/{args.repeats})" if args.repeats > 1 else label
+            with _disk_directory(kwargs, fresh=args.compare) as run_kwargs:
+                result = run_throughput(
+                    requests,
+                    label,
+                    run_kwargs,
+                    lambda total, _l, n=name: bar(total, n),
+                    repeat,
+                    arrivals,
+                    phase,
+                )
+            results.append(result)
+            print(f"== {name} ==")
+            print(format_result(result), flush=True)
+    return results
+
+
+def _two_instances(
+    args: argparse.Namespace,
+    runs: list[tuple[str, dict[str, Any]]],
+    requests: list[Any],
+    fresh: list[Any],
+) -> tuple[Any, list[Any]]:
+    """``--instances 2``: engine A serves ``requests`` in its own process, storing their blocks
+    in the shared server; then engines B run ``runs`` on ``fresh`` requests (same prefixes).
+    Returns A's result and B's."""
+    from kvoffload.benchmark.throughput import format_result
+
+    with _remote_server(args) as url:
+        for _, kwargs in runs:
+            if kwargs.get("kv_remote_url") is not None:
+                kwargs["kv_remote_url"] = url
+        a_kwargs = next(kw for _, kw in runs if kw.get("kv_remote_url") is not None)
+        if not args.no_progress:
+            print("engine A: serving the workload in a process of its own", file=sys.stderr)
+        engine_a = _run_engine_a(requests, a_kwargs, None)
+        print("== engine A (its own process; stores the prefixes in the remote tier) ==")
+        print(format_result(engine_a), flush=True)
+        print("\nEngines B: fresh requests on engine A's prefixes, each a new engine.", flush=True)
+        return engine_a, _interleaved(args, runs, fresh, None)
+
+
+def _run(args: argparse.Namespace) -> int:
+    _steady_threads()
     from kvoffload.benchmark.throughput import (
         format_comparison,
-        format_result,
-        run_throughput,
         summarize,
         throughput_ratios,
         unlimited_device_blocks,
@@ -552,8 +734,12 @@ def _run(args: argparse.Namespace) -> int:
         runs = _check_args(args)
         model = load_model_config(args.model)
         requests = _requests(args, model.vocab_size, model.eos_token_id)
+        # --instances 2: engines B serve fresh requests on engine A's prefixes
+        served = requests
+        if args.instances == 2:
+            served = _requests(args, model.vocab_size, model.eos_token_id, variant=1)
         if args.compare:
-            runs[-1][1]["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
+            runs[-1][1]["num_device_blocks"] = unlimited_device_blocks(served, args.block_size)
         if args.log_stats_interval > 0:
             import logging
 
@@ -566,45 +752,21 @@ def _run(args: argparse.Namespace) -> int:
         for line in _workload_lines(args, requests, runs):
             print(line)
         print(flush=True)
-
-        def bar(total: int, label: str) -> Any:
-            return (
-                None
-                if args.no_progress
-                else tqdm(total=total, desc=label, unit="req", file=sys.stderr)
-            )
-
-        def phase(text: str) -> None:
-            if not args.no_progress:
-                print(text, file=sys.stderr, flush=True)
-
-        all_runs: list[Any] = []
-        for repeat in range(
-            1, args.repeats + 1
-        ):  # interleaved (ABC ABC), so drift hits every config
-            for label, kwargs in runs:
-                name = f"{label} (repeat {repeat}/{args.repeats})" if args.repeats > 1 else label
-                with _disk_directory(kwargs, fresh=args.compare) as run_kwargs:
-                    result = run_throughput(
-                        requests,
-                        label,
-                        run_kwargs,
-                        lambda total, _l, n=name: bar(total, n),
-                        repeat,
-                        arrivals,
-                        phase,
-                    )
-                all_runs.append(result)
-                print(f"== {name} ==")
-                print(format_result(result), flush=True)
+        engine_a = None
+        if args.instances == 2:
+            engine_a, all_runs = _two_instances(args, runs, requests, served)
+        else:
+            all_runs = _interleaved(args, runs, requests, arrivals)
         summaries = summarize(all_runs)
-        if args.compare:
+        compared = args.compare or engine_a is not None
+        if compared:
             note = (
                 f", median [min-max] of {args.repeats} interleaved repeats"
                 if args.repeats > 1
                 else ""
             )
-            print(f"\n== comparison{note} ==")
+            title = "engine B on engine A's prefixes" if engine_a is not None else "comparison"
+            print(f"\n== {title}{note} ==")
             print(format_comparison(summaries))
         if args.plot:
             from kvoffload.benchmark.plot import plot_comparison
@@ -617,19 +779,19 @@ def _run(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
         if args.output_json:
             payload = {
-                "args": {
-                    k: v for k, v in vars(args).items() if k not in ("func", "check", "parser")
-                },
+                "args": _shown_args(args),
                 "workload": _workload_lines(args, requests, runs),
                 "results": [s.to_dict() for s in summaries],
                 "throughput_ratios": [
                     {"config": label, "against": other, **ratio}
                     for (label, other), ratio in throughput_ratios(summaries).items()
                 ]
-                if args.compare
+                if compared
                 else [],
                 "all_runs": [r.to_dict() for r in all_runs],
             }
+            if engine_a is not None:
+                payload["engine_a"] = engine_a.to_dict()
             try:
                 Path(args.output_json).write_text(json.dumps(payload, indent=2, default=str))
             except OSError as exc:
@@ -640,3 +802,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _shown_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as given, for ``--output-json``; the remote URL without its password."""
+    from kvoffload.tiers.redis_url import parse_redis_url
+
+    shown = {k: v for k, v in vars(args).items() if k not in ("func", "check", "parser")}
+    if args.kv_remote_url is not None:
+        shown["kv_remote_url"] = parse_redis_url(args.kv_remote_url).redacted()
+    return shown

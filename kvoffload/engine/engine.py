@@ -84,7 +84,9 @@ class EngineConfig:
     to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
     tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
     (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
-    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks. A request whose blocks
+    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks, and a block the server
+    has not answered a lookup of within ``kv_remote_lookup_wait`` seconds is a miss for now (its
+    request computes it rather than waiting on a slow server). A request whose blocks
     are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_seconds``
     (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
     Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
@@ -116,6 +118,7 @@ class EngineConfig:
     kv_remote_url: str | None = None
     kv_remote_optional: bool = False
     kv_remote_ttl: float | None = None
+    kv_remote_lookup_wait: float = 0.25
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -162,7 +165,9 @@ class EngineConfig:
                 self.kv_disk_eviction_policy,
                 available_eviction_policies(),
             )
-        validate_remote_settings(self.kv_remote_url, self.kv_remote_ttl)
+        validate_remote_settings(
+            self.kv_remote_url, self.kv_remote_ttl, self.kv_remote_lookup_wait
+        )
         if self.kv_remote_url is not None and not self.offloading:
             raise ConfigError(
                 "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"

@@ -37,6 +37,7 @@ class TierSettings(Protocol):
     kv_remote_url: str | None
     kv_remote_optional: bool
     kv_remote_ttl: float | None
+    kv_remote_lookup_wait: float
     eviction_policy: str
 
 
@@ -65,11 +66,14 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
         raise ConfigError("kv_disk_path", f"{str(probe_dir)!r} is not writable")
 
 
-def validate_remote_settings(url: str | None, ttl_s: float | None) -> None:
+def validate_remote_settings(
+    url: str | None, ttl_s: float | None, lookup_wait_s: float = 0.25
+) -> None:
     """Check the remote tier's settings without connecting: :class:`ConfigError` naming
-    ``kv_remote_url`` (password hidden) or ``kv_remote_ttl``."""
+    ``kv_remote_url`` (password hidden), ``kv_remote_ttl`` or ``kv_remote_lookup_wait``."""
     from kvoffload.tiers.redis_url import parse_redis_url
 
+    check_real("kv_remote_lookup_wait", lookup_wait_s, positive=True, unit="seconds")
     if url is None:
         if ttl_s is not None:
             raise ConfigError("kv_remote_ttl", f"set without kv_remote_url (got {ttl_s!r})")
@@ -114,8 +118,14 @@ def _build_remote_tier(
     from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
 
     assert settings.kv_remote_url is not None
-    validate_remote_settings(settings.kv_remote_url, settings.kv_remote_ttl)
-    config = RemoteTierConfig(url=settings.kv_remote_url, ttl_s=settings.kv_remote_ttl)
+    validate_remote_settings(
+        settings.kv_remote_url, settings.kv_remote_ttl, settings.kv_remote_lookup_wait
+    )
+    config = RemoteTierConfig(
+        url=settings.kv_remote_url,
+        ttl_s=settings.kv_remote_ttl,
+        lookup_wait_s=settings.kv_remote_lookup_wait,
+    )
     try:
         return RedisTier(pool, layout, config, enable_events=enable_events)
     except ConfigError as exc:
