@@ -62,6 +62,20 @@ def redis_server():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def tls_redis():  # type: ignore[no-untyped-def]
+    """A TLS-only ``redis-server`` (``--port 0 --tls-port``) whose certificates are made for the
+    session with ``openssl``; its ``url`` is ``rediss://`` with ``ssl_ca_certs`` naming its CA.
+    Fails, never skips, when redis-server or openssl is missing."""
+    from redis_servers import RedisUnavailableError, tls_server
+
+    try:
+        with tls_server() as server:
+            yield server
+    except RedisUnavailableError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def redis_cluster():  # type: ignore[no-untyped-def]
     """A Cluster of 3 masters + 3 replicas for the whole session; tests must not break it."""
     from redis_servers import RedisUnavailableError, cluster_servers

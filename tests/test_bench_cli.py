@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,25 @@ BAD_FLAGS = {
         "output_json",
     ),
     "output onto a directory": (["--output-json", "/"], "output_json"),
+    # --instances 2: engine B needs shared prefixes and the remote tier, nothing else
+    "two instances, no shared prefix": (["--instances", "2"], "random_prefix_len"),
+    "two instances on multi_turn": (
+        ["--instances", "2", "--dataset-name", "multi_turn"],
+        "dataset_name",
+    ),
+    "two instances without a host tier": (
+        ["--instances", "2", "--random-prefix-len", "8", "--kv-offloading-size", "0"],
+        "kv_offloading_size",
+    ),
+    "two instances with a disk tier": (
+        ["--instances", "2", "--random-prefix-len", "8", "--kv-disk-path",
+         str(Path(__file__).parent), "--kv-disk-size", "1"],
+        "kv_disk_path",
+    ),  # fmt: skip
+    "two instances, remote optional": (
+        ["--instances", "2", "--random-prefix-len", "8", "--kv-remote-optional"],
+        "kv_remote_optional",
+    ),
 }
 
 
@@ -417,3 +437,68 @@ def test_with_a_remote_tier(
     assert runs[0]["stats"]["offload_tier_remote_stored_blocks"] > 0
     assert main([*COMMON, *args, "--kv-remote-ttl", "5"]) == 2  # a TTL without a URL
     assert "kv_remote_ttl" in capsys.readouterr().err
+
+
+def test_two_instances_share_prefixes_through_redis(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--instances 2 without a URL: a redis-server is started (and stopped); engine A, in its own
+    process, stores the prefixes; engines B load them from Redis for fresh requests on them
+    (remote hits > 0), against B recomputing them, interleaved; the ratio is printed and kept.
+    Generous lookup waits, so the hits do not depend on how fast the server answers."""
+    args, num_requests = _dataset_args("prefix_repetition", tmp_path)
+    out_json = tmp_path / "out.json"
+    argv = [*COMMON, *args, "--instances", "2", "--repeats", "2", "--output-json", str(out_json),
+            "--kv-remote-lookup-wait", "60", "--kv-lookup-retry-seconds", "60"]  # fmt: skip
+    assert main(argv) == 0
+    stdout, stderr = capsys.readouterr()
+    assert "Traceback" not in stderr
+    labels = ["no offloading", "offloading + remote"]
+    assert [
+        m.group(1) for m in re.finditer(r"^== (.+) \(repeat \d/2\) ==$", stdout, re.M)
+    ] == labels * 2
+    assert "== engine B on engine A's prefixes, median [min-max] of 2 interleaved repeats ==" in stdout
+    assert re.search(r"^offloading \+ remote: [\d.]+x .*the throughput of no offloading", stdout, re.M)
+    payload = json.loads(out_json.read_text())
+    engine_a = payload["engine_a"]
+    assert engine_a["stats"]["offload_tier_remote_stored_blocks"] > 0
+    assert engine_a["num_requests"] == num_requests
+    for run in payload["all_runs"]:
+        assert run["num_requests"] == num_requests
+        if run["label"] == "offloading + remote":
+            assert run["tokens_by_source"]["remote"] > 0
+            assert run["stats"]["offload_tier_remote_loaded_blocks"] > 0
+        else:
+            assert run["stats"].get("offload_tier_remote_loaded_blocks", 0) == 0
+    assert [(r["config"], r["against"]) for r in payload["throughput_ratios"]] == [
+        ("offloading + remote", "no offloading")
+    ]
+    port = int(re.search(r"Started redis-server on 127\.0\.0\.1:(\d+)", stdout).group(1))
+    with socket.socket() as s:  # stopped at the end
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_two_instances_with_compare_on_a_given_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_server: Any
+) -> None:
+    """--instances 2 --compare on --kv-remote-url: engine B also runs with its host tier only
+    and with an unlimited device cache; the given server is used (and left running)."""
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    with redis_server.client() as c:
+        c.flushall()
+    out_json = tmp_path / "out.json"
+    argv = [*COMMON, *args, "--instances", "2", "--compare", "--kv-remote-url", redis_server.url,
+            "--output-json", str(out_json), "--kv-remote-lookup-wait", "60",
+            "--kv-lookup-retry-seconds", "60"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "Started redis-server" not in stdout
+    payload = json.loads(out_json.read_text())
+    assert [r["label"] for r in payload["all_runs"]] == [
+        "no offloading", "offloading", "offloading + remote", "unlimited device cache"
+    ]  # fmt: skip
+    by_label = {r["label"]: r for r in payload["all_runs"]}
+    assert by_label["offloading + remote"]["tokens_by_source"]["remote"] > 0
+    assert by_label["offloading"]["tokens_by_source"].get("remote", 0) == 0
+    with redis_server.client() as c:  # A's blocks, and the fresh suffixes B stored
+        assert c.dbsize() > payload["engine_a"]["stats"]["offload_tier_remote_stored_blocks"] > 0

@@ -21,13 +21,23 @@ from engine_cases import (
     reference_outputs,
     tiny_engine,
 )
-from redis_servers import RedisClusterServers, RedisServer, cluster_servers, standalone_server
+from redis_servers import (
+    RedisClusterServers,
+    RedisServer,
+    TLSRedisServer,
+    cluster_servers,
+    standalone_server,
+)
 
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 4
+#: Seconds a remote lookup may take before its block counts as a miss, and a request may wait
+#: for its promotions: generous, so that "B's first request loads A's prefix" never depends on
+#: how fast the server answers (a busy test machine can take longer than the 0.25 s default).
+GENEROUS_WAIT_S = 60.0
 
 
 def engine_settings(url: str, **extra: Any) -> dict[str, Any]:
@@ -38,6 +48,8 @@ def engine_settings(url: str, **extra: Any) -> dict[str, Any]:
         "num_device_blocks": 64,
         "kv_offloading_size": host_gib(256),
         "kv_remote_url": url,
+        "kv_remote_lookup_wait": GENEROUS_WAIT_S,
+        "kv_lookup_retry_seconds": GENEROUS_WAIT_S,
         **extra,
     }
 
@@ -99,6 +111,19 @@ def test_second_process_through_the_cluster(redis_cluster: RedisClusterServers) 
     b = run_engine_process(settings, rounds)
     want = reference(rounds)
     assert a["outputs"] == want and b["outputs"] == want
+    assert_b_loaded_from_remote(b)
+
+
+def test_second_process_over_tls(tls_redis: TLSRedisServer) -> None:
+    """rediss:// to a TLS-only redis-server (certificates made for the test), the CA given as
+    ``ssl_ca_certs`` in the URL: engine B loads engine A's prefixes as over plain TCP."""
+    rounds = cycling_rounds(num_prefixes=2, prefix_blocks=6, num_rounds=1, seed=34)
+    settings = engine_settings(tls_redis.url)
+    a = run_engine_process(settings, rounds)
+    b = run_engine_process(settings, rounds)
+    want = reference(rounds)
+    assert a["outputs"] == want and b["outputs"] == want
+    assert a["stats"]["offload_tier_remote_stored_blocks"] > 0
     assert_b_loaded_from_remote(b)
 
 

@@ -12,7 +12,7 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis_servers import RedisServer, standalone_server
+from redis_servers import RedisServer, TLSRedisServer, make_certificates, standalone_server
 from remote_cases import (
     fill_random,
     job,
@@ -259,6 +259,51 @@ def test_wrong_password_is_a_clear_error_without_the_password(
             make_tier(f"redis://127.0.0.1:{server.port}/0", view, make_layout())  # none given
         assert info.value.field == "kv_remote_url"
         assert wrong not in caplog.text and PASSWORD not in caplog.text
+
+
+def test_tls_with_the_ca_in_the_url(tls_redis: TLSRedisServer) -> None:
+    """rediss:// with ``ssl_ca_certs``: one tier's blocks load in another, over TLS only (the
+    server has no plain port)."""
+    layout = make_layout()
+    (pool_a, view_a), (pool_b, view_b) = make_pool(4), make_pool(4)
+    a, b = make_tier(tls_redis.url, view_a, layout), make_tier(tls_redis.url, view_b, layout)
+    try:
+        assert not a._zero_copy  # TLS goes through redis-py's own SSL connection
+        fill_random(pool_a)
+        keys = keys_for(4)
+        assert run_job(a, True, keys, [0, 1, 2, 3]).success
+        assert lookup_all(b, keys) == [HIT] * 4
+        assert run_job(b, False, keys, [3, 2, 1, 0]).success
+        assert torch.equal(pool_b, pool_a.flip(0))
+    finally:
+        a.close()
+        b.close()
+    with tls_redis.client() as c:
+        assert c.info("server")["tcp_port"] == tls_redis.port  # --tls-port; --port 0
+
+
+def test_tls_without_the_right_ca_is_a_clear_error(tls_redis: TLSRedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """No CA (the system's do not know the test CA), another CA, a CA file that does not exist,
+    or plain TCP to the TLS port: a ConfigError naming kv_remote_url, and for the CA cases
+    ``ssl_ca_certs``, how to pass it."""
+    _, view = make_pool(2)
+    bare = f"rediss://127.0.0.1:{tls_redis.port}/0"
+    other_ca, _, _ = make_certificates(tmp_path, "other")
+    for url, trusted in (
+        (bare, "the system's CAs (no ssl_ca_certs given)"),
+        (f"{bare}?ssl_ca_certs={other_ca}", f"ssl_ca_certs={other_ca}"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            make_tier(url, view, make_layout(), timeout_s=5)
+        message = str(info.value)
+        assert info.value.field == "kv_remote_url"
+        assert f"TLS certificate did not verify against {trusted}" in message, message
+        assert "?ssl_ca_certs=/path/to/ca.pem" in message
+    missing = tmp_path / "missing-ca.pem"
+    with pytest.raises(ConfigError, match=rf"kv_remote_url: ssl_ca_certs='{missing}' .*no such file"):
+        make_tier(f"{bare}?ssl_ca_certs={missing}", view, make_layout())
+    with pytest.raises(ConfigError, match="kv_remote_url: cannot reach redis://"):
+        make_tier(f"redis://127.0.0.1:{tls_redis.port}/0", view, make_layout(), timeout_s=5)
 
 
 def test_server_down_at_start_names_the_setting() -> None:

@@ -173,14 +173,11 @@ class RedisServer:
 
 @contextlib.contextmanager
 def standalone_server(
-    *,
-    password: str | None = None,
-    extra_args: tuple[str, ...] = (),
-    server_class: type[RedisServer] = RedisServer,
+    *, password: str | None = None, extra_args: tuple[str, ...] = ()
 ) -> Iterator[RedisServer]:
     """A running standalone server, stopped and its files removed on exit."""
     with tempfile.TemporaryDirectory(prefix="kvo-redis-") as tmp:
-        server = server_class(free_port(), Path(tmp), password=password, extra_args=extra_args)
+        server = RedisServer(free_port(), Path(tmp), password=password, extra_args=extra_args)
         server.start()
         try:
             yield server

@@ -11,7 +11,9 @@ Accepted forms (redis-py's own schemes, plus ``+cluster`` for Cluster mode, whic
 The port defaults to 6379, the db to 0. Credentials missing from the URL are taken from the
 environment variables :data:`USERNAME_ENV` and :data:`PASSWORD_ENV` (so they need not appear on a
 command line). ``rediss`` URLs accept the query options ``ssl_ca_certs``, ``ssl_certfile``,
-``ssl_keyfile`` and ``ssl_cert_reqs`` (``none``, ``optional``, ``required``).
+``ssl_keyfile`` (files that must exist) and ``ssl_cert_reqs`` (``none``, ``optional``,
+``required``), as redis-py names them: ``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``
+trusts the CA that signed the server's certificate (without it, the system's CAs).
 
 Invariant: :meth:`RedisURL.redacted` and ``repr`` never contain the password; error messages of
 this module name the setting and show the URL with the password replaced by ``***``.
@@ -41,6 +43,7 @@ _SCHEMES = {
     "rediss+cluster": (True, True),
 }
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 _CERT_REQS = ("none", "optional", "required")
 
 
@@ -154,4 +157,6 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
             raise ConfigError(SETTING, f"{name} needs the rediss:// scheme (TLS)")
         if name == "ssl_cert_reqs" and value not in _CERT_REQS:
             raise ConfigError(SETTING, f"ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
+        if name in _TLS_FILES and not os.path.isfile(value):
+            raise ConfigError(SETTING, f"{name}={value!r} in {_shown(url)}: no such file")
     return RedisURL(tls, cluster, nodes, db, username, password, tuple(options))

@@ -225,7 +225,7 @@ class RedisTier(SecondaryTier):
                 f"{USERNAME_ENV} / {PASSWORD_ENV} environment): {self.url.scrub(str(exc))}"
             )
         except (redis.RedisError, OSError) as exc:
-            problem = (
+            problem = self._tls_problem(str(exc)) or (
                 f"cannot reach {where}: {self.url.scrub(str(exc)) or type(exc).__name__} "
                 "(start the server, fix the URL, or set kv_remote_optional to run without "
                 "the remote tier)"
@@ -236,6 +236,19 @@ class RedisTier(SecondaryTier):
         if client is not None:
             close_client(client)
         raise ConfigError(SETTING, problem)
+
+    def _tls_problem(self, error: str) -> str | None:
+        """What to say when the server's TLS certificate failed verification (``None``
+        otherwise): which CA the URL trusts, and how to name the right one."""
+        if not self.url.tls or "CERTIFICATE_VERIFY_FAILED" not in error:
+            return None
+        ca = dict(self.url.tls_options).get("ssl_ca_certs")
+        trusted = f"ssl_ca_certs={ca}" if ca else "the system's CAs (no ssl_ca_certs given)"
+        return (
+            f"{self.url.redacted()}: the server's TLS certificate did not verify against "
+            f"{trusted}: {self.url.scrub(error)} (give the CA that signed it in kv_remote_url: "
+            "rediss://host:port/db?ssl_ca_certs=/path/to/ca.pem)"
+        )
 
     # -------------------------------------------------------------- contract
 
