@@ -17,7 +17,7 @@ valkey-glide's sync client): the measurement behind the client choice.
 
 Usage: ``python benchmarks/remote_bandwidth.py [--url redis://host:port] [--block-kib 256]
 [--batches 16 64 256] [--repeats 7] [--clients]``. Without ``--url`` it starts a local
-``redis-server`` (tests/redis_servers.py).
+``redis-server`` (kvoffload/benchmark/redis_server.py).
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import redis
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.base import KVLayout, TierJob
@@ -47,7 +43,7 @@ def server_url(url: str | None) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    from redis_servers import standalone_server
+    from kvoffload.benchmark.redis_server import standalone_server
 
     with standalone_server() as server:
         yield server.url

@@ -19,14 +19,10 @@ import argparse
 import contextlib
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.engine import Engine, SamplingParams
@@ -42,7 +38,7 @@ def server_url(url: str | None) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    from redis_servers import standalone_server
+    from kvoffload.benchmark.redis_server import standalone_server
 
     with standalone_server() as server:
         yield server.url

@@ -38,9 +38,11 @@ def test_credentials_from_environment_when_the_url_has_none() -> None:
     assert parse_redis_url("redis://u:mine@h", env=env).password == "mine"
 
 
-def test_tls_options() -> None:
-    url = parse_redis_url("rediss://h?ssl_cert_reqs=none&ssl_ca_certs=/ca.pem", env={})
-    assert dict(url.tls_options) == {"ssl_cert_reqs": "none", "ssl_ca_certs": "/ca.pem"}
+def test_tls_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ca = tmp_path / "ca.pem"
+    ca.write_text("a CA")
+    url = parse_redis_url(f"rediss://h?ssl_cert_reqs=none&ssl_ca_certs={ca}", env={})
+    assert dict(url.tls_options) == {"ssl_cert_reqs": "none", "ssl_ca_certs": str(ca)}
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,9 @@ def test_tls_options() -> None:
         ("redis://h?ssl_cert_reqs=none", "needs the rediss"),
         ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
         ("redis://h?timeout=3", "unknown option"),
+        ("rediss://h?ssl_ca_certs=/no/ca.pem", "ssl_ca_certs='/no/ca.pem' .*no such file"),
+        ("rediss://h?ssl_certfile=/no/c.pem", "ssl_certfile='/no/c.pem' .*no such file"),
+        ("rediss://h?ssl_keyfile=/no/k.pem", "ssl_keyfile='/no/k.pem' .*no such file"),
     ],
 )
 def test_bad_urls_name_the_setting(url: str, match: str) -> None:

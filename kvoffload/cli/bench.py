@@ -454,9 +454,9 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         engine_kwargs["num_device_blocks"] = (
             DEFAULTS["num_device_blocks"] if blocks is None else blocks
         )
-    if args.instances == 2:
-        _check_instances(args)
     two = args.instances == 2
+    if two:
+        _check_instances(args)
     runs: list[tuple[str, dict[str, Any]]] = []
     if args.compare or two:
         runs.append(("no offloading", {**engine_kwargs, "kv_offloading_size": 0.0}))
@@ -552,36 +552,32 @@ def _remote_server(args: argparse.Namespace) -> Iterator[str]:
     from kvoffload.benchmark.redis_server import standalone_server
     from kvoffload.errors import ConfigError
 
-    server = contextlib.ExitStack()
-    with server:
+    stack = contextlib.ExitStack()
+    with stack:
         try:
-            started = server.enter_context(standalone_server())
+            started = stack.enter_context(standalone_server())
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise ConfigError("kv_remote_url", f"cannot start a local redis-server: {exc}") from exc
         print(f"Started redis-server on {started.address} (stopped at the end).", flush=True)
         yield started.url
 
 
-def _engine_a(
-    requests: list[Any], kwargs: dict[str, Any], arrivals: list[float] | None
-) -> Any:
+def _engine_a(requests: list[Any], kwargs: dict[str, Any]) -> Any:
     """Engine A of ``--instances 2``, in its own process: serve the workload, store its blocks."""
     _steady_threads()
     from kvoffload.benchmark.throughput import run_throughput
 
-    return run_throughput(requests, "engine A", kwargs, arrivals=arrivals)
+    return run_throughput(requests, "engine A", kwargs)
 
 
-def _run_engine_a(
-    requests: list[Any], kwargs: dict[str, Any], arrivals: list[float] | None
-) -> Any:
-    """:func:`_engine_a` in a spawned process (no state shared with this one but the server);
-    its result, or its exception re-raised here."""
+def _run_engine_a(requests: list[Any], kwargs: dict[str, Any]) -> Any:
+    """:func:`_engine_a` in a spawned process (nothing shared with this one but the server):
+    its :class:`ThroughputResult`, or its exception re-raised here."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_engine_a, requests, kwargs, arrivals).result()
+        return pool.submit(_engine_a, requests, kwargs).result()
 
 
 @contextlib.contextmanager
@@ -712,7 +708,7 @@ def _two_instances(
         a_kwargs = next(kw for _, kw in runs if kw.get("kv_remote_url") is not None)
         if not args.no_progress:
             print("engine A: serving the workload in a process of its own", file=sys.stderr)
-        engine_a = _run_engine_a(requests, a_kwargs, None)
+        engine_a = _run_engine_a(requests, a_kwargs)
         print("== engine A (its own process; stores the prefixes in the remote tier) ==")
         print(format_result(engine_a), flush=True)
         print("\nEngines B: fresh requests on engine A's prefixes, each a new engine.", flush=True)
