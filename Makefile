@@ -13,12 +13,13 @@ setup: $(STAMP) redis-server
 
 # The remote-tier tests start real redis-server processes: Debian's package, installed here when
 # missing and we are root (without root, see README "Remote tier"; the tests then fail saying so).
+# The TLS test makes its certificates with the openssl CLI (not in every slim image).
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v openssl; } >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server openssl; \
 		else \
-			echo "redis-server is missing and we are not root: see README, Remote tier"; \
+			echo "redis-server or openssl is missing and we are not root: see README, Remote tier"; \
 		fi; }
 
 # torch first: on machines without CUDA, torch==2.13.0, which this workplace's machines and CI

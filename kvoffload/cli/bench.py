@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -652,11 +652,11 @@ def _workload_lines(
 def _interleaved(
     args: argparse.Namespace,
     runs: list[tuple[str, dict[str, Any]]],
-    requests: list[Any],
+    requests_of: Callable[[int], list[Any]],
     arrivals: list[float] | None,
 ) -> list[Any]:
-    """Every run ``args.repeats`` times, interleaved (ABC ABC, so drift hits every config),
-    each printed as it ends; the results in order."""
+    """Every run ``args.repeats`` times, interleaved (ABC ABC, so drift hits every config), on
+    ``requests_of(repeat)``, each printed as it ends; the results in order."""
     from tqdm import tqdm
 
     from kvoffload.benchmark.throughput import format_result, run_throughput
@@ -672,6 +672,7 @@ def _interleaved(
 
     results: list[Any] = []
     for repeat in range(1, args.repeats + 1):
+        requests = requests_of(repeat)
         for label, kwargs in runs:
             name = f"{label} (repeat {repeat}/{args.repeats})" if args.repeats > 1 else label
             with _disk_directory(kwargs, fresh=args.compare) as run_kwargs:
@@ -694,11 +695,12 @@ def _two_instances(
     args: argparse.Namespace,
     runs: list[tuple[str, dict[str, Any]]],
     requests: list[Any],
-    fresh: list[Any],
+    fresh: Callable[[int], list[Any]],
 ) -> tuple[Any, list[Any]]:
     """``--instances 2``: engine A serves ``requests`` in its own process, storing their blocks
-    in the shared server; then engines B run ``runs`` on ``fresh`` requests (same prefixes).
-    Returns A's result and B's."""
+    in the shared server; then engines B run ``runs`` on ``fresh(repeat)``: requests on the same
+    prefixes, other suffixes every repeat (so that no B finds an earlier B's suffixes in the
+    server). Returns A's result and B's."""
     from kvoffload.benchmark.throughput import format_result
 
     with _remote_server(args) as url:
@@ -711,7 +713,11 @@ def _two_instances(
         engine_a = _run_engine_a(requests, a_kwargs)
         print("== engine A (its own process; stores the prefixes in the remote tier) ==")
         print(format_result(engine_a), flush=True)
-        print("\nEngines B: fresh requests on engine A's prefixes, each a new engine.", flush=True)
+        print(
+            "\nEngines B: fresh requests on engine A's prefixes (new suffixes every repeat), "
+            "each a new engine.",
+            flush=True,
+        )
         return engine_a, _interleaved(args, runs, fresh, None)
 
 
@@ -730,12 +736,8 @@ def _run(args: argparse.Namespace) -> int:
         runs = _check_args(args)
         model = load_model_config(args.model)
         requests = _requests(args, model.vocab_size, model.eos_token_id)
-        # --instances 2: engines B serve fresh requests on engine A's prefixes
-        served = requests
-        if args.instances == 2:
-            served = _requests(args, model.vocab_size, model.eos_token_id, variant=1)
-        if args.compare:
-            runs[-1][1]["num_device_blocks"] = unlimited_device_blocks(served, args.block_size)
+        if args.compare:  # (--instances 2: B's requests have the same lengths and prefixes)
+            runs[-1][1]["num_device_blocks"] = unlimited_device_blocks(requests, args.block_size)
         if args.log_stats_interval > 0:
             import logging
 
@@ -750,9 +752,14 @@ def _run(args: argparse.Namespace) -> int:
         print(flush=True)
         engine_a = None
         if args.instances == 2:
-            engine_a, all_runs = _two_instances(args, runs, requests, served)
+            engine_a, all_runs = _two_instances(
+                args,
+                runs,
+                requests,
+                lambda repeat: _requests(args, model.vocab_size, model.eos_token_id, repeat),
+            )
         else:
-            all_runs = _interleaved(args, runs, requests, arrivals)
+            all_runs = _interleaved(args, runs, lambda _repeat: requests, arrivals)
         summaries = summarize(all_runs)
         compared = args.compare or engine_a is not None
         if compared:
