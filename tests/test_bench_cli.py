@@ -457,8 +457,10 @@ def test_two_instances_share_prefixes_through_redis(
     assert [
         m.group(1) for m in re.finditer(r"^== (.+) \(repeat \d/2\) ==$", stdout, re.M)
     ] == labels * 2
-    assert "== engine B on engine A's prefixes, median [min-max] of 2 interleaved repeats ==" in stdout
-    assert re.search(r"^offloading \+ remote: [\d.]+x .*the throughput of no offloading", stdout, re.M)
+    title = "== engine B on engine A's prefixes, median [min-max] of 2 interleaved repeats =="
+    assert title in stdout
+    ratio = r"^offloading \+ remote: [\d.]+x .*the throughput of no offloading"
+    assert re.search(ratio, stdout, re.M)
     payload = json.loads(out_json.read_text())
     engine_a = payload["engine_a"]
     assert engine_a["stats"]["offload_tier_remote_stored_blocks"] > 0
@@ -502,3 +504,31 @@ def test_two_instances_with_compare_on_a_given_server(
     assert by_label["offloading"]["tokens_by_source"].get("remote", 0) == 0
     with redis_server.client() as c:  # A's blocks, and the fresh suffixes B stored
         assert c.dbsize() > payload["engine_a"]["stats"]["offload_tier_remote_stored_blocks"] > 0
+
+
+def test_two_instances_on_a_server_that_is_down_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Engine A's ConfigError crosses its process boundary: exit 2 naming kv_remote_url, the
+    password hidden, no traceback."""
+    from redis_servers import free_port
+
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    url = f"redis://:hunter2-secret@127.0.0.1:{free_port()}/0"
+    assert main([*COMMON, *args, "--instances", "2", "--kv-remote-url", url]) == 2
+    stdout, stderr = capsys.readouterr()
+    assert stderr.startswith("error: kv_remote_url: cannot reach redis://:***@127.0.0.1:"), stderr
+    assert "hunter2-secret" not in stdout + stderr and "Traceback" not in stderr
+
+
+def test_output_json_never_holds_the_remote_password(tmp_path: Path) -> None:
+    from redis_servers import standalone_server
+
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    out_json = tmp_path / "out.json"
+    with standalone_server(password="hunter2-secret") as server:
+        argv = [*COMMON, *args, "--kv-remote-url", server.url, "--output-json", str(out_json)]
+        assert main(argv) == 0
+    text = out_json.read_text()
+    assert "hunter2-secret" not in text
+    assert json.loads(text)["args"]["kv_remote_url"] == f"redis://:***@127.0.0.1:{server.port}/0"
