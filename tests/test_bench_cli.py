@@ -532,3 +532,22 @@ def test_output_json_never_holds_the_remote_password(tmp_path: Path) -> None:
     text = out_json.read_text()
     assert "hunter2-secret" not in text
     assert json.loads(text)["args"]["kv_remote_url"] == f"redis://:***@127.0.0.1:{server.port}/0"
+
+
+def test_dataset_variants_keep_the_prefixes_and_draw_new_suffixes() -> None:
+    """What --instances 2 gives its engines B: variant 0 is the workload as always; another
+    variant has the same shared prefixes, lengths and order, and suffixes of its own."""
+    from kvoffload.benchmark import datasets
+
+    common = {"vocab_size": 1000, "eos_token_id": 2, "seed": 5}
+    base = datasets.prefix_repetition(12, 40, 8, 3, 4, **common)
+    assert base == datasets.prefix_repetition(12, 40, 8, 3, 4, **common, variant=0)
+    for variant in (1, 2):
+        other = datasets.prefix_repetition(12, 40, 8, 3, 4, **common, variant=variant)
+        assert [r.prompt[:40] for r in other] == [r.prompt[:40] for r in base]
+        assert all(o.prompt[40:] != b.prompt[40:] for o, b in zip(other, base, strict=True))
+    rand = datasets.random_prompts(6, 10, 3, **common, prefix_len=16, range_ratio=0.5)
+    fresh = datasets.random_prompts(6, 10, 3, **common, prefix_len=16, range_ratio=0.5, variant=1)
+    assert [len(r.prompt) for r in fresh] == [len(r.prompt) for r in rand]
+    assert all(f.prompt[:16] == r.prompt[:16] != [] for f, r in zip(fresh, rand, strict=True))
+    assert all(f.prompt[16:] != r.prompt[16:] for f, r in zip(fresh, rand, strict=True))
