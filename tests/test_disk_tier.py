@@ -412,3 +412,30 @@ def test_store_that_does_not_fit_keeps_its_longest_prefix(tmp_path: Path) -> Non
     finally:
         other.close()
         tier.close()
+
+
+def test_blocks_found_on_disk_are_announced_once(tmp_path: Path) -> None:
+    """A warm start (and the rescan) announce the blocks they index as stored, once, so an
+    event consumer learns what a restarted engine holds; later events are as usual."""
+    pool = host_pool(8)
+    first = make_tier(tmp_path, pool)
+    store(first, 1, [key(i) for i in range(3)], [0, 1, 2])
+    first.close()
+    again = make_tier(tmp_path, pool, enable_events=True)
+    quiet = make_tier(tmp_path, pool)  # events off: nothing is kept
+    try:
+        (event,) = again.take_events()
+        assert (event.medium, event.removed, event.locality) == ("STORAGE", False, "LOCAL")
+        assert sorted(event.keys) == sorted(key(i) for i in range(3))
+        assert again.take_events() == []
+        assert quiet.take_events() == [] and quiet._events is None
+        # Another process's new block, found by the rescan, is announced at the next poll.
+        store(quiet, 2, [key(7)], [3])
+        again._dir_mtimes.clear()  # its directory's mtime may not have ticked yet: list it again
+        again._rescan_once()
+        assert again.get_finished_jobs() == []
+        assert [(e.keys, e.removed) for e in again.take_events()] == [([key(7)], False)]
+        assert again.stats()["discovered_blocks"] == 1
+    finally:
+        again.close()
+        quiet.close()

@@ -9,7 +9,9 @@ See ``docs/disk-tier.md``. In short:
 * **Crash-safe.** A file appears under its final name only complete (temporary name, then
   ``link``); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
   checksum of the payload. A bad file fails its load (cause counted) and is deleted.
-* **Warm restart.** The index is rebuilt from the file names at start (no file is read).
+* **Warm restart.** The index is rebuilt from the file names at start (no file is read); with
+  events on, the blocks found are announced once (``BlockStored``, medium ``STORAGE``), as are
+  blocks the rescan finds.
 * **Shareable.** Names are the deterministic block keys, so processes on one directory serve each
   other's blocks; a background rescan (every ``rescan_interval`` s, only directories whose mtime
   changed) learns of blocks other processes wrote. Eviction rule: any process may evict any block
@@ -173,6 +175,7 @@ class DiskTier(SecondaryTier):
         self._dir_mtimes: dict[str, float] = {}
         self._seen: dict[str, set[str]] = {}
         extra: list[str] = []
+        indexed: list[OffloadKey] = []
         on_disk = 0
         names: set[str] = set()
         current = None
@@ -185,6 +188,7 @@ class DiskTier(SecondaryTier):
                 block = new_block(OffloadedBlock)
                 block.slot, block.ref_cnt = -1, 0
                 insert(key, block)
+                indexed.append(key)
             elif alone:
                 extra.append(os.path.join(sub, name))
         for sub in self._seen:
@@ -202,6 +206,7 @@ class DiskTier(SecondaryTier):
         self._ledger.share()
         self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)
+        self._announce(indexed)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ scheduler-thread API
@@ -347,14 +352,24 @@ class DiskTier(SecondaryTier):
 
     def _index_discovered(self, keys: list[OffloadKey]) -> None:
         policy = self._policy
+        indexed: list[OffloadKey] = []
         for key in keys:
             if len(policy) >= self.capacity_blocks:
-                return
+                break
             if policy.get(key) is None:
                 block = OffloadedBlock.__new__(OffloadedBlock)
                 block.slot, block.ref_cnt = -1, 0
                 policy.insert(key, block)
-                self._counters["discovered_blocks"] += 1
+                indexed.append(key)
+        self._counters["discovered_blocks"] += len(indexed)
+        self._announce(indexed)
+
+    def _announce(self, keys: list[OffloadKey]) -> None:
+        """One stored event for blocks that entered the index from files (the warm-start scan,
+        the rescan): every block in the index is announced once, like the ones this tier
+        stored, so an event consumer's index matches the tier's after a restart too."""
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys, self.medium, False, self.locality))
 
     def drain_jobs(self) -> None:
         with self._idle:
