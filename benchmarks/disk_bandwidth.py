@@ -7,7 +7,8 @@ write of the same bytes (payloads + headers, one ``os.write`` per block file's b
 new file; then the tier loading the batch back into other slots (header and checksum verified)
 and the raw sequential reads of that file. The order of tier and raw alternates between repeats,
 so neither side always runs first (dirty-page writeback, CPU frequency). Every repeat writes new
-keys into a new tier directory and a new raw file (removed beforehand, untimed). Figures are
+keys into a new tier directory and a new raw file (removed beforehand, untimed); the tier's 256
+hash directories are created beforehand (untimed), as a tier that ran a while has them. Figures are
 medians of ``--repeats`` interleaved repeats, with the spread (min-max); ratio = median tier /
 median raw.
 
@@ -164,6 +165,8 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
                 o_direct=args.o_direct,
                 rescan_interval=0,
             )
+            for i in range(256):  # steady state: a tier that ran a while has every hash directory
+                (tier.namespace / f"{i:02x}").mkdir(exist_ok=True)
             keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
             raw_path = root / "raw.bin"
             first, last = biggest, biggest + batch
