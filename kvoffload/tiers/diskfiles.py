@@ -217,7 +217,6 @@ class BlockFiles:
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
         self._prefix = f"{namespace}/"  # paths are built as strings: pathlib is slow per block
-        self._pid = os.getpid()
         #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
         self.fresh_temporaries = 0
 
@@ -249,7 +248,7 @@ class BlockFiles:
         name = key.hex()
         folder = self._prefix + name[:2]
         final = f"{folder}/{name}{SUFFIX}"
-        tmp = f"{folder}/.{name}.{self._pid}.{next(_TMP_IDS)}.tmp"
+        tmp = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}.tmp"
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
