@@ -55,7 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="16,64,256")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=4, help="the tier's I/O threads")
-    p.add_argument("--o-direct", action="store_true")
+    p.add_argument(
+        "--o-direct", action="store_true", help="the tier uses O_DIRECT (the raw side stays buffered)"
+    )
     p.add_argument(
         "--cold", action="store_true", help="evict both sides' files from the page cache first"
     )
