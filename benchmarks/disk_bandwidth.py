@@ -35,12 +35,13 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from kvoffload.base import ReqContext
-from kvoffload.keys import make_offload_key
+from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, TierJob
 from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
 from kvoffload.tiers.diskfiles import file_bytes
@@ -56,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=4, help="the tier's I/O threads")
     p.add_argument(
-        "--o-direct", action="store_true", help="the tier uses O_DIRECT (the raw side stays buffered)"
+        "--o-direct", action="store_true", help="O_DIRECT for the tier (raw side stays buffered)"
     )
     p.add_argument(
         "--cold", action="store_true", help="evict both sides' files from the page cache first"
@@ -139,6 +140,29 @@ def raw_readv(path: Path, pool: memoryview, first_slot: int, n: int, file_size: 
     return time.perf_counter() - start
 
 
+def tier_store(tier: DiskTier, job_id: int, keys: list[OffloadKey]) -> float:
+    """Store ``keys`` from slots 0.. and wait until every block is published; seconds."""
+    start = time.perf_counter()
+    tier.submit_store(TierJob(job_id, keys, list(range(len(keys)))), ReqContext("bench"))
+    tier.drain_jobs()
+    seconds = time.perf_counter() - start
+    (stored,) = tier.get_finished_jobs()
+    assert stored.success, stored.failed_keys
+    return seconds
+
+
+def tier_load(tier: DiskTier, job_id: int, keys: list[OffloadKey], first_slot: int) -> float:
+    """Load ``keys`` into slots ``first_slot``.. (each block verified); seconds."""
+    slots = list(range(first_slot, first_slot + len(keys)))
+    start = time.perf_counter()
+    tier.submit_load(TierJob(job_id, keys, slots), ReqContext("bench"))
+    tier.drain_jobs()
+    seconds = time.perf_counter() - start
+    (loaded,) = tier.get_finished_jobs()
+    assert loaded.success, loaded.failed_keys
+    return seconds
+
+
 def rotated(names: list[str], k: int) -> list[str]:
     """``names`` rotated by ``k``: each repeat starts with another side."""
     k %= len(names)
@@ -151,7 +175,6 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
     biggest = max(batches)
     _keep, pool = aligned_pool(2 * biggest, block_bytes)
     fb = file_bytes(block_bytes)
-    ctx = ReqContext("bench")
     results: dict[int, dict[str, list[float]]] = {b: {} for b in batches}
     serial = 0
     for rep in range(args.repeats):
@@ -171,34 +194,14 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
                 (tier.namespace / f"{i:02x}").mkdir(exist_ok=True)
             keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
             raw_path = root / "raw.bin"
-            first, last = biggest, biggest + batch
-
-            def store(serial: int = serial, tier: DiskTier = tier, keys: list = keys) -> float:
-                start = time.perf_counter()
-                tier.submit_store(TierJob(serial, keys, list(range(len(keys)))), ctx)
-                tier.drain_jobs()
-                seconds = time.perf_counter() - start
-                (stored,) = tier.get_finished_jobs()
-                assert stored.success, stored.failed_keys
-                return seconds
-
-            def load(serial: int = serial, tier: DiskTier = tier, keys: list = keys) -> float:
-                start = time.perf_counter()
-                tier.submit_load(TierJob(serial + 1, keys, list(range(first, last))), ctx)
-                tier.drain_jobs()
-                seconds = time.perf_counter() - start
-                (loaded,) = tier.get_finished_jobs()
-                assert loaded.success, loaded.failed_keys
-                return seconds
-
             writes = {
-                "store": store,
-                "raw_write": lambda batch=batch: raw_write(raw_path, pool, batch, fb),
+                "store": partial(tier_store, tier, serial, keys),
+                "raw_write": partial(raw_write, raw_path, pool, batch, fb),
             }
             reads = {
-                "load": load,
-                "raw_read": lambda: raw_read(raw_path, fb),
-                "raw_readv": lambda batch=batch: raw_readv(raw_path, pool, first, batch, fb),
+                "load": partial(tier_load, tier, serial + 1, keys, biggest),
+                "raw_read": partial(raw_read, raw_path, fb),
+                "raw_readv": partial(raw_readv, raw_path, pool, biggest, batch, fb),
             }
             seconds = {}
             for name in rotated(list(writes), rep):
@@ -209,8 +212,9 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
                 seconds[name] = reads[name]()
             tier.close()
             serial += 2
-            sizes = {"store": batch * block_bytes, "raw_write": batch * fb, "load": batch * block_bytes}
-            sizes |= {"raw_read": batch * fb, "raw_readv": batch * block_bytes}
+            payload, files = batch * block_bytes, batch * fb
+            sizes = {"store": payload, "raw_write": files, "load": payload}
+            sizes |= {"raw_read": files, "raw_readv": payload}
             r = results[batch]
             for name, secs in seconds.items():
                 r.setdefault(name, []).append(sizes[name] / secs / 1e9)
