@@ -2,37 +2,46 @@
 bytes with plain ``os.write`` / ``os.read`` on the same filesystem (the limit).
 
 For each batch size (offloaded blocks per job) one repeat runs, interleaved: the tier storing the
-batch from host slots to block files (submit -> every block published), the raw write of the same
-number of bytes (payloads + headers) into one file, the tier loading the batch back into other
-slots (checksums verified), and the raw read of that file. Every repeat writes new keys into a
-tier directory that is emptied between repeats. Figures are medians of ``--repeats`` interleaved
-repeats, with the spread (min-max); the ratio is tier / raw.
+batch from host slots to block files (submit -> every block published) and the raw sequential
+write of the same bytes (payloads + headers, one ``os.write`` per block file's bytes) into one
+new file; then the tier loading the batch back into other slots (header and checksum verified)
+and the raw sequential reads of that file. The order of tier and raw alternates between repeats,
+so neither side always runs first (dirty-page writeback, CPU frequency). Every repeat writes new
+keys into a new tier directory and a new raw file (removed beforehand, untimed); the tier's 256
+hash directories are created beforehand (untimed), as a tier that ran a while has them. Figures are
+medians of ``--repeats`` interleaved repeats, with the spread (min-max); ratio = median tier /
+median raw.
 
-Reads are shown against two limits: plain ``os.read`` (its buffer is recycled, so it stays in the
-CPU cache: generous) and ``os.readv`` into the same host slots the tier loads into. The page cache
-is in play for both sides alike unless ``--drop-caches`` (root) drops it before
-every read, so that reads come from the device.
+Reads are shown against two limits: plain ``os.read`` of the file (the issue's definition; each
+call returns a new bytes object whose memory malloc recycles, so the destination stays in the
+CPU cache: a generous limit) and ``os.readv`` of the same payload bytes into the same host slots
+the tier loads into (the same destination memory as the tier: the like-for-like limit). By
+default both sides read what they just wrote, from the page cache (no device I/O);
+``--cold`` first ``fsync``s and evicts every file of both sides from the page cache
+(``posix_fadvise(DONTNEED)``, no root needed), so both read from the device.
 
 Also ``--scan-blocks N``: time a warm restart (index rebuild) over N block files.
 
 Usage: PYTHONPATH=. python benchmarks/disk_bandwidth.py [--dir DIR] [--block-kib 512]
-       [--batches 16,64,256] [--repeats 7] [--threads 4] [--o-direct] [--drop-caches]
+       [--batches 16,64,256] [--repeats 7] [--threads 4] [--o-direct] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from kvoffload.base import ReqContext
-from kvoffload.keys import make_offload_key
+from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, TierJob
 from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
 from kvoffload.tiers.diskfiles import file_bytes
@@ -47,9 +56,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="16,64,256")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=4, help="the tier's I/O threads")
-    p.add_argument("--o-direct", action="store_true")
     p.add_argument(
-        "--drop-caches", action="store_true", help="drop the page cache before reads (root)"
+        "--o-direct", action="store_true", help="O_DIRECT for the tier (raw side stays buffered)"
+    )
+    p.add_argument(
+        "--cold", action="store_true", help="evict both sides' files from the page cache first"
     )
     p.add_argument(
         "--scan-blocks", type=int, default=0, help="only time a warm restart over N files"
@@ -57,10 +68,15 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+def evict(paths: list[Path]) -> None:
+    """Write back and drop ``paths`` from the page cache (their next reads hit the device)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def layout(block_bytes: int) -> KVLayout:
@@ -77,14 +93,17 @@ def aligned_pool(num_slots: int, block_bytes: int) -> tuple[torch.Tensor, memory
 
 
 def raw_write(path: Path, pool: memoryview, n: int, file_size: int) -> float:
-    """Write ``n * file_size`` bytes from the pool with plain os.write; seconds."""
+    """Write ``n * file_size`` bytes from the pool into a new file, sequentially with plain
+    os.write (one call per block file's bytes); seconds."""
     flat = pool.cast("B")
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # untimed, like the tier's fresh directory
     start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         left, off = n * file_size, 0
         while left:
-            chunk = min(left, len(flat) - off)
+            chunk = min(left, file_size, len(flat) - off)
             written = os.write(fd, flat[off : off + chunk])
             left -= written
             off = (off + written) % len(flat)
@@ -121,13 +140,41 @@ def raw_readv(path: Path, pool: memoryview, first_slot: int, n: int, file_size: 
     return time.perf_counter() - start
 
 
+def tier_store(tier: DiskTier, job_id: int, keys: list[OffloadKey]) -> float:
+    """Store ``keys`` from slots 0.. and wait until every block is published; seconds."""
+    start = time.perf_counter()
+    tier.submit_store(TierJob(job_id, keys, list(range(len(keys)))), ReqContext("bench"))
+    tier.drain_jobs()
+    seconds = time.perf_counter() - start
+    (stored,) = tier.get_finished_jobs()
+    assert stored.success, stored.failed_keys
+    return seconds
+
+
+def tier_load(tier: DiskTier, job_id: int, keys: list[OffloadKey], first_slot: int) -> float:
+    """Load ``keys`` into slots ``first_slot``.. (each block verified); seconds."""
+    slots = list(range(first_slot, first_slot + len(keys)))
+    start = time.perf_counter()
+    tier.submit_load(TierJob(job_id, keys, slots), ReqContext("bench"))
+    tier.drain_jobs()
+    seconds = time.perf_counter() - start
+    (loaded,) = tier.get_finished_jobs()
+    assert loaded.success, loaded.failed_keys
+    return seconds
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """``names`` rotated by ``k``: each repeat starts with another side."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
 def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
     block_bytes = args.block_kib * 1024
     batches = [int(b) for b in args.batches.split(",")]
     biggest = max(batches)
     _keep, pool = aligned_pool(2 * biggest, block_bytes)
     fb = file_bytes(block_bytes)
-    ctx = ReqContext("bench")
     results: dict[int, dict[str, list[float]]] = {b: {} for b in batches}
     serial = 0
     for rep in range(args.repeats):
@@ -143,45 +190,38 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
                 o_direct=args.o_direct,
                 rescan_interval=0,
             )
+            for i in range(256):  # steady state: a tier that ran a while has every hash directory
+                (tier.namespace / f"{i:02x}").mkdir(exist_ok=True)
             keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
-            nbytes = batch * block_bytes
-            start = time.perf_counter()
-            tier.submit_store(TierJob(serial, keys, list(range(batch))), ctx)
-            tier.drain_jobs()
-            store_s = time.perf_counter() - start
-            (stored,) = tier.get_finished_jobs()
-            assert stored.success, stored.failed_keys
             raw_path = root / "raw.bin"
-            raw_w = raw_write(raw_path, pool, batch, fb)
-            if args.drop_caches:
-                drop_caches()
-            start = time.perf_counter()
-            tier.submit_load(TierJob(serial + 1, keys, list(range(biggest, biggest + batch))), ctx)
-            tier.drain_jobs()
-            load_s = time.perf_counter() - start
-            (loaded,) = tier.get_finished_jobs()
-            assert loaded.success, loaded.failed_keys
-            if args.drop_caches:
-                drop_caches()
-            raw_r = raw_read(raw_path, fb)
-            if args.drop_caches:
-                drop_caches()
-            raw_rv = raw_readv(raw_path, pool, biggest, batch, fb)
+            writes = {
+                "store": partial(tier_store, tier, serial, keys),
+                "raw_write": partial(raw_write, raw_path, pool, batch, fb),
+            }
+            reads = {
+                "load": partial(tier_load, tier, serial + 1, keys, biggest),
+                "raw_read": partial(raw_read, raw_path, fb),
+                "raw_readv": partial(raw_readv, raw_path, pool, biggest, batch, fb),
+            }
+            seconds = {}
+            for name in rotated(list(writes), rep):
+                seconds[name] = writes[name]()
+            for name in rotated(list(reads), rep):
+                if args.cold:
+                    evict([raw_path, *tier_dir.rglob("*.kvb")])
+                seconds[name] = reads[name]()
             tier.close()
             serial += 2
+            payload, files = batch * block_bytes, batch * fb
+            sizes = {"store": payload, "raw_write": files, "load": payload}
+            sizes |= {"raw_read": files, "raw_readv": payload}
             r = results[batch]
-            for name, seconds, size in (
-                ("store", store_s, nbytes),
-                ("raw_write", raw_w, batch * fb),
-                ("load", load_s, nbytes),
-                ("raw_read", raw_r, batch * fb),
-                ("raw_readv", raw_rv, nbytes),
-            ):
-                r.setdefault(name, []).append(size / seconds / 1e9)
+            for name, secs in seconds.items():
+                r.setdefault(name, []).append(sizes[name] / secs / 1e9)
         print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
     print(
         f"\nblock {args.block_kib} KiB payload ({fb} bytes per file), {args.threads} I/O threads, "
-        f"o_direct={args.o_direct}, drop_caches={args.drop_caches}; "
+        f"o_direct={args.o_direct}, page cache {'cold' if args.cold else 'warm'}; "
         f"GB/s median [min-max] of {args.repeats} interleaved repeats"
     )
     print(

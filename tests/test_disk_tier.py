@@ -18,6 +18,7 @@ from tier_cases import (
     slot_bytes,
     small_tmpfs,
     tier_file,
+    tier_file_or_none,
     wait_jobs,
 )
 
@@ -124,7 +125,7 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
         foreign = tier_file(
             tmp_path / "kvoffload-v1" / layout("other-model").fingerprint().hex(), key(5)
         )
-        mine = tier._files.path_of(key(5))
+        mine = Path(tier._files.path_of(key(5)))
         mine.parent.mkdir(parents=True, exist_ok=True)
         os.link(foreign, mine)
         tier.close()
@@ -360,3 +361,81 @@ def test_o_direct_round_trip(tmp_path: Path) -> None:
 def test_o_direct_needs_aligned_blocks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_o_direct"):
         DiskTier(_page_aligned_pool(4, 2048), layout(), tmp_path, 1 << 20, o_direct=True)
+
+
+def test_regression_store_that_evicts_never_finds_the_room_of_its_own_victims_taken(
+    tmp_path: Path,
+) -> None:
+    """Only a store's first chunk used to unlink its victims: another I/O thread could reserve
+    before it and fail ``"full"`` with the room about to be freed. Now the victims go and the
+    whole job is reserved in one ledger step before any block is written. The hook checks that
+    at every write (whatever order the threads run in); before the fix, a chunk could write with
+    victims still on disk, and gating the first chunk's reservation failed 4 of 8 blocks."""
+    victims = [key(i) for i in range(8)]
+    seen_at_write: list[tuple[bool, int]] = []
+
+    def check(op: str, k: bytes) -> None:
+        if op == "write" and k not in victims:
+            on_disk = any(tier_file_or_none(tmp_path, v) for v in victims)
+            seen_at_write.append((on_disk, tier._ledger.read()))
+
+    pool = host_pool(16)
+    data = {i: fill_slot(pool, 8 + i, seed=40 + i) for i in range(8)}
+    tier = make_tier(tmp_path, pool, blocks=8, num_threads=4, fault_hook=check)
+    try:
+        assert store(tier, 1, victims, list(range(8))) == {}
+        new = [key(i) for i in range(10, 18)]
+        assert store(tier, 2, new, list(range(8, 16))) == {}
+        assert seen_at_write == [(False, 8 * FILE)] * 8
+        assert all(tier.lookup(k, CTX) is LookupResult.MISS for k in victims)
+        assert load(tier, 3, new, list(range(8))) == {}
+        assert all(slot_bytes(pool, i) == data[i] for i in range(8))
+        assert dir_bytes(tmp_path) == LEDGER_BYTES + 8 * FILE == tier.stats()["dir_used_bytes"]
+    finally:
+        tier.close()
+
+
+def test_store_that_does_not_fit_keeps_its_longest_prefix(tmp_path: Path) -> None:
+    """Room taken by another process's blocks the index does not know of: the job's first
+    blocks are stored, the rest fail ``"full"``, and the ledger holds exactly the files."""
+    pool = host_pool(8)
+    other = make_tier(tmp_path, pool, blocks=4)
+    tier = make_tier(tmp_path, pool, blocks=4)
+    try:
+        assert store(other, 1, [key(100), key(101)], [0, 1]) == {}
+        failed = store(tier, 1, [key(i) for i in range(4)], [0, 1, 2, 3])
+        assert failed == {key(2): "full", key(3): "full"}
+        assert [tier.lookup(key(i), CTX) for i in range(4)] == [LookupResult.HIT] * 2 + [
+            LookupResult.MISS
+        ] * 2
+        assert dir_bytes(tmp_path) == LEDGER_BYTES + 4 * FILE == tier.stats()["dir_used_bytes"]
+    finally:
+        other.close()
+        tier.close()
+
+
+def test_blocks_found_on_disk_are_announced_once(tmp_path: Path) -> None:
+    """A warm start (and the rescan) announce the blocks they index as stored, once, so an
+    event consumer learns what a restarted engine holds; later events are as usual."""
+    pool = host_pool(8)
+    first = make_tier(tmp_path, pool)
+    store(first, 1, [key(i) for i in range(3)], [0, 1, 2])
+    first.close()
+    again = make_tier(tmp_path, pool, enable_events=True)
+    quiet = make_tier(tmp_path, pool)  # events off: nothing is kept
+    try:
+        (event,) = again.take_events()
+        assert (event.medium, event.removed, event.locality) == ("STORAGE", False, "LOCAL")
+        assert sorted(event.keys) == sorted(key(i) for i in range(3))
+        assert again.take_events() == []
+        assert quiet.take_events() == [] and quiet._events is None
+        # Another process's new block, found by the rescan, is announced at the next poll.
+        store(quiet, 2, [key(7)], [3])
+        again._dir_mtimes.clear()  # its directory's mtime may not have ticked yet: list it again
+        again._rescan_once()
+        assert again.get_finished_jobs() == []
+        assert [(e.keys, e.removed) for e in again.take_events()] == [([key(7)], False)]
+        assert again.stats()["discovered_blocks"] == 1
+    finally:
+        again.close()
+        quiet.close()

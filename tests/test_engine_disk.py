@@ -425,6 +425,32 @@ def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
     assert all(e.token_ids and e.block_size == 4 for e in stored)  # self-describing
 
 
+def test_events_after_a_warm_restart_show_the_blocks_already_on_disk(tmp_path: Path) -> None:
+    """A new engine announces the blocks its disk tier found at start (once, at its first step),
+    so ``kvoffload events listen --index`` shows them without waiting for new stores."""
+    with disk_engine(tmp_path) as engine:
+        one_at_a_time(engine, ROUNDS[0])
+    found = {offload_key_hash(bytes.fromhex(p.stem)) for p in block_files(tmp_path)}
+    events = {"enable_kv_cache_events": True, "publisher": "null"}
+    with disk_engine(tmp_path, kv_events_config=events) as engine:
+        collector = _Collector()
+        engine.publisher = collector
+        one_at_a_time(engine, ROUNDS[1][:1])
+        first = BlockIndex()
+        first.apply(collector.batches[0])
+        run_rounds(engine, ROUNDS[1:], SAMPLING)
+        engine.drain()
+        disk = engine.tiering.tiers[0]  # type: ignore[union-attr]
+        on_disk = {
+            offload_key_hash(k) for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
+        }
+    assert found and first.blocks("STORAGE/LOCAL") == found  # announced at the first step
+    index = BlockIndex()
+    for batch in collector.batches:
+        index.apply(batch)
+    assert index.blocks("STORAGE/LOCAL") == on_disk
+
+
 def test_disk_hits_are_counted_by_source_in_stats_and_metrics(tmp_path: Path, reference) -> None:
     """A warm restart loads its first prefix from disk: the tokens count as ``disk`` in the
     connector's counters, in tokens by source and in the scraped ``tier="disk"`` series."""

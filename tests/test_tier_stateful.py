@@ -127,7 +127,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         """Another process (or the disk) changes a file behind the tier's back."""
         if self.tier.lookup(k, self.ctx) is not HIT or self.pins[k] or k in self.damaged:
             return
-        path = self.tier._files.path_of(k)
+        path = Path(self.tier._files.path_of(k))
         if how == "delete":
             self.tier._ledger.remove(path, FILE)
         else:

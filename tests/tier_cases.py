@@ -88,3 +88,9 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def tier_file_or_none(root: Path, k: OffloadKey) -> Path | None:
+    """Where the disk tier keeps ``k``, or None if no file of that name is under ``root``."""
+    found = list(root.rglob(k.hex() + ".kvb"))
+    return found[0] if found else None

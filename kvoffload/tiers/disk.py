@@ -9,7 +9,9 @@ See ``docs/disk-tier.md``. In short:
 * **Crash-safe.** A file appears under its final name only complete (temporary name, then
   ``link``); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
   checksum of the payload. A bad file fails its load (cause counted) and is deleted.
-* **Warm restart.** The index is rebuilt from the file names at start (no file is read).
+* **Warm restart.** The index is rebuilt from the file names at start (no file is read); with
+  events on, the blocks found are announced once (``BlockStored``, medium ``STORAGE``), as are
+  blocks the rescan finds.
 * **Shareable.** Names are the deterministic block keys, so processes on one directory serve each
   other's blocks; a background rescan (every ``rescan_interval`` s, only directories whose mtime
   changed) learns of blocks other processes wrote. Eviction rule: any process may evict any block
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -172,6 +175,7 @@ class DiskTier(SecondaryTier):
         self._dir_mtimes: dict[str, float] = {}
         self._seen: dict[str, set[str]] = {}
         extra: list[str] = []
+        indexed: list[OffloadKey] = []
         on_disk = 0
         names: set[str] = set()
         current = None
@@ -184,6 +188,7 @@ class DiskTier(SecondaryTier):
                 block = new_block(OffloadedBlock)
                 block.slot, block.ref_cnt = -1, 0
                 insert(key, block)
+                indexed.append(key)
             elif alone:
                 extra.append(os.path.join(sub, name))
         for sub in self._seen:
@@ -201,6 +206,7 @@ class DiskTier(SecondaryTier):
         self._ledger.share()
         self._dir_used = on_disk
         self._counters["scanned_blocks"] = len(policy)
+        self._announce(indexed)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ scheduler-thread API
@@ -233,7 +239,7 @@ class DiskTier(SecondaryTier):
             -(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb
         )
         need = max(0, need_local, need_dir)
-        victims: list[Path] = []
+        victims: list[OffloadKey] = []
         if need:
             evicted = policy.evict(min(need, len(policy)), seen)
             if evicted is None:
@@ -243,18 +249,19 @@ class DiskTier(SecondaryTier):
                 self._counters["rejected_stores"] += 1
                 self._finish(running)
                 return
-            keys = [key for key, _ in evicted]
-            victims = [self._files.path_of(key) for key in keys]
-            self._counters["evicted_blocks"] += len(keys)
+            victims = [key for key, _ in evicted]
+            self._counters["evicted_blocks"] += len(victims)
             if self._events is not None:
-                self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
+                self._events.append(OffloadingEvent(victims, self.medium, True, self.locality))
         for key, _ in todo:
             block = OffloadedBlock.__new__(OffloadedBlock)
             block.slot, block.ref_cnt = -1, PENDING
             policy.insert(key, block)
         running.reserved = new_bytes - len(victims) * fb
         self._dir_submitted += running.reserved
-        self._dispatch(running, todo, victims)
+        with self._idle:
+            self._inflight += 1
+        self._pool.submit(self._store_job, running, todo, victims)
 
     def submit_load(self, job: TierJob, ctx: ReqContext | None = None) -> None:
         get = self._policy.get
@@ -272,18 +279,18 @@ class DiskTier(SecondaryTier):
         if not todo:
             self._finish(running)
             return
-        self._dispatch(running, todo, [])
-
-    def _dispatch(
-        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[Path]
-    ) -> None:
         with self._idle:
             self._inflight += 1
+        for chunk in self._chunks(todo):
+            self._pool.submit(self._load_blocks, running, chunk)
+
+    def _chunks(
+        self, items: list[tuple[OffloadKey, int]]
+    ) -> list[list[tuple[OffloadKey, int]]]:
+        """``items`` split into one run of consecutive blocks per I/O thread."""
         n = len(items)
-        chunk = max(1, -(-n // self._num_threads))
-        work = self._store_blocks if running.is_store else self._load_blocks
-        for i in range(0, n, chunk):
-            self._pool.submit(work, running, items[i : i + chunk], victims if i == 0 else [])
+        size = max(1, -(-n // self._num_threads))
+        return [items[i : i + size] for i in range(0, n, size)]
 
     def get_finished_jobs(self) -> list[TierJobResult]:
         while self._discovered:
@@ -345,14 +352,24 @@ class DiskTier(SecondaryTier):
 
     def _index_discovered(self, keys: list[OffloadKey]) -> None:
         policy = self._policy
+        indexed: list[OffloadKey] = []
         for key in keys:
             if len(policy) >= self.capacity_blocks:
-                return
+                break
             if policy.get(key) is None:
                 block = OffloadedBlock.__new__(OffloadedBlock)
                 block.slot, block.ref_cnt = -1, 0
                 policy.insert(key, block)
-                self._counters["discovered_blocks"] += 1
+                indexed.append(key)
+        self._counters["discovered_blocks"] += len(indexed)
+        self._announce(indexed)
+
+    def _announce(self, keys: list[OffloadKey]) -> None:
+        """One stored event for blocks that entered the index from files (the warm-start scan,
+        the rescan): every block in the index is announced once, like the ones this tier
+        stored, so an event consumer's index matches the tier's after a restart too."""
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys, self.medium, False, self.locality))
 
     def drain_jobs(self) -> None:
         with self._idle:
@@ -416,43 +433,66 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------------ I/O threads
 
-    def _store_blocks(
-        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[Path]
+    def _store_job(
+        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[OffloadKey]
     ) -> None:
-        files, ledger, fb = self._files, self._ledger, self.file_bytes
+        """A store's first step: unlink its victims and reserve the bytes of all its blocks in
+        one ledger step, before any block is written (so no block of the job can find the
+        directory full for lack of its own victims' room); then write the blocks that fit over
+        the I/O threads. Blocks that do not fit (other processes took the room) fail ``"full"``;
+        the job keeps the longest prefix."""
+        fb = self.file_bytes
+        path_of = self._files.path_of
+        try:
+            fit = self._ledger.reserve_blocks(len(items), fb, [path_of(k) for k in victims])
+        except Exception as exc:  # never lose a job: its blocks fail
+            logger.exception("disk tier: reserving %d blocks failed: %s", len(items), exc)
+            self._chunk_done(running, len(items), dict.fromkeys((k for k, _ in items), "io"), 0)
+            return
+        if fit < len(items):
+            full = dict.fromkeys((k for k, _ in items[fit:]), "full")
+            self._chunk_done(running, len(items) - fit, full, 0)
+        if not fit:
+            return
+        first, *rest = self._chunks(items[:fit])
+        for chunk in rest:
+            self._pool.submit(self._store_blocks, running, chunk)
+        self._store_blocks(running, first)
+
+    def _store_blocks(self, running: _Running, items: list[tuple[OffloadKey, int]]) -> None:
+        """Write blocks whose bytes :meth:`_store_job` reserved; return the unused bytes (failed
+        writes, blocks another process published first) in one ledger step."""
+        write, fb = self._files.write, self.file_bytes
         failed: dict[OffloadKey, str] = {}
-        nbytes = 0
+        nbytes = unused = 0
         for key, slot in items:
             try:
-                ok, _ = ledger.reserve(fb, victims, fb)
-                victims = []
-                if not ok:
-                    failed[key] = "full"
-                    continue
-                try:
-                    if not files.write(key, slot):
-                        ledger.release(fb)  # another process published it
-                    nbytes += self.layout.block_bytes
-                except BaseException:
-                    ledger.release(fb)
-                    raise
+                if not write(key, slot):
+                    unused += 1  # another process published it
+                nbytes += self.layout.block_bytes
             except OSError as exc:
+                unused += 1
                 failed[key] = "full" if is_no_space(exc) else "io"
                 logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
             except Exception as exc:  # never lose a job: report it failed
+                unused += 1
                 failed[key] = "io"
                 logger.exception("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+        if unused:
+            try:
+                self._ledger.release(unused * fb)
+            except Exception:  # the count drifts high (conservative) until a restart reconciles
+                logger.exception("disk tier: returning %d bytes to the ledger failed", unused * fb)
         self._chunk_done(running, len(items), failed, nbytes)
 
-    def _load_blocks(
-        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[Path]
-    ) -> None:
+    def _load_blocks(self, running: _Running, items: list[tuple[OffloadKey, int]]) -> None:
         files = self._files
+        read, head_buf = files.read, files.header_buffer()
         failed: dict[OffloadKey, str] = {}
         nbytes = 0
         for key, slot in items:
             try:
-                files.read(key, slot)
+                read(key, slot, head_buf)
                 nbytes += self.layout.block_bytes
             except FileNotFoundError:
                 failed[key] = "missing"
@@ -467,6 +507,8 @@ class DiskTier(SecondaryTier):
             except Exception as exc:
                 failed[key] = "io"
                 logger.exception("disk tier: loading %s failed: %s", key.hex()[:16], exc)
+        if isinstance(head_buf, mmap.mmap):
+            head_buf.close()
         self._chunk_done(running, len(items), failed, nbytes)
 
     def _chunk_done(

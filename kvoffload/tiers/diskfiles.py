@@ -25,7 +25,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
@@ -117,24 +117,21 @@ class SpaceLedger:
         os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
         self.last_seen = max(0, value)
 
-    def reserve(self, nbytes: int, victims: list[Path], victim_bytes: int) -> tuple[bool, int]:
-        """Unlink ``victims`` (each ``victim_bytes``), then take ``nbytes`` if they fit.
-
-        Returns ``(reserved, used_after)``. Atomic with respect to every other process.
-        """
+    def reserve_blocks(self, count: int, block_bytes: int, victims: Sequence[str]) -> int:
+        """Unlink ``victims`` (files of ``block_bytes``), then take the bytes of as many of
+        ``count`` blocks as fit; returns how many. One locked step for a whole job: atomic with
+        respect to every other thread and process."""
         with self._locked():
             used = self._get()
             for path in victims:
                 try:
-                    path.unlink()
-                    used -= victim_bytes
+                    os.unlink(path)
+                    used -= block_bytes
                 except FileNotFoundError:
                     pass
-            ok = used + nbytes <= self.capacity
-            if ok:
-                used += nbytes
-            self._set(used)
-            return ok, used
+            fit = max(0, min(count, (self.capacity - used) // block_bytes))
+            self._set(used + fit * block_bytes)
+            return fit
 
     def release(self, nbytes: int) -> int:
         """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
@@ -143,12 +140,12 @@ class SpaceLedger:
             self._set(used)
             return max(0, used)
 
-    def remove(self, path: Path, nbytes: int) -> int:
+    def remove(self, path: str, nbytes: int) -> int:
         """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
         with self._locked():
             used = self._get()
             try:
-                path.unlink()
+                os.unlink(path)
             except FileNotFoundError:
                 return used
             used = max(0, used - nbytes)
@@ -219,21 +216,22 @@ class BlockFiles:
         self.o_direct = o_direct
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
+        self._prefix = f"{namespace}/"  # paths are built as strings: pathlib is slow per block
         #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
         self.fresh_temporaries = 0
 
-    def path_of(self, key: OffloadKey) -> Path:
+    def path_of(self, key: OffloadKey) -> str:
         name = key.hex()
-        return self.namespace / name[:2] / (name + SUFFIX)
+        return f"{self._prefix}{name[:2]}/{name}{SUFFIX}"
 
     def _slot(self, slot: int) -> memoryview:
         b = self.block_bytes
         return self.pool[slot * b : (slot + 1) * b]
 
-    @staticmethod
-    def _aligned_buffer(size: int) -> mmap.mmap:
-        """A page-aligned scratch buffer (O_DIRECT needs aligned memory)."""
-        return mmap.mmap(-1, size)
+    def header_buffer(self) -> bytearray | mmap.mmap:
+        """A buffer for one block header, to pass to every :meth:`read` of one thread (page
+        aligned with O_DIRECT; the caller closes it then)."""
+        return mmap.mmap(-1, HEADER_ALIGN) if self.o_direct else bytearray(HEADER_ALIGN)
 
     def write(self, key: OffloadKey, slot: int) -> bool:
         """Write slot ``slot`` as the block of ``key``; True if this call published the file,
@@ -247,16 +245,18 @@ class BlockFiles:
             self.fault_hook("write", key)
         payload = self._slot(slot)
         header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
-        final = self.path_of(key)
-        tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(_TMP_IDS)}.tmp")
+        name = key.hex()
+        folder = self._prefix + name[:2]
+        final = f"{folder}/{name}{SUFFIX}"
+        tmp = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}.tmp"
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
-            head_buf = self._aligned_buffer(len(header))
+            head_buf = mmap.mmap(-1, len(header))
             head_buf[:] = header
             iov = [head_buf, payload]
         try:
-            fd = self._open_new(tmp)
+            fd = self._open_new(tmp, folder)
             try:
                 total = len(header) + len(payload)
                 written = os.pwritev(fd, iov, 0)
@@ -273,18 +273,21 @@ class BlockFiles:
             if head_buf is not None:
                 head_buf.close()
             with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+                os.unlink(tmp)
 
-    def _open_new(self, tmp: Path) -> int:
+    def _open_new(self, tmp: str, folder: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
         try:
             return os.open(tmp, flags, 0o644)
         except FileNotFoundError:  # its hash directory is not there yet
-            tmp.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             return os.open(tmp, flags, 0o644)
 
-    def read(self, key: OffloadKey, slot: int) -> None:
-        """Read the block of ``key`` into slot ``slot``, verified.
+    def read(
+        self, key: OffloadKey, slot: int, head_buf: bytearray | mmap.mmap | None = None
+    ) -> None:
+        """Read the block of ``key`` into slot ``slot``, verified; ``head_buf`` (from
+        :meth:`header_buffer`, reused across calls) receives the header.
 
         Raises :class:`CorruptBlockError` (``corrupt``/``layout``/``checksum``),
         ``FileNotFoundError`` (missing) or ``OSError``. On failure the slot holds garbage.
@@ -293,20 +296,21 @@ class BlockFiles:
             self.fault_hook("read", key)
         payload = self._slot(slot)
         head_len = header_size(len(key))
-        head_buf = self._aligned_buffer(head_len) if self.o_direct else bytearray(head_len)
+        own = head_buf is None or len(head_buf) != head_len
+        if own:
+            head_buf = mmap.mmap(-1, head_len) if self.o_direct else bytearray(head_len)
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY | self._flags)
             try:
                 got = os.preadv(fd, [head_buf, payload], 0)
             finally:
                 os.close(fd)
-            head = bytes(head_buf[:head_len])
+            if got < head_len:
+                raise CorruptBlockError("corrupt", f"file is {got} bytes, shorter than its header")
+            header = parse_header(head_buf, self.fingerprint, key, HEADER_ALIGN)
         finally:
-            if isinstance(head_buf, mmap.mmap):
+            if own and isinstance(head_buf, mmap.mmap):
                 head_buf.close()
-        if got < head_len:
-            raise CorruptBlockError("corrupt", f"file is {got} bytes, shorter than its header")
-        header = parse_header(head, self.fingerprint, key, HEADER_ALIGN)
         if got - head_len != header.payload_len or header.payload_len != len(payload):
             raise CorruptBlockError(
                 "corrupt",
