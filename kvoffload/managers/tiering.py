@@ -139,6 +139,10 @@ class TieringOffloadingManager(OffloadingManager):
         #: key -> job id of the promotion writing it into the host (``_QUEUED`` before submission)
         self._promoting: dict[OffloadKey, int] = {}
         self._promote_queue: list[dict[ReqContext, list[OffloadKey]]] = [{} for _ in self.tiers]
+        self._queued_promotions = False  # any(self._promote_queue), kept in O(1)
+        #: landed promotions pinned in the host for the request that asked for them, until it
+        #: loads (:meth:`prepare_load`) or ends: ctx -> keys, one host pin each
+        self._promotion_pins: dict[ReqContext, list[OffloadKey]] = {}
         self._cascade_queue: list[tuple[list[OffloadKey], list[int]]] = [
             ([], []) for _ in self.tiers
         ]
@@ -204,6 +208,7 @@ class TieringOffloadingManager(OffloadingManager):
             if answer is _HIT:
                 self._promote_queue[i].setdefault(ctx, []).append(key)
                 self._promoting[key] = _QUEUED
+                self._queued_promotions = True
                 self._counters["retry_answers"] += 1
                 return _RETRY
             if answer is _RETRY:
@@ -212,7 +217,17 @@ class TieringOffloadingManager(OffloadingManager):
         return _MISS
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
-        return self.host.prepare_load(keys, ctx)
+        try:
+            return self.host.prepare_load(keys, ctx)
+        finally:
+            # The request's own load pins what it loads now; its promotion pins have served.
+            if self._promotion_pins:
+                self._unpin_promoted(ctx)
+
+    def _unpin_promoted(self, ctx: ReqContext) -> None:
+        keys = self._promotion_pins.pop(ctx, None)
+        if keys:
+            self.host.complete_load(keys, _NO_REQUEST)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> str:
         """The tier a promotion brought ``key`` from, for its first load; else ``"host"``."""
@@ -232,6 +247,10 @@ class TieringOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._queued_promotions:
+            # This step's promotions take host room before its device stores do: a device store
+            # refused only goes unoffloaded, a promotion refused is recomputed.
+            self._submit_promotions()
         out = self.host.prepare_store(keys, ctx)
         if out is not None and out.evicted_keys:
             self._host_evicted(out.evicted_keys)
@@ -312,15 +331,22 @@ class TieringOffloadingManager(OffloadingManager):
                     ctx = job.ctx if job.ctx is not None else _NO_REQUEST
                     for key in job.keys:
                         self._promoting.pop(key, None)
+                    live = ctx.get_state(_RequestTiers)  # None once the request ended
                     if ok:
                         host.complete_store(ok, ctx, True)
                         promoted_from = self._promoted_from
                         for key in ok:
                             promoted_from[key] = job.tier
+                        if live is not None:
+                            # Held for the request until it loads them: otherwise the next
+                            # device stores may evict them before it is admitted.
+                            host.prepare_load(ok, _NO_REQUEST)
+                            self._promotion_pins.setdefault(ctx, []).extend(ok)
                     if failed:
                         bad = [k for k in job.keys if k in failed]
                         host.complete_store(bad, ctx, False)
-                        self._state(ctx).failed.update(bad)
+                        if live is not None:
+                            live.failed.update(bad)
                     counters["promoted_blocks"] += len(ok)
                     counters["promotion_jobs"] += 1
                     counters["promotion_us"] += int((time.perf_counter() - job.submitted) * 1e6)
@@ -331,15 +357,8 @@ class TieringOffloadingManager(OffloadingManager):
                     counters["failed_cascade_blocks"] += len(failed)
 
     def step_end(self) -> None:
-        # Jobs that finished during the step unpin their host slots first, so this step's
-        # promotions find the room the cascades held.
-        self._apply_finished()
+        self._submit_promotions()
         self._step += 1
-        for i, queue in enumerate(self._promote_queue):
-            if queue:
-                self._promote_queue[i] = {}
-                for ctx, keys in queue.items():
-                    self._submit_promotion(i, ctx, keys)
         if self._dirty:
             self._cascade_dirty()
         for i, (keys, slots) in enumerate(self._cascade_queue):
@@ -348,17 +367,33 @@ class TieringOffloadingManager(OffloadingManager):
                 job_id = self._new_job(_BackgroundJob(i, keys, None, promotion=False))
                 self.tiers[i].submit_store(TierJob(job_id, keys, slots))
 
+    def _submit_promotions(self) -> None:
+        """Reserve host slots for the promotions gathered this step and submit them."""
+        # Jobs that finished during the step unpin their host slots first, so the promotions
+        # find the room the cascades held.
+        self._apply_finished()
+        self._queued_promotions = False
+        for i, queue in enumerate(self._promote_queue):
+            if queue:
+                self._promote_queue[i] = {}
+                for ctx, keys in queue.items():
+                    self._submit_promotion(i, ctx, keys)
+
     def _submit_promotion(self, tier: int, ctx: ReqContext, keys: list[OffloadKey]) -> None:
-        state = self._state(ctx)
+        state = ctx.get_state(_RequestTiers)
+        promoting = self._promoting
+        if state is None:  # the request ended since its lookup
+            for key in keys:
+                promoting.pop(key, None)
+            return
         # The scan's hits still held (a device store this step may have evicted some; those are
         # looked up again, and must not take room here).
         held = self.host.policy.get
         scan = (
             [k for k in state.scan if held(k) is not None]
-            if state.scan_step == self._step - 1
+            if state.scan_step == self._step
             else []
         )
-        promoting = self._promoting
         # As many of the keys (a prefix: the rest is of no use without it) as the host has room
         # for; halving costs O(log n) refusals, each O(1) when nothing is evictable.
         n = len(keys)
@@ -423,7 +458,7 @@ class TieringOffloadingManager(OffloadingManager):
         return job_id
 
     def num_background_jobs(self) -> int:
-        queued = any(self._promote_queue) or any(k for k, _ in self._cascade_queue)
+        queued = self._queued_promotions or any(k for k, _ in self._cascade_queue)
         return len(self._jobs) + int(queued)
 
     def drain(self) -> None:
@@ -444,6 +479,8 @@ class TieringOffloadingManager(OffloadingManager):
         return events
 
     def request_finished(self, ctx: ReqContext) -> None:
+        if self._promotion_pins:
+            self._unpin_promoted(ctx)
         self.host.request_finished(ctx)
         for tier in self.tiers:
             tier.request_finished(ctx)
@@ -459,6 +496,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._jobs.clear()
         self._promoting.clear()
         self._promote_queue = [{} for _ in self.tiers]
+        self._queued_promotions = False
+        self._promotion_pins.clear()
         self._cascade_queue = [([], []) for _ in self.tiers]
         self._dirty.clear()
         self._promoted_from.clear()
@@ -468,6 +507,7 @@ class TieringOffloadingManager(OffloadingManager):
         out = dict(self.host.stats())
         out.update(self._counters)
         out["promotions_in_flight"] = len(self._promoting)
+        out["pinned_promoted_blocks"] = sum(map(len, self._promotion_pins.values()))
         for name, tier in zip(self.tier_names, self.tiers, strict=True):
             for stat, value in tier.stats().items():
                 out[f"{name}_{stat}"] = value
@@ -494,6 +534,14 @@ class TieringOffloadingManager(OffloadingManager):
                     f"{key.hex()}: promotion in flight but its host slot is not pending"
                 )
                 assert job_id in self._jobs, f"{key.hex()}: promotion job {job_id} unknown"
+        assert self._queued_promotions == any(self._promote_queue), "queued flag out of date"
+        for ctx, keys in self._promotion_pins.items():
+            assert ctx.get_state(_RequestTiers) is not None, f"{ctx.req_id} ended but pins blocks"
+            for key in keys:
+                block = self.host.policy.get(key)
+                assert block is not None and block.ref_cnt > 0, (
+                    f"{key.hex()}: promoted for {ctx.req_id} but not pinned in the host"
+                )
 
 
 #: The context of background work that belongs to no request (cascades).
