@@ -81,13 +81,14 @@ class _RequestTiers:
     """Per-request state (on the ReqContext): allowed tiers, blocks it must not wait for, and
     the host hits of its current lookup pass (protected while its promotions reserve slots)."""
 
-    __slots__ = ("failed", "load_tiers", "scan", "scan_step", "store_tiers")
+    __slots__ = ("failed", "load_tiers", "scan", "scan_evictable", "scan_step", "store_tiers")
 
     def __init__(self, load_tiers: list[int], store_tiers: list[int]) -> None:
         self.load_tiers = load_tiers
         self.store_tiers = store_tiers
         self.failed: set[OffloadKey] = set()
         self.scan: list[OffloadKey] = []
+        self.scan_evictable = 0  # scan keys that were evictable when looked up
         self.scan_step = -1
 
 
@@ -140,6 +141,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._promoting: dict[OffloadKey, int] = {}
         self._promote_queue: list[dict[ReqContext, list[OffloadKey]]] = [{} for _ in self.tiers]
         self._queued_promotions = False  # any(self._promote_queue), kept in O(1)
+        self._num_queued = 0  # keys in self._promote_queue
         #: landed promotions pinned in the host for the request that asked for them, until it
         #: loads (:meth:`prepare_load`) or ends: ctx -> keys, one host pin each
         self._promotion_pins: dict[ReqContext, list[OffloadKey]] = {}
@@ -159,6 +161,7 @@ class TieringOffloadingManager(OffloadingManager):
                 "failed_cascade_blocks",
                 "cascade_lost_blocks",
                 "retry_answers",
+                "room_waits",
                 "promotion_jobs",
                 "promotion_us",
             ),
@@ -192,7 +195,10 @@ class TieringOffloadingManager(OffloadingManager):
             if state.scan_step != self._step:
                 state.scan_step = self._step
                 state.scan.clear()
+                state.scan_evictable = 0
             state.scan.append(key)
+            if not self.host.policy.get(key).ref_cnt:  # type: ignore[union-attr]
+                state.scan_evictable += 1
             return _HIT
         if key in self._promoting:
             self._counters["retry_answers"] += 1
@@ -206,8 +212,11 @@ class TieringOffloadingManager(OffloadingManager):
         for i in state.load_tiers:
             answer = tiers[i].lookup(key, ctx)
             if answer is _HIT:
+                if self._room(state) <= 0:
+                    return self._no_room(ctx)
                 self._promote_queue[i].setdefault(ctx, []).append(key)
                 self._promoting[key] = _QUEUED
+                self._num_queued += 1
                 self._queued_promotions = True
                 self._counters["retry_answers"] += 1
                 return _RETRY
@@ -215,6 +224,27 @@ class TieringOffloadingManager(OffloadingManager):
                 self._counters["retry_answers"] += 1
                 return _RETRY
         return _MISS
+
+    def _room(self, state: _RequestTiers) -> int:
+        """Host slots one more promotion could get this step: free and evictable ones, less the
+        promotions queued this step and the evictable hits this request's scan protects."""
+        room = self.host.num_reclaimable - self._num_queued
+        if state.scan_step == self._step:
+            room -= state.scan_evictable
+        return room
+
+    def _no_room(self, ctx: ReqContext) -> LookupResult:
+        """A secondary hit the host has no room to promote now. A request that has promoted
+        blocks of its own (queued this step or landed) takes the prefix it has (``MISS``): it
+        never waits for room it holds itself. Another waits (``RETRY``, nothing queued): the
+        room is held by transfers and by promotions for requests ahead of it, each released
+        within a few steps, and lookups run in queue order, so it is served before the requests
+        behind it; the scheduler's retry budget bounds the wait."""
+        if ctx in self._promotion_pins or any(ctx in queue for queue in self._promote_queue):
+            return _MISS
+        self._counters["room_waits"] += 1
+        self._counters["retry_answers"] += 1
+        return _RETRY
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         try:
@@ -373,6 +403,7 @@ class TieringOffloadingManager(OffloadingManager):
         # find the room the cascades held.
         self._apply_finished()
         self._queued_promotions = False
+        self._num_queued = 0
         for i, queue in enumerate(self._promote_queue):
             if queue:
                 self._promote_queue[i] = {}
@@ -497,6 +528,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._promoting.clear()
         self._promote_queue = [{} for _ in self.tiers]
         self._queued_promotions = False
+        self._num_queued = 0
         self._promotion_pins.clear()
         self._cascade_queue = [([], []) for _ in self.tiers]
         self._dirty.clear()
@@ -535,6 +567,7 @@ class TieringOffloadingManager(OffloadingManager):
                 )
                 assert job_id in self._jobs, f"{key.hex()}: promotion job {job_id} unknown"
         assert self._queued_promotions == any(self._promote_queue), "queued flag out of date"
+        assert self._num_queued == sum(len(k) for q in self._promote_queue for k in q.values())
         for ctx, keys in self._promotion_pins.items():
             assert ctx.get_state(_RequestTiers) is not None, f"{ctx.req_id} ended but pins blocks"
             for key in keys:
