@@ -85,12 +85,12 @@ def one_at_a_time(
 ) -> list[RequestOutput]:
     """Each prompt alone, the engine's transfers and the tiers' jobs drained after it.
 
-    Run together, a round's requests race for the host's slots: a promotion reserves its slots
-    at ``step_end``, after the device stores planned in the same step (by requests that found
-    nothing to load), and refused, its request recomputes. Which prefixes reach the disk at all
-    depends on when the cascades' disk writes report (a cascade pins its host slots until then,
-    and the host refuses stores meanwhile). Alone, a request's lookup meets a drained host whose
-    slots are free or evictable: every prefix is cascaded, and every disk hit is promoted."""
+    Run together, which prefixes reach the disk at all depends on when the cascades' disk writes
+    report (a cascade pins its host slots until then, and the host refuses stores meanwhile), and
+    which promotions find host room on when the transfers holding it report. Alone, a request's
+    lookup meets a drained host whose slots are free or evictable: every prefix is cascaded, and
+    every disk hit is promoted. (Run together deterministically:
+    ``test_bug_a_round_run_together_promotes_instead_of_recomputing``.)"""
     outputs = []
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     for prompt, param in zip(prompts, params, strict=True):

@@ -23,11 +23,11 @@ def _store(manager: TieringOffloadingManager, keys: list, ctx: ReqContext) -> No
     manager.drain()
 
 
-def test_a_scan_hit_evicted_before_the_promotion_takes_no_room(tmp_path: Path) -> None:
-    """Request A's host hits h0, h1 are followed by k0, k1 on disk only. In the same step, before
-    the promotion is submitted, another request's device store evicts h1. The promotion then
-    needs room for k0 and k1 only (h1 is gone: A looks it up again), and there is exactly that
-    much: both are promoted, none refused, and no slot is taken for h1."""
+def test_a_promotion_protects_its_requests_host_hits(tmp_path: Path) -> None:
+    """Request A's host hits h0, h1 are followed by k0, k1 on disk only. In the same step another
+    request's device store comes: A's promotion reserves first (at that store's prepare_store),
+    evicting x0, x1 but never A's own hits h0, h1; the device store then takes h1, the oldest
+    block left (A looks it up again next step). Nothing is refused."""
     host = CPUOffloadingManager(4, "lru")
     disk = DiskTier(host_pool(4), layout(), tmp_path, 1 << 20, rescan_interval=0)
     manager = TieringOffloadingManager(host, [disk])
@@ -42,14 +42,14 @@ def test_a_scan_hit_evicted_before_the_promotion_takes_no_room(tmp_path: Path) -
         a = ReqContext("a")
         assert [manager.lookup(k, a) for k in (h0, h1, k0, k1)] == [HIT, HIT, RETRY, RETRY]
         out = manager.prepare_store([y0], ReqContext("b"))  # the same step's device store
-        assert out is not None and out.evicted_keys == [h1]
-        manager.step_end()  # submits A's promotion: x0, x1 are the only evictable blocks
+        assert out is not None and out.evicted_keys == [h1]  # after A's promotion took x0, x1
+        manager.step_end()
         manager.drain()
 
         stats = manager.stats()
         assert stats["promoted_blocks"] == 2
         assert stats["refused_promotion_blocks"] == 0
-        assert stats["evicted_blocks"] == 2 + 1 + 2  # k0, k1; h1; x0, x1 (nothing for h1 again)
+        assert stats["evicted_blocks"] == 2 + 2 + 1  # k0, k1; x0, x1; h1
         assert [manager.lookup(k, a) for k in (h0, k0, k1)] == [HIT, HIT, HIT]
         manager.check_invariants()
     finally:

@@ -17,7 +17,10 @@ being loaded into the engine for another request shares that load: it is passed 
 load lands (its blocks then enter the prefix cache) instead of loading a second copy, and the
 requests behind it are admitted meanwhile, so nobody queues behind it. A request whose offloaded
 hit is not known yet (the connector answers ``None``: blocks are being promoted from a secondary
-tier) is passed over the same way and asked again next step; the connector bounds how long.
+tier) is passed over the same way and asked again next step; the connector bounds how long. It
+keeps the free blocks its prompt will need for the rest of the step's admissions: the requests
+behind it are looked up and admitted only while the blocks left over fit them (so no lookup starts
+a promotion for a request that could not be admitted now anyway).
 """
 
 from __future__ import annotations

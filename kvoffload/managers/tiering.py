@@ -7,26 +7,32 @@ exchange blocks with host slots only. Behind the unchanged :class:`OffloadingMan
 * **Lookup** answers the host first; a host miss asks the secondary tiers in order. A secondary
   hit is *promoted*: host slots are reserved (host ``prepare_store``) and the tier loads into them
   (``submit_load``); until it lands the answer is ``RETRY`` (the scheduler asks again next step),
-  then ``HIT`` from the host. A failed or refused promotion answers ``MISS`` to that request from
-  then on: it recomputes.
+  then ``HIT`` from the host. A promotion starts only if the host has room for it this step;
+  without room a request waits (``RETRY``, ``room_waits``) unless it has promoted blocks of its
+  own, then it takes the prefix it has (``MISS``). A failed or refused promotion answers ``MISS``
+  to that request from then on: it recomputes.
+* **Order**: a step's promotions reserve their host slots before its device stores (at the first
+  :meth:`prepare_store` of the step, else at :meth:`step_end`).
 * **Stores** go to the host. When a host store completes, its blocks *cascade* to the secondary
   tiers (``cascade="write_through"``), or, with ``cascade="on_evict"``, only when the host runs
   short of free slots (oldest-stored first; a block the host evicts before its turn is lost to
   the secondary tiers and counted in ``cascade_lost_blocks``).
 * **Pins**: a host slot being read by a cascade is pinned (host ``prepare_load``) until the
-  tier's store reports; a slot being written by a promotion is pending in the host. Neither is
-  evicted.
+  tier's store reports; a slot being written by a promotion is pending in the host; a landed
+  promotion is pinned for the request that asked for it until that request loads
+  (:meth:`prepare_load`) or ends (:meth:`request_finished`). None of them is evicted.
 * **No convoy**: a promotion serves whoever wants its blocks: a second request wanting a block
   being promoted waits for that same promotion (it would need the same I/O; it never starts a
-  second copy) and is bounded by its own retry budget in the scheduler, after which it takes the
-  prefix it has. A request never waits for anything it does not need.
+  second copy). A request waiting for host room waits for transfers and for promotions of the
+  requests ahead of it (lookups run in queue order). Every wait is bounded by the request's retry
+  budget in the scheduler, after which it takes the prefix it has.
 * **Per-request tiers**: ``kv_transfer_params["kv_load_tiers"]`` / ``["kv_store_tiers"]`` list
   the secondary tier names a request may promote from / cascade to (default: all).
 
-Background work is batched per step: lookups and completed host stores only queue jobs;
-:meth:`step_end` submits them (one job per tier and request), :meth:`step_begin` and
-:meth:`step_end` apply the tiers' finished jobs (never blocking). Events: the host's (medium ``CPU``) and each tier's (``STORAGE`` with its
-locality), in that order.
+Background work is batched per step: lookups and completed host stores only queue jobs, which
+are submitted once per step (one job per tier and request); :meth:`step_begin` and the
+submission apply the tiers' finished jobs (never blocking). Events: the host's (medium ``CPU``)
+and each tier's (``STORAGE`` with its locality), in that order.
 """
 
 from __future__ import annotations
@@ -109,7 +115,9 @@ class TieringOffloadingManager(OffloadingManager):
     Counters (:meth:`stats`): the host's, unprefixed; per tier ``<name>_<counter>``; and
     ``promoted_blocks``, ``failed_promotion_blocks``, ``refused_promotion_blocks`` (no host room),
     ``cascaded_blocks``, ``failed_cascade_blocks``, ``cascade_lost_blocks``, ``retry_answers``,
-    ``promotion_jobs`` and ``promotion_us`` (microseconds from submission to the result, summed).
+    ``room_waits`` (``RETRY`` answers waiting for host room), ``promotion_jobs`` and
+    ``promotion_us`` (microseconds from submission to the result, summed); gauges
+    ``promotions_in_flight`` and ``pinned_promoted_blocks``.
     """
 
     medium = "CPU"
@@ -417,8 +425,9 @@ class TieringOffloadingManager(OffloadingManager):
             for key in keys:
                 promoting.pop(key, None)
             return
-        # The scan's hits still held (a device store this step may have evicted some; those are
-        # looked up again, and must not take room here).
+        # The scan's hits are protected from eviction for this reservation. Every host eviction
+        # goes through a prepare_store here, which submits queued promotions first, so they are
+        # still held; a key that were not would be reserved a slot never written.
         held = self.host.policy.get
         scan = (
             [k for k in state.scan if held(k) is not None]
