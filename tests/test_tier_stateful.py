@@ -347,5 +347,6 @@ def test_tiering_manager_contract() -> None:
         "disk_evicted_blocks",
         "pinned_promoted_seen",
         "refused_promotion_blocks",
+        "room_waits",
     ):
         assert TIERING_TOTALS[path] > 0, f"no run reached {path}: {dict(TIERING_TOTALS)}"
