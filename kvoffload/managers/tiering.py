@@ -148,8 +148,7 @@ class TieringOffloadingManager(OffloadingManager):
         #: key -> job id of the promotion writing it into the host (``_QUEUED`` before submission)
         self._promoting: dict[OffloadKey, int] = {}
         self._promote_queue: list[dict[ReqContext, list[OffloadKey]]] = [{} for _ in self.tiers]
-        self._queued_promotions = False  # any(self._promote_queue), kept in O(1)
-        self._num_queued = 0  # keys in self._promote_queue
+        self._num_queued = 0  # keys in self._promote_queue (0: the queues are empty)
         #: landed promotions pinned in the host for the request that asked for them, until it
         #: loads (:meth:`prepare_load`) or ends: ctx -> keys, one host pin each
         self._promotion_pins: dict[ReqContext, list[OffloadKey]] = {}
@@ -225,7 +224,6 @@ class TieringOffloadingManager(OffloadingManager):
                 self._promote_queue[i].setdefault(ctx, []).append(key)
                 self._promoting[key] = _QUEUED
                 self._num_queued += 1
-                self._queued_promotions = True
                 self._counters["retry_answers"] += 1
                 return _RETRY
             if answer is _RETRY:
@@ -285,7 +283,7 @@ class TieringOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self._queued_promotions:
+        if self._num_queued:
             # This step's promotions take host room before its device stores do: a device store
             # refused only goes unoffloaded, a promotion refused is recomputed.
             self._submit_promotions()
@@ -410,7 +408,6 @@ class TieringOffloadingManager(OffloadingManager):
         # Jobs that finished during the step unpin their host slots first, so the promotions
         # find the room the cascades held.
         self._apply_finished()
-        self._queued_promotions = False
         self._num_queued = 0
         for i, queue in enumerate(self._promote_queue):
             if queue:
@@ -427,7 +424,7 @@ class TieringOffloadingManager(OffloadingManager):
             return
         # The scan's hits are protected from eviction for this reservation. Every host eviction
         # goes through a prepare_store here, which submits queued promotions first, so they are
-        # still held; a key that were not would be reserved a slot never written.
+        # still held (one that was not would get a slot reserved and never written).
         held = self.host.policy.get
         scan = (
             [k for k in state.scan if held(k) is not None]
@@ -498,7 +495,7 @@ class TieringOffloadingManager(OffloadingManager):
         return job_id
 
     def num_background_jobs(self) -> int:
-        queued = self._queued_promotions or any(k for k, _ in self._cascade_queue)
+        queued = self._num_queued > 0 or any(k for k, _ in self._cascade_queue)
         return len(self._jobs) + int(queued)
 
     def drain(self) -> None:
@@ -536,7 +533,6 @@ class TieringOffloadingManager(OffloadingManager):
         self._jobs.clear()
         self._promoting.clear()
         self._promote_queue = [{} for _ in self.tiers]
-        self._queued_promotions = False
         self._num_queued = 0
         self._promotion_pins.clear()
         self._cascade_queue = [([], []) for _ in self.tiers]
@@ -575,8 +571,8 @@ class TieringOffloadingManager(OffloadingManager):
                     f"{key.hex()}: promotion in flight but its host slot is not pending"
                 )
                 assert job_id in self._jobs, f"{key.hex()}: promotion job {job_id} unknown"
-        assert self._queued_promotions == any(self._promote_queue), "queued flag out of date"
-        assert self._num_queued == sum(len(k) for q in self._promote_queue for k in q.values())
+        queued = sum(len(keys) for queue in self._promote_queue for keys in queue.values())
+        assert self._num_queued == queued, f"{self._num_queued} promotions counted, {queued} queued"
         for ctx, keys in self._promotion_pins.items():
             assert ctx.get_state(_RequestTiers) is not None, f"{ctx.req_id} ended but pins blocks"
             for key in keys:
