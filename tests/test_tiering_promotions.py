@@ -185,3 +185,40 @@ def test_reset_drops_promotion_pins(tmp_path: Path) -> None:
         manager.check_invariants()
     finally:
         manager.close()
+
+
+def test_without_host_room_a_request_waits_unless_it_has_promoted_blocks(tmp_path: Path) -> None:
+    """Host of 4 slots, k0..k5 on disk only. A's scan queues k0..k3 (the room) and gets MISS at
+    k4: it takes the prefix it has rather than wait for room it holds itself. B finds no room and
+    no promotion of its own: it waits (RETRY, nothing queued) until A's load releases the room,
+    then its promotion starts."""
+    manager = _tiering(tmp_path)
+    try:
+        ks = [key(i) for i in range(6)]
+        fillers = [key(i) for i in range(6, 14)]
+        _on_disk_only(manager, ks[:4], fillers[:4])
+        _on_disk_only(manager, ks[4:], fillers[4:])
+        a, b = ReqContext("a"), ReqContext("b")
+        assert [manager.lookup(k, a) for k in ks[:5]] == [RETRY] * 4 + [LookupResult.MISS]
+        assert manager.lookup(ks[5], b) is RETRY
+        stats = manager.stats()
+        assert stats["room_waits"] == 1 and stats["promotions_in_flight"] == 4
+        manager.step_end()
+        manager.drain()
+        assert manager.lookup(ks[5], b) is RETRY  # all four slots pinned for A
+        assert manager.stats()["room_waits"] == 2
+        manager.step_end()
+        manager.drain()
+
+        manager.prepare_load(ks[:4], a)
+        manager.complete_load(ks[:4], a)
+        assert manager.lookup(ks[5], b) is RETRY
+        manager.step_end()
+        manager.drain()
+        stats = manager.stats()
+        assert stats["room_waits"] == 2 and stats["refused_promotion_blocks"] == 0
+        assert stats["promoted_blocks"] == 5
+        assert manager.lookup(ks[5], b) is HIT
+        manager.check_invariants()
+    finally:
+        manager.close()
