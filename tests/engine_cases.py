@@ -13,6 +13,7 @@ import torch
 from kvoffload.base import OffloadingManager
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.worker import DelayedCompletionHandler
 
 #: Engine block size of every test engine (small, so short prompts span many blocks).
@@ -176,10 +177,13 @@ def assert_same_outputs(
 
 
 def backing_manager(engine: Engine) -> CPUOffloadingManager:
-    """The engine's host-tier manager, unwrapped from the reuse filter."""
+    """The engine's host-tier manager, unwrapped from the reuse filter or the tiering manager."""
     manager: OffloadingManager | None = engine.manager
     if isinstance(manager, FilterReusedOffloadingManager):
         manager = manager.backing
+    if isinstance(manager, TieringOffloadingManager):
+        manager.check_invariants()
+        manager = manager.host
     assert isinstance(manager, CPUOffloadingManager)
     return manager
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 from engine_cases import (
+    assert_quiescent,
     assert_same_outputs,
     cycling_rounds,
+    delay_completions,
     greedy,
     host_gib,
     one_thread,  # noqa: F401  (autouse fixture)
@@ -83,12 +85,12 @@ def one_at_a_time(
 ) -> list[RequestOutput]:
     """Each prompt alone, the engine's transfers and the tiers' jobs drained after it.
 
-    Run together, a round's requests race for the host's slots: a promotion reserves its slots
-    at ``step_end``, after the device stores planned in the same step (by requests that found
-    nothing to load), and refused, its request recomputes. Which prefixes reach the disk at all
-    depends on when the cascades' disk writes report (a cascade pins its host slots until then,
-    and the host refuses stores meanwhile). Alone, a request's lookup meets a drained host whose
-    slots are free or evictable: every prefix is cascaded, and every disk hit is promoted."""
+    Run together, which prefixes reach the disk at all depends on when the cascades' disk writes
+    report (a cascade pins its host slots until then, and the host refuses stores meanwhile), and
+    which promotions find host room on when the transfers holding it report. Alone, a request's
+    lookup meets a drained host whose slots are free or evictable: every prefix is cascaded, and
+    every disk hit is promoted. (Run together deterministically:
+    ``test_bug_a_round_run_together_promotes_instead_of_recomputing``.)"""
     outputs = []
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     for prompt, param in zip(prompts, params, strict=True):
@@ -109,6 +111,41 @@ def test_prefixes_beyond_the_host_tier_come_back_from_disk(tmp_path: Path, refer
     assert stats["offload_tier_disk_failed_load_blocks"] == 0
     # Some request of the later rounds got its prefix from the offloaded tiers.
     assert sum(o.cached_tokens_offload for o in outputs[8:]) > 0
+
+
+def test_bug_a_round_run_together_promotes_instead_of_recomputing(
+    tmp_path: Path, reference
+) -> None:
+    """Regression: a round's eight requests admitted together, each prefix on disk only. Two bugs
+    made most of them recompute: every deferred request let the one behind it be looked up, so
+    each request of the round started a promotion the host had no room for (refused: recomputed),
+    and a promotion reserved its slots at ``step_end``, after the same step's device stores took
+    them. Now promotions go first, and a request waiting for one keeps the device blocks it will
+    need, so requests the pool cannot admit yet start no promotion. Deterministic: transfers
+    report one step late and the disk's jobs are drained after every step."""
+    with disk_engine(tmp_path) as engine:
+        delay_completions(engine, lambda _: 0)
+        assert engine.tiering is not None
+        disk = engine.tiering.tiers[0]
+        outputs = one_at_a_time(engine, ROUNDS[0])  # every prefix reaches the disk
+        before = engine.stats()
+        for prompts in ROUNDS[1:]:
+            ids = [engine.add_request(p, SAMPLING) for p in prompts]
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(ids):
+                done.update((o.request_id, o) for o in engine.step())
+                disk.drain_jobs()
+            outputs.extend(done[i] for i in ids)
+        stats = engine.stats()
+        assert_quiescent(engine)
+    assert_same_outputs(outputs, reference)
+    assert stats["offload_tier_refused_promotion_blocks"] == 0
+    assert stats["offload_tier_pinned_promoted_blocks"] == 0
+    promoted = stats["offload_tier_promoted_blocks"] - before["offload_tier_promoted_blocks"]
+    disk_tokens = stats["offload_hit_tokens_disk"] - before.get("offload_hit_tokens_disk", 0)
+    assert promoted > 0
+    assert disk_tokens == promoted * 4  # every promoted block was loaded by its request
+    computed = stats["forward_tokens"] - before["forward_tokens"]
 
 
 @pytest.mark.parametrize("cascade", ["write_through", "on_evict"])

@@ -220,10 +220,29 @@ class TieringMachine(RuleBasedStateMachine):
         self.on_disk: set[bytes] = set()  # replayed from disk events
 
     def teardown(self) -> None:
-        self.manager.close()
-        for name, value in self.manager.stats().items():
-            TIERING_TOTALS[name] += value
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self._end_everything()
+        finally:
+            self.manager.close()
+            for name, value in self.manager.stats().items():
+                TIERING_TOTALS[name] += value
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _end_everything(self) -> None:
+        """Every transfer completes and every request ends: no host pin of any kind is left
+        (loads, cascades, promotions pinned for their request)."""
+        for ctx, keys in self.device_pins:
+            self.manager.complete_load(keys, ctx)
+        for ctx, keys in self.stores:
+            self.manager.complete_store(keys, ctx)
+        self.device_pins, self.stores = [], []
+        for ctx in self.ctxs:
+            self.manager.request_finished(ctx)
+        self.manager.drain()
+        self.manager.check_invariants()
+        assert self.manager.stats()["pinned_promoted_blocks"] == 0
+        held = {k.hex(): b.ref_cnt for k, b in self.host.items() if b.ref_cnt != 0}
+        assert not held, f"host blocks left pinned or pending: {held}"
 
     @rule(r=st.integers(0, 2), keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=4))
     def lookup_chain(self, r: int, keys: list[bytes]) -> None:
@@ -309,6 +328,7 @@ class TieringMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.manager.check_invariants()
+        TIERING_TOTALS["pinned_promoted_seen"] += self.manager.stats()["pinned_promoted_blocks"]
         probe = ReqContext("probe")
         for k in UNIVERSE:
             if self.host.lookup(k, probe) is HIT:
@@ -320,5 +340,13 @@ class TieringMachine(RuleBasedStateMachine):
 def test_tiering_manager_contract() -> None:
     TIERING_TOTALS.clear()
     run_state_machine_as_test(TieringMachine, settings=SETTINGS)
-    for path in ("promoted_blocks", "cascaded_blocks", "retry_answers", "disk_evicted_blocks"):
+    for path in (
+        "promoted_blocks",
+        "cascaded_blocks",
+        "retry_answers",
+        "disk_evicted_blocks",
+        "pinned_promoted_seen",
+        "refused_promotion_blocks",
+        "room_waits",
+    ):
         assert TIERING_TOTALS[path] > 0, f"no run reached {path}: {dict(TIERING_TOTALS)}"

@@ -17,7 +17,10 @@ being loaded into the engine for another request shares that load: it is passed 
 load lands (its blocks then enter the prefix cache) instead of loading a second copy, and the
 requests behind it are admitted meanwhile, so nobody queues behind it. A request whose offloaded
 hit is not known yet (the connector answers ``None``: blocks are being promoted from a secondary
-tier) is passed over the same way and asked again next step; the connector bounds how long.
+tier) is passed over the same way and asked again next step; the connector bounds how long. It
+keeps the free blocks its prompt will need for the rest of the step's admissions: the requests
+behind it are looked up and admitted only while the blocks left over fit them (so no lookup starts
+a promotion for a request that could not be admitted now anyway).
 """
 
 from __future__ import annotations
@@ -197,6 +200,10 @@ class EngineScheduler:
 
     def _admit_waiting(self, plan: StepPlan, budget: int, deferred: list[Request]) -> None:
         bs = self.block_size
+        # Free blocks the requests deferred this step for a promotion will need (their whole
+        # prompts, an upper bound): the requests behind them only get the rest, so no lookup
+        # starts a promotion for a request the pool could not admit now anyway.
+        promised = 0
         while (
             self.waiting
             and budget > 0
@@ -204,6 +211,9 @@ class EngineScheduler:
         ):
             req = self.waiting[0]
             hits = self.pool.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
+            prompt_blocks = _cdiv(req.num_tokens, bs) - len(hits)
+            if promised and self.pool.num_free_blocks - promised < prompt_blocks:
+                break
             if (
                 self._loading_hashes
                 and len(hits) < len(req.block_hashes)
@@ -220,7 +230,9 @@ class EngineScheduler:
                 matched, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 if matched is None:
                     # Not known yet (a block is being promoted from a secondary tier): ask again
-                    # next step; the requests behind it are admitted meanwhile.
+                    # next step; the requests behind it are admitted meanwhile, in the blocks
+                    # it leaves.
+                    promised += prompt_blocks
                     deferred.append(self.waiting.popleft())
                     continue
                 num_external = matched
@@ -228,9 +240,9 @@ class EngineScheduler:
             n = 0 if load_async else min(req.num_tokens - num_cached, budget)
             need = _cdiv(num_cached + n, bs) - len(hits)
             self.pool.take(hits)
-            new = self.pool.allocate(need)
+            new = self._allocate(need, promised)
             if new is None and self._release_store_retries():
-                new = self.pool.allocate(need)
+                new = self._allocate(need, promised)
             if new is None:
                 self.pool.free(hits)
                 break
@@ -259,6 +271,12 @@ class EngineScheduler:
             plan.scheduled.append((req, n))
             plan.connector_output.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _allocate(self, n: int, promised: int) -> list[KVBlock] | None:
+        """``n`` free blocks, leaving ``promised`` free, or ``None`` if too few."""
+        if self.pool.num_free_blocks - promised < n:
+            return None
+        return self.pool.allocate(n)
 
     def _track_load(self, req: Request, first: int, end: int) -> None:
         self._load_ranges[req.request_id] = (first, end)

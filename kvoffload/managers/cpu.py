@@ -89,6 +89,12 @@ class CPUOffloadingManager(OffloadingManager):
         return self._num_blocks
 
     @property
+    def num_reclaimable(self) -> int:
+        """Slots a :meth:`prepare_store` could fill now: free ones plus evictable blocks (ready,
+        unpinned). O(1)."""
+        return self._num_blocks - len(self._policy) + self._num_evictable
+
+    @property
     def policy(self) -> EvictionPolicy:
         """The eviction policy ordering this tier."""
         return self._policy

@@ -7,26 +7,32 @@ exchange blocks with host slots only. Behind the unchanged :class:`OffloadingMan
 * **Lookup** answers the host first; a host miss asks the secondary tiers in order. A secondary
   hit is *promoted*: host slots are reserved (host ``prepare_store``) and the tier loads into them
   (``submit_load``); until it lands the answer is ``RETRY`` (the scheduler asks again next step),
-  then ``HIT`` from the host. A failed or refused promotion answers ``MISS`` to that request from
-  then on: it recomputes.
+  then ``HIT`` from the host. A promotion starts only if the host has room for it this step;
+  without room a request waits (``RETRY``, ``room_waits``) unless it has promoted blocks of its
+  own, then it takes the prefix it has (``MISS``). A failed or refused promotion answers ``MISS``
+  to that request from then on: it recomputes.
+* **Order**: a step's promotions reserve their host slots before its device stores (at the first
+  :meth:`prepare_store` of the step, else at :meth:`step_end`).
 * **Stores** go to the host. When a host store completes, its blocks *cascade* to the secondary
   tiers (``cascade="write_through"``), or, with ``cascade="on_evict"``, only when the host runs
   short of free slots (oldest-stored first; a block the host evicts before its turn is lost to
   the secondary tiers and counted in ``cascade_lost_blocks``).
 * **Pins**: a host slot being read by a cascade is pinned (host ``prepare_load``) until the
-  tier's store reports; a slot being written by a promotion is pending in the host. Neither is
-  evicted.
+  tier's store reports; a slot being written by a promotion is pending in the host; a landed
+  promotion is pinned for the request that asked for it until that request loads
+  (:meth:`prepare_load`) or ends (:meth:`request_finished`). None of them is evicted.
 * **No convoy**: a promotion serves whoever wants its blocks: a second request wanting a block
   being promoted waits for that same promotion (it would need the same I/O; it never starts a
-  second copy) and is bounded by its own retry budget in the scheduler, after which it takes the
-  prefix it has. A request never waits for anything it does not need.
+  second copy). A request waiting for host room waits for transfers and for promotions of the
+  requests ahead of it (lookups run in queue order). Every wait is bounded by the request's retry
+  budget in the scheduler, after which it takes the prefix it has.
 * **Per-request tiers**: ``kv_transfer_params["kv_load_tiers"]`` / ``["kv_store_tiers"]`` list
   the secondary tier names a request may promote from / cascade to (default: all).
 
-Background work is batched per step: lookups and completed host stores only queue jobs;
-:meth:`step_end` submits them (one job per tier and request), :meth:`step_begin` and
-:meth:`step_end` apply the tiers' finished jobs (never blocking). Events: the host's (medium ``CPU``) and each tier's (``STORAGE`` with its
-locality), in that order.
+Background work is batched per step: lookups and completed host stores only queue jobs, which
+are submitted once per step (one job per tier and request); :meth:`step_begin` and the
+submission apply the tiers' finished jobs (never blocking). Events: the host's (medium ``CPU``)
+and each tier's (``STORAGE`` with its locality), in that order.
 """
 
 from __future__ import annotations
@@ -81,13 +87,14 @@ class _RequestTiers:
     """Per-request state (on the ReqContext): allowed tiers, blocks it must not wait for, and
     the host hits of its current lookup pass (protected while its promotions reserve slots)."""
 
-    __slots__ = ("failed", "load_tiers", "scan", "scan_step", "store_tiers")
+    __slots__ = ("failed", "load_tiers", "scan", "scan_evictable", "scan_step", "store_tiers")
 
     def __init__(self, load_tiers: list[int], store_tiers: list[int]) -> None:
         self.load_tiers = load_tiers
         self.store_tiers = store_tiers
         self.failed: set[OffloadKey] = set()
         self.scan: list[OffloadKey] = []
+        self.scan_evictable = 0  # scan keys that were evictable when looked up
         self.scan_step = -1
 
 
@@ -108,7 +115,9 @@ class TieringOffloadingManager(OffloadingManager):
     Counters (:meth:`stats`): the host's, unprefixed; per tier ``<name>_<counter>``; and
     ``promoted_blocks``, ``failed_promotion_blocks``, ``refused_promotion_blocks`` (no host room),
     ``cascaded_blocks``, ``failed_cascade_blocks``, ``cascade_lost_blocks``, ``retry_answers``,
-    ``promotion_jobs`` and ``promotion_us`` (microseconds from submission to the result, summed).
+    ``room_waits`` (``RETRY`` answers waiting for host room), ``promotion_jobs`` and
+    ``promotion_us`` (microseconds from submission to the result, summed); gauges
+    ``promotions_in_flight`` and ``pinned_promoted_blocks``.
     """
 
     medium = "CPU"
@@ -139,6 +148,10 @@ class TieringOffloadingManager(OffloadingManager):
         #: key -> job id of the promotion writing it into the host (``_QUEUED`` before submission)
         self._promoting: dict[OffloadKey, int] = {}
         self._promote_queue: list[dict[ReqContext, list[OffloadKey]]] = [{} for _ in self.tiers]
+        self._num_queued = 0  # keys in self._promote_queue (0: the queues are empty)
+        #: landed promotions pinned in the host for the request that asked for them, until it
+        #: loads (:meth:`prepare_load`) or ends: ctx -> keys, one host pin each
+        self._promotion_pins: dict[ReqContext, list[OffloadKey]] = {}
         self._cascade_queue: list[tuple[list[OffloadKey], list[int]]] = [
             ([], []) for _ in self.tiers
         ]
@@ -155,6 +168,7 @@ class TieringOffloadingManager(OffloadingManager):
                 "failed_cascade_blocks",
                 "cascade_lost_blocks",
                 "retry_answers",
+                "room_waits",
                 "promotion_jobs",
                 "promotion_us",
             ),
@@ -188,7 +202,10 @@ class TieringOffloadingManager(OffloadingManager):
             if state.scan_step != self._step:
                 state.scan_step = self._step
                 state.scan.clear()
+                state.scan_evictable = 0
             state.scan.append(key)
+            if not self.host.policy.get(key).ref_cnt:  # type: ignore[union-attr]
+                state.scan_evictable += 1
             return _HIT
         if key in self._promoting:
             self._counters["retry_answers"] += 1
@@ -202,8 +219,11 @@ class TieringOffloadingManager(OffloadingManager):
         for i in state.load_tiers:
             answer = tiers[i].lookup(key, ctx)
             if answer is _HIT:
+                if self._room(state) <= 0:
+                    return self._no_room(ctx)
                 self._promote_queue[i].setdefault(ctx, []).append(key)
                 self._promoting[key] = _QUEUED
+                self._num_queued += 1
                 self._counters["retry_answers"] += 1
                 return _RETRY
             if answer is _RETRY:
@@ -211,8 +231,39 @@ class TieringOffloadingManager(OffloadingManager):
                 return _RETRY
         return _MISS
 
+    def _room(self, state: _RequestTiers) -> int:
+        """Host slots one more promotion could get this step: free and evictable ones, less the
+        promotions queued this step and the evictable hits this request's scan protects."""
+        room = self.host.num_reclaimable - self._num_queued
+        if state.scan_step == self._step:
+            room -= state.scan_evictable
+        return room
+
+    def _no_room(self, ctx: ReqContext) -> LookupResult:
+        """A secondary hit the host has no room to promote now. A request that has promoted
+        blocks of its own (queued this step or landed) takes the prefix it has (``MISS``): it
+        never waits for room it holds itself. Another waits (``RETRY``, nothing queued): the
+        room is held by transfers and by promotions for requests ahead of it, each released
+        within a few steps, and lookups run in queue order, so it is served before the requests
+        behind it; the scheduler's retry budget bounds the wait."""
+        if ctx in self._promotion_pins or any(ctx in queue for queue in self._promote_queue):
+            return _MISS
+        self._counters["room_waits"] += 1
+        self._counters["retry_answers"] += 1
+        return _RETRY
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
-        return self.host.prepare_load(keys, ctx)
+        try:
+            return self.host.prepare_load(keys, ctx)
+        finally:
+            # The request's own load pins what it loads now; its promotion pins have served.
+            if self._promotion_pins:
+                self._unpin_promoted(ctx)
+
+    def _unpin_promoted(self, ctx: ReqContext) -> None:
+        keys = self._promotion_pins.pop(ctx, None)
+        if keys:
+            self.host.complete_load(keys, _NO_REQUEST)
 
     def load_source(self, key: OffloadKey, ctx: ReqContext) -> str:
         """The tier a promotion brought ``key`` from, for its first load; else ``"host"``."""
@@ -232,6 +283,10 @@ class TieringOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._num_queued:
+            # This step's promotions take host room before its device stores do: a device store
+            # refused only goes unoffloaded, a promotion refused is recomputed.
+            self._submit_promotions()
         out = self.host.prepare_store(keys, ctx)
         if out is not None and out.evicted_keys:
             self._host_evicted(out.evicted_keys)
@@ -312,15 +367,22 @@ class TieringOffloadingManager(OffloadingManager):
                     ctx = job.ctx if job.ctx is not None else _NO_REQUEST
                     for key in job.keys:
                         self._promoting.pop(key, None)
+                    live = ctx.get_state(_RequestTiers)  # None once the request ended
                     if ok:
                         host.complete_store(ok, ctx, True)
                         promoted_from = self._promoted_from
                         for key in ok:
                             promoted_from[key] = job.tier
+                        if live is not None:
+                            # Held for the request until it loads them: otherwise the next
+                            # device stores may evict them before it is admitted.
+                            host.prepare_load(ok, _NO_REQUEST)
+                            self._promotion_pins.setdefault(ctx, []).extend(ok)
                     if failed:
                         bad = [k for k in job.keys if k in failed]
                         host.complete_store(bad, ctx, False)
-                        self._state(ctx).failed.update(bad)
+                        if live is not None:
+                            live.failed.update(bad)
                     counters["promoted_blocks"] += len(ok)
                     counters["promotion_jobs"] += 1
                     counters["promotion_us"] += int((time.perf_counter() - job.submitted) * 1e6)
@@ -331,15 +393,8 @@ class TieringOffloadingManager(OffloadingManager):
                     counters["failed_cascade_blocks"] += len(failed)
 
     def step_end(self) -> None:
-        # Jobs that finished during the step unpin their host slots first, so this step's
-        # promotions find the room the cascades held.
-        self._apply_finished()
+        self._submit_promotions()
         self._step += 1
-        for i, queue in enumerate(self._promote_queue):
-            if queue:
-                self._promote_queue[i] = {}
-                for ctx, keys in queue.items():
-                    self._submit_promotion(i, ctx, keys)
         if self._dirty:
             self._cascade_dirty()
         for i, (keys, slots) in enumerate(self._cascade_queue):
@@ -348,17 +403,34 @@ class TieringOffloadingManager(OffloadingManager):
                 job_id = self._new_job(_BackgroundJob(i, keys, None, promotion=False))
                 self.tiers[i].submit_store(TierJob(job_id, keys, slots))
 
+    def _submit_promotions(self) -> None:
+        """Reserve host slots for the promotions gathered this step and submit them."""
+        # Jobs that finished during the step unpin their host slots first, so the promotions
+        # find the room the cascades held.
+        self._apply_finished()
+        self._num_queued = 0
+        for i, queue in enumerate(self._promote_queue):
+            if queue:
+                self._promote_queue[i] = {}
+                for ctx, keys in queue.items():
+                    self._submit_promotion(i, ctx, keys)
+
     def _submit_promotion(self, tier: int, ctx: ReqContext, keys: list[OffloadKey]) -> None:
-        state = self._state(ctx)
-        # The scan's hits still held (a device store this step may have evicted some; those are
-        # looked up again, and must not take room here).
+        state = ctx.get_state(_RequestTiers)
+        promoting = self._promoting
+        if state is None:  # the request ended since its lookup
+            for key in keys:
+                promoting.pop(key, None)
+            return
+        # The scan's hits are protected from eviction for this reservation. Every host eviction
+        # goes through a prepare_store here, which submits queued promotions first, so they are
+        # still held (one that was not would get a slot reserved and never written).
         held = self.host.policy.get
         scan = (
             [k for k in state.scan if held(k) is not None]
-            if state.scan_step == self._step - 1
+            if state.scan_step == self._step
             else []
         )
-        promoting = self._promoting
         # As many of the keys (a prefix: the rest is of no use without it) as the host has room
         # for; halving costs O(log n) refusals, each O(1) when nothing is evictable.
         n = len(keys)
@@ -423,7 +495,7 @@ class TieringOffloadingManager(OffloadingManager):
         return job_id
 
     def num_background_jobs(self) -> int:
-        queued = any(self._promote_queue) or any(k for k, _ in self._cascade_queue)
+        queued = self._num_queued > 0 or any(k for k, _ in self._cascade_queue)
         return len(self._jobs) + int(queued)
 
     def drain(self) -> None:
@@ -444,6 +516,8 @@ class TieringOffloadingManager(OffloadingManager):
         return events
 
     def request_finished(self, ctx: ReqContext) -> None:
+        if self._promotion_pins:
+            self._unpin_promoted(ctx)
         self.host.request_finished(ctx)
         for tier in self.tiers:
             tier.request_finished(ctx)
@@ -459,6 +533,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._jobs.clear()
         self._promoting.clear()
         self._promote_queue = [{} for _ in self.tiers]
+        self._num_queued = 0
+        self._promotion_pins.clear()
         self._cascade_queue = [([], []) for _ in self.tiers]
         self._dirty.clear()
         self._promoted_from.clear()
@@ -468,6 +544,7 @@ class TieringOffloadingManager(OffloadingManager):
         out = dict(self.host.stats())
         out.update(self._counters)
         out["promotions_in_flight"] = len(self._promoting)
+        out["pinned_promoted_blocks"] = sum(map(len, self._promotion_pins.values()))
         for name, tier in zip(self.tier_names, self.tiers, strict=True):
             for stat, value in tier.stats().items():
                 out[f"{name}_{stat}"] = value
@@ -494,6 +571,15 @@ class TieringOffloadingManager(OffloadingManager):
                     f"{key.hex()}: promotion in flight but its host slot is not pending"
                 )
                 assert job_id in self._jobs, f"{key.hex()}: promotion job {job_id} unknown"
+        queued = sum(len(keys) for queue in self._promote_queue for keys in queue.values())
+        assert self._num_queued == queued, f"{self._num_queued} promotions counted, {queued} queued"
+        for ctx, keys in self._promotion_pins.items():
+            assert ctx.get_state(_RequestTiers) is not None, f"{ctx.req_id} ended but pins blocks"
+            for key in keys:
+                block = self.host.policy.get(key)
+                assert block is not None and block.ref_cnt > 0, (
+                    f"{key.hex()}: promoted for {ctx.req_id} but not pinned in the host"
+                )
 
 
 #: The context of background work that belongs to no request (cascades).
