@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import lists_touched_by
 from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy
-from kvoffload.eviction.s3fifo import _EVICT_SMALL, _REINSERT, _TO_MAIN, S3FIFOPolicy
+from kvoffload.eviction.s3fifo import S3FIFOPolicy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["AdaptivePolicy"]
@@ -57,11 +57,21 @@ class AdaptivePolicy(S3FIFOPolicy):
         self, capacity: int, *, history_factor: int = 3, initial_small: float = 0.05
     ) -> None:
         super().__init__(capacity, initial_small)
+        # The history of keys that left small unused: key -> the small-eviction count when it
+        # left, in two generations of plain dicts (the older one is dropped whole when the newer
+        # one spans ``history_size`` evictions), so remembering costs no per-key trimming.
         self.history_size = history_factor * capacity
-        self._ghost: OrderedDict[OffloadKey, int] = OrderedDict()  # type: ignore[assignment]
+        self._ghost: dict[OffloadKey, int] = {}  # type: ignore[assignment]
+        self._old_ghost: dict[OffloadKey, int] = {}
+        self._ghost_opened = 0  # the small-eviction count when _ghost was opened
+        self.reach: float = self.history_size
         self._main_ghost: OrderedDict[OffloadKey, int] = OrderedDict()
         self._small_evictions = 0
         self._main_evictions = 0
+        # Evictions from small and from main, halved whenever main's count passes the capacity:
+        # rates over about one turnover of main.
+        self._recent_small = 0.0
+        self._recent_main = 0.0
         self._initial_small = max(1.0, capacity * initial_small)
         self.small_target: float = self._initial_small  # type: ignore[assignment]
         self._max_small = max(1.0, capacity / 2)
@@ -72,11 +82,15 @@ class AdaptivePolicy(S3FIFOPolicy):
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
         self._blocks[key] = block
         left = self._ghost.pop(key, None)
+        if left is None:
+            left = self._old_ghost.pop(key, None)
         if left is not None:
-            if self._small_evictions - left < self.small_target:
-                self.small_target = min(self.small_target + self._step, self._max_small)
-            self._main[key] = 0
-            return
+            age = self._small_evictions - left
+            if age < self.reach:
+                if age < self.small_target:
+                    self.small_target = min(self.small_target + self._step, self._max_small)
+                self._main[key] = 0
+                return
         left = self._main_ghost.pop(key, None)
         if left is not None:
             if self._main_evictions - left < self.small_target:
@@ -115,43 +129,72 @@ class AdaptivePolicy(S3FIFOPolicy):
                 if key in main:
                     main.move_to_end(key)
 
-    def _replay(self, ops: list[tuple[int, OffloadKey]]) -> None:
+    def _commit(
+        self,
+        victims: list[tuple[OffloadKey, OffloadedBlock]],
+        from_small: list[OffloadKey],
+        from_main: list[OffloadKey],
+        promoted: list[OffloadKey],
+        moved: list[tuple[OffloadKey, int]],
+    ) -> None:
         blocks, small, main = self._blocks, self._small, self._main
         ghost, main_ghost = self._ghost, self._main_ghost
-        small_evictions, main_evictions = self._small_evictions, self._main_evictions
-        for op, key in ops:
-            if op == _TO_MAIN:
-                del small[key]
-                main[key] = 0
-            elif op == _REINSERT:
-                main[key] -= 1
-                main.move_to_end(key)
-            elif op == _EVICT_SMALL:
-                del small[key], blocks[key]
-                small_evictions += 1
-                ghost[key] = small_evictions
-            else:
-                del main[key], blocks[key]
-                main_evictions += 1
-                main_ghost[key] = main_evictions
-        self._small_evictions, self._main_evictions = small_evictions, main_evictions
-        for _ in range(len(ghost) - self.history_size):
-            ghost.popitem(last=False)
+        for key in promoted:
+            del small[key]
+        for key in from_small:
+            del small[key]
+        move = main.move_to_end
+        for key, freq in moved:  # the last move of a key sets its place and frequency
+            main[key] = freq
+            move(key)
+        for key in from_main:
+            del main[key]
+        for key, _ in victims:
+            del blocks[key]
+        # Each ghost entry remembers when its key left: the count of evictions from its queue.
+        start = self._small_evictions + 1
+        small_evictions = self._small_evictions = self._small_evictions + len(from_small)
+        ghost.update(zip(from_small, range(start, small_evictions + 1)))
+        if small_evictions - self._ghost_opened >= self.history_size:
+            self._old_ghost, self._ghost = ghost, {}
+            self._ghost_opened = small_evictions
+        start = self._main_evictions + 1
+        self._main_evictions += len(from_main)
+        main_ghost.update(zip(from_main, range(start, self._main_evictions + 1)))
         for _ in range(len(main_ghost) - self.capacity):
             main_ghost.popitem(last=False)
+        # The reach: how long main keeps a block it admits, counted in evictions from small
+        # (Little's law: main's size over its eviction rate, that rate relative to small's).
+        recent_small = self._recent_small + len(from_small)
+        recent_main = self._recent_main + len(from_main)
+        if recent_main > self.capacity:
+            recent_small /= 2
+            recent_main /= 2
+        self._recent_small, self._recent_main = recent_small, recent_main
+        if recent_main:
+            self.reach = min(len(main) * recent_small / recent_main, self.history_size)
 
     def clear(self) -> None:
         super().clear()
-        self._main_ghost.clear()
+        for d in (self._old_ghost, self._main_ghost):
+            d.clear()
         self.small_target = self._initial_small
+        self.reach = self.history_size
+        self._recent_small = self._recent_main = 0.0
 
     def check_invariants(self) -> None:
-        small, main, ghost = self._small, self._main, self._ghost
+        small, main, ghost, old = self._small, self._main, self._ghost, self._old_ghost
         assert not small.keys() & main.keys(), "a block is in both small and main"
         assert self._blocks.keys() == small.keys() | main.keys(), "get() and the FIFOs disagree"
         held = self._blocks.keys()
-        assert not ghost.keys() & held and not self._main_ghost.keys() & held, "held and a ghost"
-        assert len(ghost) <= self.history_size, "history over its bound"
+        for history in (ghost, old, self._main_ghost):
+            assert not history.keys() & held, "held and a ghost"
+        assert not ghost.keys() & old.keys(), "a key in both generations of the history"
+        opened = self._ghost_opened
+        assert all(opened < left <= self._small_evictions for left in ghost.values()), "generation"
+        assert all(left <= opened for left in old.values()), "old generation"
+        assert self._small_evictions - opened < self.history_size, "generation not closed"
+        assert 0 <= self.reach <= self.history_size, f"reach {self.reach}"
         assert len(self._main_ghost) <= self.capacity, "main ghost over capacity"
         assert 1.0 <= self.small_target <= self._max_small, f"small target {self.small_target}"
         for fifo in (small, main):

@@ -13,8 +13,6 @@ from kvoffload.keys import OffloadKey
 __all__ = ["S3FIFOPolicy"]
 
 _MAX_FREQ = 3  # two bits
-# Operations evict() records during its dry run and replays on success.
-_TO_MAIN, _REINSERT, _EVICT_SMALL, _EVICT_MAIN = range(4)
 
 
 @register_eviction_policy
@@ -112,75 +110,87 @@ class S3FIFOPolicy(EvictionPolicy):
         blocks = self._blocks
         small_scan = iter(self._small.items())
         main_scan = iter(self._main.items())
-        # Scratch view of main's tail: blocks moved or reinserted during this call, in order.
-        appended: deque[tuple[OffloadKey, int]] = deque()
-        ops: list[tuple[int, OffloadKey]] = []  # what to replay on success
-        victims: list[tuple[OffloadKey, OffloadedBlock]] = []
+        target = self.small_target
         small_left = len(self._small)
         small_done = main_done = False
-
-        def from_small() -> bool:
-            nonlocal small_left, small_done
-            for key, freq in small_scan:
-                if freq >= 1:
-                    ops.append((_TO_MAIN, key))
-                    appended.append((key, 0))
-                    small_left -= 1
-                    continue
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    ops.append((_EVICT_SMALL, key))
-                    victims.append((key, block))
-                    small_left -= 1
-                    return True
-            small_done = True
-            return False
-
-        def from_main() -> bool:
-            nonlocal main_done
-            while True:
-                item = next(main_scan, None)
-                if item is None:
-                    if not appended:
-                        main_done = True
-                        return False
-                    item = appended.popleft()
-                key, freq = item
-                if freq >= 1:
-                    ops.append((_REINSERT, key))
-                    appended.append((key, freq - 1))
-                    continue
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    ops.append((_EVICT_MAIN, key))
-                    victims.append((key, block))
-                    return True
-
-        while len(victims) < n:
-            prefer_small = small_left >= self.small_target
-            if prefer_small:
-                found = (not small_done and from_small()) or (not main_done and from_main())
+        # The dry run's record, replayed by _commit on success. One loop, no call per victim:
+        # this is the hot path of a full tier (measured: a helper call per victim cost ~15%).
+        victims: list[tuple[OffloadKey, OffloadedBlock]] = []
+        from_small: list[OffloadKey] = []  # victims taken from small, in order
+        from_main: list[OffloadKey] = []  # victims taken from main, in order
+        promoted: list[OffloadKey] = []  # keys moved from small to main
+        moved: list[tuple[OffloadKey, int]] = []  # (key, frequency) put at main's end, in order
+        appended: deque[tuple[OffloadKey, int]] = deque()  # main's scratch tail, not yet rescanned
+        while True:
+            if not small_done and (small_left >= target or main_done):
+                for key, freq in small_scan:
+                    if freq >= 1:
+                        promoted.append(key)
+                        item = (key, 0)
+                        moved.append(item)
+                        appended.append(item)
+                        small_left -= 1
+                        continue
+                    block = blocks[key]
+                    if block.ref_cnt == 0 and key not in protected:
+                        from_small.append(key)
+                        victims.append((key, block))
+                        if len(victims) == n:
+                            self._commit(victims, from_small, from_main, promoted, moved)
+                            return victims
+                        small_left -= 1
+                        if small_left < target and not main_done:
+                            break
+                else:
+                    small_done = True
+            elif not main_done:
+                while True:
+                    item = next(main_scan, None)
+                    if item is None:
+                        if not appended:
+                            main_done = True
+                            break
+                        item = appended.popleft()
+                    key, freq = item
+                    if freq >= 1:
+                        item = (key, freq - 1)
+                        moved.append(item)
+                        appended.append(item)
+                        continue
+                    block = blocks[key]
+                    if block.ref_cnt == 0 and key not in protected:
+                        from_main.append(key)
+                        victims.append((key, block))
+                        if len(victims) == n:
+                            self._commit(victims, from_small, from_main, promoted, moved)
+                            return victims
+                        break
             else:
-                found = (not main_done and from_main()) or (not small_done and from_small())
-            if not found:
                 return None
-        self._replay(ops)
-        return victims
 
-    def _replay(self, ops: list[tuple[int, OffloadKey]]) -> None:
+    def _commit(
+        self,
+        victims: list[tuple[OffloadKey, OffloadedBlock]],
+        from_small: list[OffloadKey],
+        from_main: list[OffloadKey],
+        promoted: list[OffloadKey],
+        moved: list[tuple[OffloadKey, int]],
+    ) -> None:
+        """Apply a successful dry run of :meth:`evict` (its lists, each in scan order)."""
         blocks, small, main, ghost = self._blocks, self._small, self._main, self._ghost
-        for op, key in ops:
-            if op == _TO_MAIN:
-                del small[key]
-                main[key] = 0
-            elif op == _REINSERT:
-                main[key] -= 1
-                main.move_to_end(key)
-            elif op == _EVICT_SMALL:
-                del small[key], blocks[key]
-                ghost[key] = None
-            else:
-                del main[key], blocks[key]
+        for key in promoted:
+            del small[key]
+        for key in from_small:
+            del small[key]
+        move = main.move_to_end
+        for key, freq in moved:  # the last move of a key sets its place and frequency
+            main[key] = freq
+            move(key)
+        for key in from_main:
+            del main[key]
+        for key, _ in victims:
+            del blocks[key]
+        ghost.update(dict.fromkeys(from_small))
         for _ in range(len(ghost) - self.capacity):
             ghost.popitem(last=False)
 
