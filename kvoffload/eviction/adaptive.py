@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import lists_touched_by
-from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.eviction.s3fifo import S3FIFOPolicy
 from kvoffload.keys import OffloadKey
 
@@ -99,21 +99,33 @@ class AdaptivePolicy(S3FIFOPolicy):
             return
         self._small[key] = 0
 
+    def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
+        if not (
+            self._ghost.keys().isdisjoint(keys)
+            and self._old_ghost.keys().isdisjoint(keys)
+            and self._main_ghost.keys().isdisjoint(keys)
+        ):
+            EvictionPolicy.insert_n(self, keys, blocks)  # one by one: some are remembered
+            return
+        # None is remembered: all enter small, in order, in two C-level updates.
+        self._blocks.update(zip(keys, blocks, strict=True))
+        self._small.update(dict.fromkeys(keys, 0))
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         counted = lists_touched_by(ctx, self)
         for seen in counted:
             if seen is keys:
                 return
         counted.append(keys)
-        small, main = self._small, self._main
+        blocks, small, main = self._blocks, self._small, self._main
         for key in keys:
-            freq = small.get(key)
-            if freq is not None:
-                if freq < _MAX_FREQ:
-                    small[key] = freq + 1
-            else:
+            if key in blocks:  # one lookup for a key not held (a request's new blocks)
                 freq = main.get(key)
-                if freq is not None and freq < _MAX_FREQ:
+                if freq is None:
+                    freq = small[key]
+                    if freq < _MAX_FREQ:
+                        small[key] = freq + 1
+                elif freq < _MAX_FREQ:
                     main[key] = freq + 1
 
     def request_finished(
@@ -124,14 +136,14 @@ class AdaptivePolicy(S3FIFOPolicy):
     ) -> None:
         super().request_finished(touched, stored, ctx)  # stored chains: tail first
         main = self._main
+        move = main.move_to_end
         for keys in reversed(touched):  # then the chains it used: main's recency, head last
             for key in reversed(keys):
                 if key in main:
-                    main.move_to_end(key)
+                    move(key)
 
     def _commit(
         self,
-        victims: list[tuple[OffloadKey, OffloadedBlock]],
         from_small: list[OffloadKey],
         from_main: list[OffloadKey],
         promoted: list[OffloadKey],
@@ -142,15 +154,13 @@ class AdaptivePolicy(S3FIFOPolicy):
         for key in promoted:
             del small[key]
         for key in from_small:
-            del small[key]
+            del small[key], blocks[key]
         move = main.move_to_end
         for key, freq in moved:  # the last move of a key sets its place and frequency
             main[key] = freq
             move(key)
         for key in from_main:
-            del main[key]
-        for key, _ in victims:
-            del blocks[key]
+            del main[key], blocks[key]
         # Each ghost entry remembers when its key left: the count of evictions from its queue.
         start = self._small_evictions + 1
         small_evictions = self._small_evictions = self._small_evictions + len(from_small)
