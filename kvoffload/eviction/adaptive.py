@@ -1,4 +1,4 @@
-"""Adaptive eviction: S3-FIFO with a learned probation size and a history longer than the tier."""
+"""Adaptive eviction: S3-FIFO with a learned probation size and a learned history reach."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _MAX_FREQ = 2
 
 @register_eviction_policy
 class AdaptivePolicy(S3FIFOPolicy):
-    """S3-FIFO whose probation size adapts to the workload, with a long history, chains tail first.
+    """S3-FIFO with a learned probation size and history reach, chains tail first.
 
     The structure and the eviction rule are S3-FIFO's (:class:`S3FIFOPolicy`): new blocks enter
     the probation FIFO ``small``; blocks used again there move to ``main``, a FIFO with
@@ -33,11 +33,18 @@ class AdaptivePolicy(S3FIFOPolicy):
       been a hit had ``main`` had those slots instead: ``small_target -= step``. Both compare the
       same extra space, so the split moves to where it earns more hits. Bounded to
       ``[1, capacity / 2]``, starting at 5% of the capacity; ``step = max(1, capacity / 512)``.
-    * **A history longer than the tier** (TinyLFU's doorkeeper). ``ghost`` remembers the last
-      ``history_factor`` x ``capacity`` keys that left ``small`` unused (S3-FIFO: ``capacity``); a
-      key stored again while remembered enters ``main``. Reuse of KV blocks is often far apart (a
-      conversation's next turn comes thousands of new blocks later): a tier that only remembers
-      its own size forgets such a block before it returns and keeps treating it as new.
+    * **A history as long as ``main`` keeps a block** (TinyLFU's doorkeeper, with a learned
+      reach). A key stored again that left ``small`` fewer than ``reach`` evictions ago enters
+      ``main``; an older one is new again (probation). ``reach`` is how long ``main`` keeps a
+      block it admits, by Little's law: ``len(main)`` over ``main``'s eviction rate, counted in
+      evictions from ``small`` (both rates over about one turnover of ``main``: the counts halve
+      whenever ``main``'s passes ``capacity``). Admitting a key that came back later than that
+      buys nothing: its next use comes after ``main`` has dropped it again. The reach is capped at
+      ``history_size = history_factor x capacity`` (S3-FIFO: ``capacity``), which bounds memory;
+      it starts there and stays there while ``main`` rarely evicts. Reuse of KV blocks is often
+      far apart (a conversation's next turn comes thousands of new blocks later), so a tier that
+      only remembers its own size forgets such a block before it returns; where ``main`` turns
+      over fast (agent loops at a small tier) the reach shrinks to what ``main`` can use.
     * **Recency in ``main``, chains tail first.** On ``request_finished`` the keys the request
       stored, tail to head, move to the new end of ``small`` (or of ``main`` if unused since
       entering it); then the blocks of ``main`` it used, tail to head, move to the new end of
@@ -47,8 +54,10 @@ class AdaptivePolicy(S3FIFOPolicy):
 
     A use is counted once per request per touched key list (a scheduler re-touching the same list
     each step counts once). Costs: ``touch``/``insert``/``request_finished`` O(1) per key;
-    ``evict`` as S3-FIFO's. Memory: up to ``history_factor + 1`` remembered keys per block of
-    capacity.
+    ``evict`` as S3-FIFO's. The history is two generations of plain dicts: the older is dropped
+    whole when the newer spans ``history_size`` evictions from ``small``, so a key is remembered
+    for at least that many and nothing is trimmed key by key. Memory: up to ``2 x history_factor
+    + 1`` remembered keys per block of capacity (plus one call's victims).
     """
 
     name = "adaptive"
@@ -57,9 +66,8 @@ class AdaptivePolicy(S3FIFOPolicy):
         self, capacity: int, *, history_factor: int = 3, initial_small: float = 0.05
     ) -> None:
         super().__init__(capacity, initial_small)
-        # The history of keys that left small unused: key -> the small-eviction count when it
-        # left, in two generations of plain dicts (the older one is dropped whole when the newer
-        # one spans ``history_size`` evictions), so remembering costs no per-key trimming.
+        # Keys that left small unused: key -> the count of evictions from small when it left.
+        # Two generations (see the class docstring); only _commit adds and flips, insert removes.
         self.history_size = history_factor * capacity
         self._ghost: dict[OffloadKey, int] = {}  # type: ignore[assignment]
         self._old_ghost: dict[OffloadKey, int] = {}
@@ -86,9 +94,9 @@ class AdaptivePolicy(S3FIFOPolicy):
             left = self._old_ghost.pop(key, None)
         if left is not None:
             age = self._small_evictions - left
+            if age < self.small_target:  # a larger small would have kept it, whatever the reach
+                self.small_target = min(self.small_target + self._step, self._max_small)
             if age < self.reach:
-                if age < self.small_target:
-                    self.small_target = min(self.small_target + self._step, self._max_small)
                 self._main[key] = 0
                 return
         left = self._main_ghost.pop(key, None)
