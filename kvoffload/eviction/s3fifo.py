@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Sequence
 
@@ -118,7 +119,7 @@ class S3FIFOPolicy(EvictionPolicy):
         blocks = self._blocks
         small_scan = iter(self._small.items())
         main_scan = iter(self._main.items())
-        target = self.small_target
+        target = math.ceil(self.small_target)  # an int: small_left is one (same comparisons)
         small_left = len(self._small)
         small_done = main_done = False
         # The dry run's record, replayed by _commit on success. One loop, no call per victim:

@@ -183,7 +183,8 @@ class CPUOffloadingManager(OffloadingManager):
         if n_reused:
             slots += free_slots[: -n_reused - 1 : -1]
             del free_slots[-n_reused:]
-        # Allocate and fill the records directly: a third of the cost of calling the class (measured).
+        # Allocate and fill the records directly: a third of the cost of calling the class
+        # (measured).
         new_block = OffloadedBlock.__new__
         blocks = []
         for slot in slots:
