@@ -115,9 +115,11 @@ class AdaptivePolicy(S3FIFOPolicy):
         ):
             EvictionPolicy.insert_n(self, keys, blocks)  # one by one: some are remembered
             return
-        # None is remembered: all enter small, in order, in two C-level updates.
-        self._blocks.update(zip(keys, blocks, strict=True))
-        self._small.update(dict.fromkeys(keys, 0))
+        # None is remembered: all enter small, in order, in one loop without a call per key.
+        held, small = self._blocks, self._small
+        for key, block in zip(keys, blocks, strict=True):
+            held[key] = block
+            small[key] = 0
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         counted = lists_touched_by(ctx, self)
@@ -161,24 +163,26 @@ class AdaptivePolicy(S3FIFOPolicy):
         ghost, main_ghost = self._ghost, self._main_ghost
         for key in promoted:
             del small[key]
+        # Each ghost entry remembers when its key left: the count of evictions from its queue.
+        small_evictions = self._small_evictions
         for key in from_small:
             del small[key], blocks[key]
+            small_evictions += 1
+            ghost[key] = small_evictions
+        self._small_evictions = small_evictions
         move = main.move_to_end
         for key, freq in moved:  # the last move of a key sets its place and frequency
             main[key] = freq
             move(key)
+        main_evictions = self._main_evictions
         for key in from_main:
             del main[key], blocks[key]
-        # Each ghost entry remembers when its key left: the count of evictions from its queue.
-        start = self._small_evictions + 1
-        small_evictions = self._small_evictions = self._small_evictions + len(from_small)
-        ghost.update(zip(from_small, range(start, small_evictions + 1)))
+            main_evictions += 1
+            main_ghost[key] = main_evictions
+        self._main_evictions = main_evictions
         if small_evictions - self._ghost_opened >= self.history_size:
             self._old_ghost, self._ghost = ghost, {}
             self._ghost_opened = small_evictions
-        start = self._main_evictions + 1
-        self._main_evictions += len(from_main)
-        main_ghost.update(zip(from_main, range(start, self._main_evictions + 1)))
         for _ in range(len(main_ghost) - self.capacity):
             main_ghost.popitem(last=False)
         # The reach: how long main keeps a block it admits, counted in evictions from small

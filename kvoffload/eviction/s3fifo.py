@@ -73,7 +73,9 @@ class S3FIFOPolicy(EvictionPolicy):
             super().insert_n(keys, blocks)  # one by one: some enter main
             return
         self._blocks.update(zip(keys, blocks, strict=True))
-        self._small.update(dict.fromkeys(keys, 0))
+        small = self._small
+        for key in keys:
+            small[key] = 0
 
     def remove(self, key: OffloadKey) -> None:
         del self._blocks[key]
@@ -191,13 +193,13 @@ class S3FIFOPolicy(EvictionPolicy):
             del small[key]
         for key in from_small:
             del small[key], blocks[key]
+            ghost[key] = None
         move = main.move_to_end
         for key, freq in moved:  # the last move of a key sets its place and frequency
             main[key] = freq
             move(key)
         for key in from_main:
             del main[key], blocks[key]
-        ghost.update(dict.fromkeys(from_small))
         for _ in range(len(ghost) - self.capacity):
             ghost.popitem(last=False)
 
