@@ -40,8 +40,10 @@ class S3FIFOPolicy(EvictionPolicy):
       continue; else, if evictable, it is the victim (no ghost); else passed over. When the
       preferred FIFO has no victim left, the other one is used.
 
-    Atomic: the moves are simulated on scratch copies of the order and replayed only when ``n``
-    victims were found; otherwise nothing changes. Each block is reinserted at most 3 times per
+    Atomic: the moves are simulated (a dry run over the FIFOs' iterators that records the
+    victims, promotions and reinsertions) and committed only when ``n`` victims were found;
+    otherwise nothing changes. ``insert_n`` inserts a stored run in one loop when no key of it is
+    remembered by ``ghost``. Each block is reinserted at most 3 times per
     call, so ``evict`` is O(n + blocks moved or passed over); ``touch``/``insert`` are O(1) per key.
     """
 
@@ -72,9 +74,10 @@ class S3FIFOPolicy(EvictionPolicy):
         if not self._ghost.keys().isdisjoint(keys):
             super().insert_n(keys, blocks)  # one by one: some enter main
             return
-        self._blocks.update(zip(keys, blocks, strict=True))
-        small = self._small
-        for key in keys:
+        # None is remembered: all enter small, in order, in one loop without a call per key.
+        held, small = self._blocks, self._small
+        for key, block in zip(keys, blocks, strict=True):
+            held[key] = block
             small[key] = 0
 
     def remove(self, key: OffloadKey) -> None:
