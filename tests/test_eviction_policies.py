@@ -141,6 +141,26 @@ class PolicyContract:
         p.check_invariants()
         assert drain(p) == drain(twin)
 
+    def test_insert_n_is_insert_one_by_one(self) -> None:
+        """The batch insert leaves the policy as inserting each key in turn would: the same order
+        and the same use of remembered keys (ghosts), checked by draining twins."""
+        p, twin = self.make(4), self.make(4)
+        for policy in (p, twin):
+            fill(policy, K[:4])
+            policy.touch(K[:2], ctx("a"))
+            assert policy.evict(3, ()) is not None  # some leave into the policy's history
+        keys = [key for key in K[:8] if p.get(key) is None][:3]
+        blocks = [OffloadedBlock(100 + i) for i in range(len(keys))]
+        p.insert_n(keys, blocks)
+        fill(twin, keys, ref_cnt=-1)
+        for block in blocks:
+            block.ref_cnt = 0
+        for key in keys:
+            twin.get(key).ref_cnt = 0  # type: ignore[union-attr]
+        p.check_invariants()
+        assert [p.get(key) for key in keys] == blocks
+        assert drain(p) == drain(twin)
+
     def test_clear_forgets_everything(self) -> None:
         p = self.make()
         fill(p, K[:4])
@@ -398,12 +418,48 @@ class TestAdaptiveOrder:
             assert K[0] in getattr(p, f"_{expected}"), name
 
     def test_the_history_is_bounded(self) -> None:
+        """Two generations: the newer spans fewer than ``history_size`` evictions from small, the
+        older at most that plus one call's victims."""
         p = AdaptivePolicy(3, history_factor=2)
         for i in range(0, 60, 3):
             fill(p, K[i : i + 3])
             assert p.evict(3, ()) is not None
-            assert len(p._ghost) <= 6 and len(p._main_ghost) <= 3
+            assert len(p._ghost) < 6 and len(p._old_ghost) <= 6 + 3 and len(p._main_ghost) <= 3
             p.check_invariants()
+
+    @pytest.mark.parametrize(("later", "enters"), [(5, "main"), (6, "small")])
+    def test_a_key_is_remembered_for_history_size_evictions(self, later: int, enters: str) -> None:
+        """However the generations fall, a key that left small fewer than ``history_size``
+        (here 6) evictions ago is remembered; one that left 6 or more ago is new again."""
+        p = AdaptivePolicy(2, history_factor=3)
+        fill(p, [K[0]])
+        assert p.evict(1, ()) is not None
+        for i in range(1, later + 1):  # one-hit wonders pass through small
+            fill(p, [K[i]])
+            assert [k for k, _ in p.evict(1, ()) or []] == [K[i]]
+        fill(p, [K[0]])
+        assert K[0] in getattr(p, f"_{enters}")
+        p.check_invariants()
+
+    def test_the_reach_is_how_long_main_keeps_a_block(self) -> None:
+        """Little's law: a block admitted to main stays about len(main) / (main's eviction rate),
+        counted in evictions from small. Once main turns over faster than a remembered key took
+        to come back, the key is new again (probation), while a fresher one still enters main."""
+        p = AdaptivePolicy(4, history_factor=3)  # history 12, small target 1
+        for key in K[0], K[1]:  # K0 then K1 leave small unused: evictions from small 1 and 2
+            fill(p, [key])
+            assert [k for k, _ in p.evict(1, ()) or []] == [key]
+        assert p.reach == 12  # main has evicted nothing yet: the whole history counts
+        fill(p, K[2:6])
+        p.touch(K[2:6], ctx("reuse"))  # all four used again: promoted to main on the next evict
+        expected = [(K[2], 3 * 2 / 1), (K[3], 2 * 2 / 2), (K[4], 1 * 2 / 3)]
+        for key, reach in expected:  # main evicts 3 times while small evicted twice
+            assert [k for k, _ in p.evict(1, ()) or []] == [key]
+            assert p.reach == pytest.approx(reach)
+        fill(p, [K[0]])  # left small 1 eviction ago: beyond the reach of 2/3
+        fill(p, [K[1]])  # left 0 evictions ago: within it
+        assert K[0] in p._small and K[1] in p._main
+        p.check_invariants()
 
     def test_a_key_that_a_larger_small_would_have_kept_grows_it(self) -> None:
         p = AdaptivePolicy(512, initial_small=2 / 512)  # small target 2, step 1

@@ -1,4 +1,4 @@
-"""Adaptive eviction: S3-FIFO with a learned probation size and a history longer than the tier."""
+"""Adaptive eviction: S3-FIFO with a learned probation size and a learned history reach."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import lists_touched_by
-from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy
-from kvoffload.eviction.s3fifo import _EVICT_SMALL, _REINSERT, _TO_MAIN, S3FIFOPolicy
+from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.s3fifo import S3FIFOPolicy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["AdaptivePolicy"]
@@ -19,7 +19,7 @@ _MAX_FREQ = 2
 
 @register_eviction_policy
 class AdaptivePolicy(S3FIFOPolicy):
-    """S3-FIFO whose probation size adapts to the workload, with a long history, chains tail first.
+    """S3-FIFO with a learned probation size and history reach, chains tail first.
 
     The structure and the eviction rule are S3-FIFO's (:class:`S3FIFOPolicy`): new blocks enter
     the probation FIFO ``small``; blocks used again there move to ``main``, a FIFO with
@@ -33,11 +33,18 @@ class AdaptivePolicy(S3FIFOPolicy):
       been a hit had ``main`` had those slots instead: ``small_target -= step``. Both compare the
       same extra space, so the split moves to where it earns more hits. Bounded to
       ``[1, capacity / 2]``, starting at 5% of the capacity; ``step = max(1, capacity / 512)``.
-    * **A history longer than the tier** (TinyLFU's doorkeeper). ``ghost`` remembers the last
-      ``history_factor`` x ``capacity`` keys that left ``small`` unused (S3-FIFO: ``capacity``); a
-      key stored again while remembered enters ``main``. Reuse of KV blocks is often far apart (a
-      conversation's next turn comes thousands of new blocks later): a tier that only remembers
-      its own size forgets such a block before it returns and keeps treating it as new.
+    * **A history as long as ``main`` keeps a block** (TinyLFU's doorkeeper, with a learned
+      reach). A key stored again that left ``small`` fewer than ``reach`` evictions ago enters
+      ``main``; an older one is new again (probation). ``reach`` is how long ``main`` keeps a
+      block it admits, by Little's law: ``len(main)`` over ``main``'s eviction rate, counted in
+      evictions from ``small`` (both rates over about one turnover of ``main``: the counts halve
+      whenever ``main``'s passes ``capacity``). Admitting a key that came back later than that
+      buys nothing: its next use comes after ``main`` has dropped it again. The reach is capped at
+      ``history_size = history_factor x capacity`` (S3-FIFO: ``capacity``), which bounds memory;
+      it starts there and stays there while ``main`` rarely evicts. Reuse of KV blocks is often
+      far apart (a conversation's next turn comes thousands of new blocks later), so a tier that
+      only remembers its own size forgets such a block before it returns; where ``main`` turns
+      over fast (agent loops at a small tier) the reach shrinks to what ``main`` can use.
     * **Recency in ``main``, chains tail first.** On ``request_finished`` the keys the request
       stored, tail to head, move to the new end of ``small`` (or of ``main`` if unused since
       entering it); then the blocks of ``main`` it used, tail to head, move to the new end of
@@ -47,8 +54,10 @@ class AdaptivePolicy(S3FIFOPolicy):
 
     A use is counted once per request per touched key list (a scheduler re-touching the same list
     each step counts once). Costs: ``touch``/``insert``/``request_finished`` O(1) per key;
-    ``evict`` as S3-FIFO's. Memory: up to ``history_factor + 1`` remembered keys per block of
-    capacity.
+    ``evict`` as S3-FIFO's. The history is two generations of plain dicts: the older is dropped
+    whole when the newer spans ``history_size`` evictions from ``small``, so a key is remembered
+    for at least that many and nothing is trimmed key by key. Memory: up to ``2 x history_factor
+    + 1`` remembered keys per block of capacity (plus one call's victims).
     """
 
     name = "adaptive"
@@ -57,11 +66,20 @@ class AdaptivePolicy(S3FIFOPolicy):
         self, capacity: int, *, history_factor: int = 3, initial_small: float = 0.05
     ) -> None:
         super().__init__(capacity, initial_small)
+        # Keys that left small unused: key -> the count of evictions from small when it left.
+        # Two generations (see the class docstring); only _commit adds and flips, insert removes.
         self.history_size = history_factor * capacity
-        self._ghost: OrderedDict[OffloadKey, int] = OrderedDict()  # type: ignore[assignment]
+        self._ghost: dict[OffloadKey, int] = {}  # type: ignore[assignment]
+        self._old_ghost: dict[OffloadKey, int] = {}
+        self._ghost_opened = 0  # the small-eviction count when _ghost was opened
+        self.reach: float = self.history_size
         self._main_ghost: OrderedDict[OffloadKey, int] = OrderedDict()
         self._small_evictions = 0
         self._main_evictions = 0
+        # Evictions from small and from main, halved whenever main's count passes the capacity:
+        # rates over about one turnover of main.
+        self._recent_small = 0.0
+        self._recent_main = 0.0
         self._initial_small = max(1.0, capacity * initial_small)
         self.small_target: float = self._initial_small  # type: ignore[assignment]
         self._max_small = max(1.0, capacity / 2)
@@ -72,11 +90,15 @@ class AdaptivePolicy(S3FIFOPolicy):
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
         self._blocks[key] = block
         left = self._ghost.pop(key, None)
+        if left is None:
+            left = self._old_ghost.pop(key, None)
         if left is not None:
-            if self._small_evictions - left < self.small_target:
+            age = self._small_evictions - left
+            if age < self.small_target:  # a larger small would have kept it, whatever the reach
                 self.small_target = min(self.small_target + self._step, self._max_small)
-            self._main[key] = 0
-            return
+            if age < self.reach:
+                self._main[key] = 0
+                return
         left = self._main_ghost.pop(key, None)
         if left is not None:
             if self._main_evictions - left < self.small_target:
@@ -85,21 +107,35 @@ class AdaptivePolicy(S3FIFOPolicy):
             return
         self._small[key] = 0
 
+    def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
+        if not (
+            self._ghost.keys().isdisjoint(keys)
+            and self._old_ghost.keys().isdisjoint(keys)
+            and self._main_ghost.keys().isdisjoint(keys)
+        ):
+            EvictionPolicy.insert_n(self, keys, blocks)  # one by one: some are remembered
+            return
+        # None is remembered: all enter small, in order, in one loop without a call per key.
+        held, small = self._blocks, self._small
+        for key, block in zip(keys, blocks, strict=True):
+            held[key] = block
+            small[key] = 0
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         counted = lists_touched_by(ctx, self)
         for seen in counted:
             if seen is keys:
                 return
         counted.append(keys)
-        small, main = self._small, self._main
+        blocks, small, main = self._blocks, self._small, self._main
         for key in keys:
-            freq = small.get(key)
-            if freq is not None:
-                if freq < _MAX_FREQ:
-                    small[key] = freq + 1
-            else:
+            if key in blocks:  # one lookup for a key not held (a request's new blocks)
                 freq = main.get(key)
-                if freq is not None and freq < _MAX_FREQ:
+                if freq is None:
+                    freq = small[key]
+                    if freq < _MAX_FREQ:
+                        small[key] = freq + 1
+                elif freq < _MAX_FREQ:
                     main[key] = freq + 1
 
     def request_finished(
@@ -110,48 +146,77 @@ class AdaptivePolicy(S3FIFOPolicy):
     ) -> None:
         super().request_finished(touched, stored, ctx)  # stored chains: tail first
         main = self._main
+        move = main.move_to_end
         for keys in reversed(touched):  # then the chains it used: main's recency, head last
             for key in reversed(keys):
                 if key in main:
-                    main.move_to_end(key)
+                    move(key)
 
-    def _replay(self, ops: list[tuple[int, OffloadKey]]) -> None:
+    def _commit(
+        self,
+        from_small: list[OffloadKey],
+        from_main: list[OffloadKey],
+        promoted: list[OffloadKey],
+        moved: list[tuple[OffloadKey, int]],
+    ) -> None:
         blocks, small, main = self._blocks, self._small, self._main
         ghost, main_ghost = self._ghost, self._main_ghost
-        small_evictions, main_evictions = self._small_evictions, self._main_evictions
-        for op, key in ops:
-            if op == _TO_MAIN:
-                del small[key]
-                main[key] = 0
-            elif op == _REINSERT:
-                main[key] -= 1
-                main.move_to_end(key)
-            elif op == _EVICT_SMALL:
-                del small[key], blocks[key]
-                small_evictions += 1
-                ghost[key] = small_evictions
-            else:
-                del main[key], blocks[key]
-                main_evictions += 1
-                main_ghost[key] = main_evictions
-        self._small_evictions, self._main_evictions = small_evictions, main_evictions
-        for _ in range(len(ghost) - self.history_size):
-            ghost.popitem(last=False)
+        for key in promoted:
+            del small[key]
+        # Each ghost entry remembers when its key left: the count of evictions from its queue.
+        small_evictions = self._small_evictions
+        for key in from_small:
+            del small[key], blocks[key]
+            small_evictions += 1
+            ghost[key] = small_evictions
+        self._small_evictions = small_evictions
+        move = main.move_to_end
+        for key, freq in moved:  # the last move of a key sets its place and frequency
+            main[key] = freq
+            move(key)
+        main_evictions = self._main_evictions
+        for key in from_main:
+            del main[key], blocks[key]
+            main_evictions += 1
+            main_ghost[key] = main_evictions
+        self._main_evictions = main_evictions
+        if small_evictions - self._ghost_opened >= self.history_size:
+            self._old_ghost, self._ghost = ghost, {}
+            self._ghost_opened = small_evictions
         for _ in range(len(main_ghost) - self.capacity):
             main_ghost.popitem(last=False)
+        # The reach: how long main keeps a block it admits, counted in evictions from small
+        # (Little's law: main's size over its eviction rate, that rate relative to small's).
+        recent_small = self._recent_small + len(from_small)
+        recent_main = self._recent_main + len(from_main)
+        if recent_main > self.capacity:
+            recent_small /= 2
+            recent_main /= 2
+        self._recent_small, self._recent_main = recent_small, recent_main
+        if recent_main:
+            self.reach = min(len(main) * recent_small / recent_main, self.history_size)
 
     def clear(self) -> None:
         super().clear()
-        self._main_ghost.clear()
+        for d in (self._old_ghost, self._main_ghost):
+            d.clear()
         self.small_target = self._initial_small
+        self.reach = self.history_size
+        self._recent_small = self._recent_main = 0.0
 
     def check_invariants(self) -> None:
-        small, main, ghost = self._small, self._main, self._ghost
+        small, main, ghost, old = self._small, self._main, self._ghost, self._old_ghost
         assert not small.keys() & main.keys(), "a block is in both small and main"
         assert self._blocks.keys() == small.keys() | main.keys(), "get() and the FIFOs disagree"
         held = self._blocks.keys()
-        assert not ghost.keys() & held and not self._main_ghost.keys() & held, "held and a ghost"
-        assert len(ghost) <= self.history_size, "history over its bound"
+        for history in (ghost, old, self._main_ghost):
+            assert not history.keys() & held, "held and a ghost"
+        assert not ghost.keys() & old.keys(), "a key in both generations of the history"
+        opened = self._ghost_opened
+        assert all(opened < left <= self._small_evictions for left in ghost.values()), "generation"
+        assert all(left <= opened for left in old.values()), "old generation"
+        assert self._small_evictions - opened < self.history_size, "generation not closed"
+        assert 0 <= self.reach <= self.history_size, f"reach {self.reach}"
         assert len(self._main_ghost) <= self.capacity, "main ghost over capacity"
         assert 1.0 <= self.small_target <= self._max_small, f"small target {self.small_target}"
         for fifo in (small, main):

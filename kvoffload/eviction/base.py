@@ -54,8 +54,8 @@ class EvictionPolicy(ABC):
 
     Subclasses must implement :meth:`get`, :meth:`insert`, :meth:`remove`, :meth:`touch`,
     :meth:`evict`, :meth:`clear`, :meth:`__len__` and :meth:`__iter__`; they may override
-    :meth:`admit` (admission control), :meth:`request_finished` (commit a request's use once it
-    ends) and :meth:`check_invariants`.
+    :meth:`insert_n` (a batch of inserts in one call), :meth:`admit` (admission control),
+    :meth:`request_finished` (commit a request's use once it ends) and :meth:`check_invariants`.
 
     A block is *evictable* when its ``ref_cnt == 0`` and its key is not in the ``protected``
     container passed to :meth:`evict`. Not thread-safe.
@@ -74,6 +74,13 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
         """Add a block the policy does not hold (just prepared for store)."""
+
+    def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
+        """Insert ``blocks[i]`` under ``keys[i]``, in order: the same as calling :meth:`insert`
+        for each (the manager's one call per stored run; override to save a call per block)."""
+        insert = self.insert
+        for key, block in zip(keys, blocks, strict=True):
+            insert(key, block)
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:

@@ -47,6 +47,9 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: OffloadKey) -> None:
         del self._blocks[key]
 
+    def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
+        self._blocks.update(zip(keys, blocks, strict=True))
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         blocks = self._blocks
         move = blocks.move_to_end
