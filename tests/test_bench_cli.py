@@ -146,8 +146,14 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
         r"^== (?!comparison).* ==$", stdout, re.M
     )
     assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
-    runs = json.loads(out_json.read_text())["all_runs"]
+    payload = json.loads(out_json.read_text())
+    runs = payload["all_runs"]
     assert [r["label"] for r in runs] == labels
+    # Host + disk is also compared with host alone, in the table and the JSON.
+    assert re.search(r"^offloading \+ disk: .* of unlimited device cache, [\d.]+x offloading$",
+                     stdout, re.M)  # fmt: skip
+    pairs = [(r["config"], r["against"]) for r in payload["throughput_ratios"]]
+    assert ("offloading + disk", "offloading") in pairs
     # Blocks reached the disk (whether later requests find them there first depends on timing).
     assert runs[2]["stats"]["offload_tier_disk_stored_blocks"] > 0
     assert runs[2]["output_tokens"] == runs[1]["output_tokens"]

@@ -375,10 +375,13 @@ def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
     out.append("")
     ratios = throughput_ratios(summaries)
     base, ideal = summaries[0], summaries[-1]
-    for c in summaries[1:]:
+    for i, c in enumerate(summaries[1:], start=1):
         line = f"{c.label}: {_ratio_text(ratios[(c.label, base.label)])} the throughput of {base.label}"
         if c is not ideal:
             line += f", {_ratio_text(ratios[(c.label, ideal.label)], pct=True)} of {ideal.label}"
+            if i >= 2:
+                prev = summaries[i - 1].label
+                line += f", {_ratio_text(ratios[(c.label, prev)])} {prev}"
         out.append(line)
     if len(base.runs) == 1:
         out.append("One run per configuration: no spread to judge (use --repeats 3 or more).")
@@ -401,12 +404,15 @@ def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
 
 
 def throughput_ratios(summaries: Sequence[ConfigSummary]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Requests/s of each configuration against the first (no offloading) and of the middle ones
-    against the last (ideal): ``(label, other) -> {median, min, max, inconclusive}``, where the
-    range pairs the extremes of the repeats and ``inconclusive`` means it includes 1."""
+    """Requests/s of each configuration against the first (no offloading), of the middle ones
+    against the last (ideal), and of each middle one after the first against the one before it
+    (e.g. host + disk against host alone): ``(label, other) -> {median, min, max,
+    inconclusive}``, where the range pairs the extremes of the repeats and ``inconclusive``
+    means it includes 1."""
     key = "requests_per_s"
     base, ideal = summaries[0], summaries[-1]
     pairs = [(c, base) for c in summaries[1:]] + [(c, ideal) for c in summaries[1:-1]]
+    pairs += [(summaries[i], summaries[i - 1]) for i in range(2, len(summaries) - 1)]
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for c, other in pairs:
         (clo, chi), (olo, ohi) = c.spread(key), other.spread(key)
