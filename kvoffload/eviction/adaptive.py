@@ -88,6 +88,7 @@ class AdaptivePolicy(S3FIFOPolicy):
     # -- the policy interface ------------------------------------------------------------------
 
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+        block.freq = 0
         self._blocks[key] = block
         left = self._ghost.pop(key, None)
         if left is None:
@@ -97,15 +98,15 @@ class AdaptivePolicy(S3FIFOPolicy):
             if age < self.small_target:  # a larger small would have kept it, whatever the reach
                 self.small_target = min(self.small_target + self._step, self._max_small)
             if age < self.reach:
-                self._main[key] = 0
+                self._main[key] = block
                 return
         left = self._main_ghost.pop(key, None)
         if left is not None:
             if self._main_evictions - left < self.small_target:
                 self.small_target = max(self.small_target - self._step, 1.0)
-            self._main[key] = 0
+            self._main[key] = block
             return
-        self._small[key] = 0
+        self._small[key] = block
 
     def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
         if not (
@@ -118,8 +119,8 @@ class AdaptivePolicy(S3FIFOPolicy):
         # None is remembered: all enter small, in order, in one loop without a call per key.
         held, small = self._blocks, self._small
         for key, block in zip(keys, blocks, strict=True):
-            held[key] = block
-            small[key] = 0
+            block.freq = 0
+            held[key] = small[key] = block
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         counted = lists_touched_by(ctx, self)
@@ -127,16 +128,11 @@ class AdaptivePolicy(S3FIFOPolicy):
             if seen is keys:
                 return
         counted.append(keys)
-        blocks, small, main = self._blocks, self._small, self._main
+        get = self._blocks.get
         for key in keys:
-            if key in blocks:  # one lookup for a key not held (a request's new blocks)
-                freq = main.get(key)
-                if freq is None:
-                    freq = small[key]
-                    if freq < _MAX_FREQ:
-                        small[key] = freq + 1
-                elif freq < _MAX_FREQ:
-                    main[key] = freq + 1
+            block = get(key)
+            if block is not None and block.freq < _MAX_FREQ:
+                block.freq += 1
 
     def request_finished(
         self,
@@ -157,7 +153,7 @@ class AdaptivePolicy(S3FIFOPolicy):
         from_small: list[OffloadKey],
         from_main: list[OffloadKey],
         promoted: list[OffloadKey],
-        moved: list[tuple[OffloadKey, int]],
+        moved: list[tuple[OffloadKey, OffloadedBlock, int]],
     ) -> None:
         blocks, small, main = self._blocks, self._small, self._main
         ghost, main_ghost = self._ghost, self._main_ghost
@@ -171,9 +167,12 @@ class AdaptivePolicy(S3FIFOPolicy):
             ghost[key] = small_evictions
         self._small_evictions = small_evictions
         move = main.move_to_end
-        for key, freq in moved:  # the last move of a key sets its place and frequency
-            main[key] = freq
-            move(key)
+        for key, block, freq in moved:  # the last move of a key sets its place and frequency
+            block.freq = freq
+            if key in main:
+                move(key)
+            else:
+                main[key] = block
         main_evictions = self._main_evictions
         for key in from_main:
             del main[key], blocks[key]
@@ -220,5 +219,6 @@ class AdaptivePolicy(S3FIFOPolicy):
         assert len(self._main_ghost) <= self.capacity, "main ghost over capacity"
         assert 1.0 <= self.small_target <= self._max_small, f"small target {self.small_target}"
         for fifo in (small, main):
-            for key, freq in fifo.items():
-                assert 0 <= freq <= _MAX_FREQ, f"{key.hex()}: frequency {freq}"
+            for key, block in fifo.items():
+                assert block is self._blocks[key], f"{key.hex()}: two records"
+                assert 0 <= block.freq <= _MAX_FREQ, f"{key.hex()}: frequency {block.freq}"
