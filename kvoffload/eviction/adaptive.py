@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import lists_touched_by
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
-from kvoffload.eviction.s3fifo import S3FIFOPolicy
+from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.s3fifo import S3FIFOPolicy, taken_from_small
 from kvoffload.keys import OffloadKey
 
 __all__ = ["AdaptivePolicy"]
@@ -109,18 +109,24 @@ class AdaptivePolicy(S3FIFOPolicy):
         self._small[key] = block
 
     def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
-        if not (
-            self._ghost.keys().isdisjoint(keys)
-            and self._old_ghost.keys().isdisjoint(keys)
-            and self._main_ghost.keys().isdisjoint(keys)
-        ):
-            EvictionPolicy.insert_n(self, keys, blocks)  # one by one: some are remembered
-            return
-        # None is remembered: all enter small, in order, in one loop without a call per key.
         held, small = self._blocks, self._small
+        ghost, old_ghost, main_ghost = self._ghost, self._old_ghost, self._main_ghost
+        if (
+            ghost.keys().isdisjoint(keys)
+            and old_ghost.keys().isdisjoint(keys)
+            and main_ghost.keys().isdisjoint(keys)
+        ):  # none is remembered: all enter small, in order, in one loop without a call per key
+            for key, block in zip(keys, blocks, strict=True):
+                block.freq = 0
+                held[key] = small[key] = block
+            return
+        insert = self.insert  # some are: in order, a call for each of those
         for key, block in zip(keys, blocks, strict=True):
-            block.freq = 0
-            held[key] = small[key] = block
+            if key in ghost or key in old_ghost or key in main_ghost:
+                insert(key, block)
+            else:
+                block.freq = 0
+                held[key] = small[key] = block
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         counted = lists_touched_by(ctx, self)
@@ -150,7 +156,7 @@ class AdaptivePolicy(S3FIFOPolicy):
 
     def _commit(
         self,
-        from_small: list[OffloadKey],
+        victims: list[tuple[OffloadKey, OffloadedBlock]],
         from_main: list[OffloadKey],
         promoted: list[OffloadKey],
         moved: list[tuple[OffloadKey, OffloadedBlock, int]],
@@ -161,7 +167,8 @@ class AdaptivePolicy(S3FIFOPolicy):
             del small[key]
         # Each ghost entry remembers when its key left: the count of evictions from its queue.
         small_evictions = self._small_evictions
-        for key in from_small:
+        from_small = taken_from_small(victims, from_main)
+        for key, _ in from_small:
             del small[key], blocks[key]
             small_evictions += 1
             ghost[key] = small_evictions

@@ -16,6 +16,16 @@ __all__ = ["S3FIFOPolicy"]
 _MAX_FREQ = 3  # two bits
 
 
+def taken_from_small(
+    victims: list[tuple[OffloadKey, OffloadedBlock]], from_main: list[OffloadKey]
+) -> list[tuple[OffloadKey, OffloadedBlock]]:
+    """The victims of an :meth:`S3FIFOPolicy.evict` dry run not in ``from_main``, in order."""
+    if not from_main:  # the common case: no list to build
+        return victims
+    in_main = set(from_main)
+    return [victim for victim in victims if victim[0] not in in_main]
+
+
 @register_eviction_policy
 class S3FIFOPolicy(EvictionPolicy):
     """S3-FIFO (Yang et al., SOSP 2023) over request-level uses.
@@ -128,8 +138,7 @@ class S3FIFOPolicy(EvictionPolicy):
         # The dry run's record, replayed by _commit on success. One loop, no call per victim:
         # this is the hot path of a full tier (a helper call per victim made evict ~25% slower on
         # the Zipf stream of benchmarks/manager_hot_path.py).
-        victims: list[tuple[OffloadKey, OffloadedBlock]] = []
-        from_small: list[OffloadKey] = []  # victims taken from small, in order
+        victims: list[tuple[OffloadKey, OffloadedBlock]] = []  # in order; the rest from small
         from_main: list[OffloadKey] = []  # victims taken from main, in order
         promoted: list[OffloadKey] = []  # keys moved from small to main
         # (key, block, its new frequency) put at main's end, in order. The dry run leaves the
@@ -138,25 +147,26 @@ class S3FIFOPolicy(EvictionPolicy):
         appended: deque[tuple[OffloadKey, OffloadedBlock, int]] = deque()  # not yet rescanned
         while True:
             if not small_done and (small_left >= target or main_done):
+                floor = -1 if main_done else target  # below it, the scan turns to main
                 for key, block in small_scan:
-                    if block.freq >= 1:
+                    if block.freq:
                         promoted.append(key)
                         moved_item = (key, block, 0)
                         moved.append(moved_item)
                         appended.append(moved_item)
                         small_left -= 1
                         continue
-                    if block.ref_cnt == 0 and key not in protected:
-                        from_small.append(key)
+                    if not block.ref_cnt and key not in protected:
                         victims.append((key, block))
-                        if len(victims) == n:
-                            self._commit(from_small, from_main, promoted, moved)
-                            return victims
                         small_left -= 1
-                        if small_left < target and not main_done:
+                        if small_left < floor or len(victims) == n:
                             break
                 else:
                     small_done = True
+                    continue
+                if len(victims) == n:
+                    self._commit(victims, from_main, promoted, moved)
+                    return victims
             elif not main_done:
                 while True:
                     item = next(main_scan, None)
@@ -173,11 +183,11 @@ class S3FIFOPolicy(EvictionPolicy):
                         moved.append(moved_item)
                         appended.append(moved_item)
                         continue
-                    if block.ref_cnt == 0 and key not in protected:
+                    if not block.ref_cnt and key not in protected:
                         from_main.append(key)
                         victims.append((key, block))
                         if len(victims) == n:
-                            self._commit(from_small, from_main, promoted, moved)
+                            self._commit(victims, from_main, promoted, moved)
                             return victims
                         break
             else:
@@ -185,7 +195,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _commit(
         self,
-        from_small: list[OffloadKey],
+        victims: list[tuple[OffloadKey, OffloadedBlock]],
         from_main: list[OffloadKey],
         promoted: list[OffloadKey],
         moved: list[tuple[OffloadKey, OffloadedBlock, int]],
@@ -194,7 +204,7 @@ class S3FIFOPolicy(EvictionPolicy):
         blocks, small, main, ghost = self._blocks, self._small, self._main, self._ghost
         for key in promoted:
             del small[key]
-        for key in from_small:
+        for key, _ in taken_from_small(victims, from_main):
             del small[key], blocks[key]
             ghost[key] = None
         move = main.move_to_end
