@@ -147,7 +147,11 @@ class S3FIFOPolicy(EvictionPolicy):
         appended: deque[tuple[OffloadKey, OffloadedBlock, int]] = deque()  # not yet rescanned
         while True:
             if not small_done and (small_left >= target or main_done):
-                floor = -1 if main_done else target  # below it, the scan turns to main
+                # Stop at n victims or, main not done, when small_left falls below the target:
+                # at the victim count ``stop`` (small_left counts this pass's victims at the end).
+                floor = -1 if main_done else target
+                taken = len(victims)
+                stop = min(n, taken + small_left - floor + 1)
                 for key, block in small_scan:
                     if block.freq:
                         promoted.append(key)
@@ -155,14 +159,16 @@ class S3FIFOPolicy(EvictionPolicy):
                         moved.append(moved_item)
                         appended.append(moved_item)
                         small_left -= 1
+                        stop = min(n, taken + small_left - floor + 1)
                         continue
                     if not block.ref_cnt and key not in protected:
                         victims.append((key, block))
-                        small_left -= 1
-                        if small_left < floor or len(victims) == n:
+                        if len(victims) >= stop:
                             break
                 else:
                     small_done = True
+                small_left -= len(victims) - taken
+                if small_done:
                     continue
                 if len(victims) == n:
                     self._commit(victims, from_main, promoted, moved)
