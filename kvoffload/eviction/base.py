@@ -39,7 +39,8 @@ class OffloadedBlock:
     evictable; ``n > 0`` ready and pinned by ``n`` in-flight loads. Only the manager mutates it.
     ``freq`` belongs to the eviction policy holding the block (a use count: one lookup per use
     instead of a second table), which sets it on insert; the manager never reads it, and a
-    record is held by one policy at a time.
+    record is held by one policy at a time. A record belongs to its block only while the policy
+    holds it: the manager reuses the record of an evicted or failed block for a later one.
     """
 
     __slots__ = ("freq", "ref_cnt", "slot")
