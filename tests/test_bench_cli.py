@@ -377,7 +377,7 @@ def test_help_shows_defaults_and_choices_and_version(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["bench", "throughput", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "{adaptive,arc,lru,prefix,s3fifo}" in text and "(default: lru)" in text
+    assert "{adaptive,arc,lru,prefix,s3fifo}" in text and "(default: adaptive)" in text
     assert "{on_compute,on_finish,prompt_only}" in text and "(default: on_compute)" in text
     assert "--no-enable-prefix-caching" in text
     with pytest.raises(SystemExit) as exc:

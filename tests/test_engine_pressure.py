@@ -102,6 +102,8 @@ def test_a_landed_load_is_not_the_preemption_victim(
         num_device_blocks=num_device_blocks,
         max_num_seqs=4,
         kv_offloading_size=host_gib(host_blocks),
+        eviction_policy="lru",  # the workloads were found with LRU's hits: another policy's loads
+        # land elsewhere, and one may leave only just-loaded candidates (a legitimate preemption)
     ) as engine:
         delay_completions(engine, lambda job_id: delays[job_id % len(delays)])
         ids, done = drive(engine, prompts, params, {})

@@ -360,7 +360,7 @@ class TestS3FIFOOrder:
         p.touch([K[0]], ctx("second request"))
         victims = p.evict(1, ())
         assert victims is not None and victims[0][0] == K[1]
-        assert list(p._main) == [K[0]] and p._main[K[0]] == 0
+        assert list(p._main) == [K[0]] and p._main[K[0]].freq == 0
 
     def test_main_reinserts_used_blocks_with_one_less_frequency(self) -> None:
         p = S3FIFOPolicy(10)
@@ -374,7 +374,7 @@ class TestS3FIFOOrder:
         p.touch([K[1]], ctx("c"))
         victims = p.evict(1, ())
         assert victims is not None and victims[0][0] == K[2]
-        assert p._main[K[1]] == 0
+        assert p._main[K[1]].freq == 0
 
     def test_a_remembered_key_enters_main(self) -> None:
         p = S3FIFOPolicy(10)
@@ -389,7 +389,7 @@ class TestS3FIFOOrder:
         c = ctx()
         p.touch([K[0]], c)
         p.touch([K[0]], c)
-        assert p._small[K[0]] == 1
+        assert p._small[K[0]].freq == 1
 
     def test_ghost_is_bounded_by_capacity(self) -> None:
         p = S3FIFOPolicy(3)
@@ -486,9 +486,9 @@ class TestAdaptiveOrder:
         chain = K[:2]
         p.touch(chain, c)
         p.touch(chain, c)  # the scheduler re-touches the same list every step
-        assert p._small[K[0]] == 1
+        assert p._small[K[0]].freq == 1
         p.touch(chain, ctx("another request"))
-        assert p._small[K[0]] == 2
+        assert p._small[K[0]].freq == 2
 
 
 # -------------------------------------------------------------------------------------- prefix

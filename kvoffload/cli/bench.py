@@ -210,7 +210,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--eviction-policy",
-        default="lru",
+        default="adaptive",
         choices=available_eviction_policies(),
         help="host tier eviction policy",
     )

@@ -106,7 +106,7 @@ class EngineConfig:
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
     block_size_factor: int = 1
-    eviction_policy: str = "lru"
+    eviction_policy: str = "adaptive"
     store_policy: str = "on_compute"
     store_threshold: int = 0
     kv_disk_path: str | None = None

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import lists_touched_by
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
-from kvoffload.eviction.s3fifo import S3FIFOPolicy
+from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.s3fifo import S3FIFOPolicy, taken_from_small
 from kvoffload.keys import OffloadKey
 
 __all__ = ["AdaptivePolicy"]
@@ -88,6 +88,7 @@ class AdaptivePolicy(S3FIFOPolicy):
     # -- the policy interface ------------------------------------------------------------------
 
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+        block.freq = 0
         self._blocks[key] = block
         left = self._ghost.pop(key, None)
         if left is None:
@@ -97,29 +98,35 @@ class AdaptivePolicy(S3FIFOPolicy):
             if age < self.small_target:  # a larger small would have kept it, whatever the reach
                 self.small_target = min(self.small_target + self._step, self._max_small)
             if age < self.reach:
-                self._main[key] = 0
+                self._main[key] = block
                 return
         left = self._main_ghost.pop(key, None)
         if left is not None:
             if self._main_evictions - left < self.small_target:
                 self.small_target = max(self.small_target - self._step, 1.0)
-            self._main[key] = 0
+            self._main[key] = block
             return
-        self._small[key] = 0
+        self._small[key] = block
 
     def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
-        if not (
-            self._ghost.keys().isdisjoint(keys)
-            and self._old_ghost.keys().isdisjoint(keys)
-            and self._main_ghost.keys().isdisjoint(keys)
-        ):
-            EvictionPolicy.insert_n(self, keys, blocks)  # one by one: some are remembered
-            return
-        # None is remembered: all enter small, in order, in one loop without a call per key.
         held, small = self._blocks, self._small
+        ghost, old_ghost, main_ghost = self._ghost, self._old_ghost, self._main_ghost
+        if (
+            ghost.keys().isdisjoint(keys)
+            and old_ghost.keys().isdisjoint(keys)
+            and main_ghost.keys().isdisjoint(keys)
+        ):  # none is remembered: all enter small, in order, in one loop without a call per key
+            for key, block in zip(keys, blocks, strict=True):
+                block.freq = 0
+                held[key] = small[key] = block
+            return
+        insert = self.insert  # some are: in order, a call for each of those
         for key, block in zip(keys, blocks, strict=True):
-            held[key] = block
-            small[key] = 0
+            if key in ghost or key in old_ghost or key in main_ghost:
+                insert(key, block)
+            else:
+                block.freq = 0
+                held[key] = small[key] = block
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         counted = lists_touched_by(ctx, self)
@@ -127,16 +134,11 @@ class AdaptivePolicy(S3FIFOPolicy):
             if seen is keys:
                 return
         counted.append(keys)
-        blocks, small, main = self._blocks, self._small, self._main
+        get = self._blocks.get
         for key in keys:
-            if key in blocks:  # one lookup for a key not held (a request's new blocks)
-                freq = main.get(key)
-                if freq is None:
-                    freq = small[key]
-                    if freq < _MAX_FREQ:
-                        small[key] = freq + 1
-                elif freq < _MAX_FREQ:
-                    main[key] = freq + 1
+            block = get(key)
+            if block is not None and block.freq < _MAX_FREQ:
+                block.freq += 1
 
     def request_finished(
         self,
@@ -154,10 +156,10 @@ class AdaptivePolicy(S3FIFOPolicy):
 
     def _commit(
         self,
-        from_small: list[OffloadKey],
+        victims: list[tuple[OffloadKey, OffloadedBlock]],
         from_main: list[OffloadKey],
         promoted: list[OffloadKey],
-        moved: list[tuple[OffloadKey, int]],
+        moved: list[tuple[OffloadKey, OffloadedBlock, int]],
     ) -> None:
         blocks, small, main = self._blocks, self._small, self._main
         ghost, main_ghost = self._ghost, self._main_ghost
@@ -165,15 +167,19 @@ class AdaptivePolicy(S3FIFOPolicy):
             del small[key]
         # Each ghost entry remembers when its key left: the count of evictions from its queue.
         small_evictions = self._small_evictions
-        for key in from_small:
+        from_small = taken_from_small(victims, from_main)
+        for key, _ in from_small:
             del small[key], blocks[key]
             small_evictions += 1
             ghost[key] = small_evictions
         self._small_evictions = small_evictions
         move = main.move_to_end
-        for key, freq in moved:  # the last move of a key sets its place and frequency
-            main[key] = freq
-            move(key)
+        for key, block, freq in moved:  # the last move of a key sets its place and frequency
+            block.freq = freq
+            if key in main:
+                move(key)
+            else:
+                main[key] = block
         main_evictions = self._main_evictions
         for key in from_main:
             del main[key], blocks[key]
@@ -220,5 +226,6 @@ class AdaptivePolicy(S3FIFOPolicy):
         assert len(self._main_ghost) <= self.capacity, "main ghost over capacity"
         assert 1.0 <= self.small_target <= self._max_small, f"small target {self.small_target}"
         for fifo in (small, main):
-            for key, freq in fifo.items():
-                assert 0 <= freq <= _MAX_FREQ, f"{key.hex()}: frequency {freq}"
+            for key, block in fifo.items():
+                assert block is self._blocks[key], f"{key.hex()}: two records"
+                assert 0 <= block.freq <= _MAX_FREQ, f"{key.hex()}: frequency {block.freq}"

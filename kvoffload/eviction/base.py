@@ -33,17 +33,22 @@ PENDING = -1
 
 
 class OffloadedBlock:
-    """One offloaded block: its slot in the tier and its pin count.
+    """One offloaded block: its slot in the tier, its pin count, and a counter of its policy.
 
     ``ref_cnt``: ``-1`` pending (being written: unreadable, not evictable); ``0`` ready and
     evictable; ``n > 0`` ready and pinned by ``n`` in-flight loads. Only the manager mutates it.
+    ``freq`` belongs to the eviction policy holding the block (a use count: one lookup per use
+    instead of a second table), which sets it on insert; the manager never reads it, and a
+    record is held by one policy at a time. A record belongs to its block only while the policy
+    holds it: the manager reuses the record of an evicted or failed block for a later one.
     """
 
-    __slots__ = ("ref_cnt", "slot")
+    __slots__ = ("freq", "ref_cnt", "slot")
 
     def __init__(self, slot: int, ref_cnt: int = PENDING) -> None:
         self.slot = slot
         self.ref_cnt = ref_cnt
+        self.freq = 0
 
     def __repr__(self) -> str:
         return f"OffloadedBlock(slot={self.slot}, ref_cnt={self.ref_cnt})"

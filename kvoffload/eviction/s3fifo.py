@@ -16,13 +16,24 @@ __all__ = ["S3FIFOPolicy"]
 _MAX_FREQ = 3  # two bits
 
 
+def taken_from_small(
+    victims: list[tuple[OffloadKey, OffloadedBlock]], from_main: list[OffloadKey]
+) -> list[tuple[OffloadKey, OffloadedBlock]]:
+    """The victims of an :meth:`S3FIFOPolicy.evict` dry run not in ``from_main``, in order."""
+    if not from_main:  # the common case: no list to build
+        return victims
+    in_main = set(from_main)
+    return [victim for victim in victims if victim[0] not in in_main]
+
+
 @register_eviction_policy
 class S3FIFOPolicy(EvictionPolicy):
     """S3-FIFO (Yang et al., SOSP 2023) over request-level uses.
 
     Three FIFOs, oldest first: ``small`` (new blocks; its target size is ``small_ratio`` of the
     capacity, at least 1), ``main`` (blocks used again), ``ghost`` (keys that left ``small``
-    unused, at most ``capacity`` of them). Each held block has a frequency 0..3.
+    unused, at most ``capacity`` of them). Each held block has a frequency 0..3 (on its record:
+``OffloadedBlock.freq``; the FIFOs map keys to records, so a use or a scan step is one lookup).
 
     * ``insert``: a key remembered by ``ghost`` leaves it and enters ``main``; any other key
       enters ``small``. Frequency 0.
@@ -54,8 +65,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self._blocks: dict[OffloadKey, OffloadedBlock] = {}
         # Bound C method: get() runs once per block per lookup.
         self.get = self._blocks.get  # type: ignore[method-assign]
-        self._small: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> frequency
-        self._main: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> frequency
+        self._small: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
+        self._main: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self.small_target = max(1, int(capacity * small_ratio))
 
@@ -63,12 +74,13 @@ class S3FIFOPolicy(EvictionPolicy):
         return self._blocks.get(key)
 
     def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+        block.freq = 0
         self._blocks[key] = block
         if key in self._ghost:
             del self._ghost[key]
-            self._main[key] = 0
+            self._main[key] = block
         else:
-            self._small[key] = 0
+            self._small[key] = block
 
     def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
         if not self._ghost.keys().isdisjoint(keys):
@@ -77,8 +89,8 @@ class S3FIFOPolicy(EvictionPolicy):
         # None is remembered: all enter small, in order, in one loop without a call per key.
         held, small = self._blocks, self._small
         for key, block in zip(keys, blocks, strict=True):
-            held[key] = block
-            small[key] = 0
+            block.freq = 0
+            held[key] = small[key] = block
 
     def remove(self, key: OffloadKey) -> None:
         del self._blocks[key]
@@ -87,19 +99,14 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         seen = keys_seen_by(ctx, self)
-        small, main = self._small, self._main
+        get = self._blocks.get
         for key in keys:
             if key in seen:
                 continue
             seen.add(key)
-            freq = small.get(key)
-            if freq is not None:
-                if freq < _MAX_FREQ:
-                    small[key] = freq + 1
-            else:
-                freq = main.get(key)
-                if freq is not None and freq < _MAX_FREQ:
-                    main[key] = freq + 1
+            block = get(key)
+            if block is not None and block.freq < _MAX_FREQ:
+                block.freq += 1
 
     def request_finished(
         self,
@@ -113,15 +120,16 @@ class S3FIFOPolicy(EvictionPolicy):
             for key in reversed(keys):
                 if key in small:
                     small_move(key)
-                elif main_get(key) == 0:
-                    main_move(key)
+                else:
+                    block = main_get(key)
+                    if block is not None and not block.freq:
+                        main_move(key)
 
     def evict(
         self, n: int, protected: Container[OffloadKey]
     ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         if n <= 0:
             return []
-        blocks = self._blocks
         small_scan = iter(self._small.items())
         main_scan = iter(self._main.items())
         target = math.ceil(self.small_target)  # an int: small_left is one (same comparisons)
@@ -130,54 +138,62 @@ class S3FIFOPolicy(EvictionPolicy):
         # The dry run's record, replayed by _commit on success. One loop, no call per victim:
         # this is the hot path of a full tier (a helper call per victim made evict ~25% slower on
         # the Zipf stream of benchmarks/manager_hot_path.py).
-        victims: list[tuple[OffloadKey, OffloadedBlock]] = []
-        from_small: list[OffloadKey] = []  # victims taken from small, in order
+        victims: list[tuple[OffloadKey, OffloadedBlock]] = []  # in order; the rest from small
         from_main: list[OffloadKey] = []  # victims taken from main, in order
         promoted: list[OffloadKey] = []  # keys moved from small to main
-        moved: list[tuple[OffloadKey, int]] = []  # (key, frequency) put at main's end, in order
-        appended: deque[tuple[OffloadKey, int]] = deque()  # main's scratch tail, not yet rescanned
+        # (key, block, its new frequency) put at main's end, in order. The dry run leaves the
+        # records' frequencies alone: the commit sets them.
+        moved: list[tuple[OffloadKey, OffloadedBlock, int]] = []
+        appended: deque[tuple[OffloadKey, OffloadedBlock, int]] = deque()  # not yet rescanned
         while True:
             if not small_done and (small_left >= target or main_done):
-                for key, freq in small_scan:
-                    if freq >= 1:
+                # Stop at n victims or, main not done, when small_left falls below the target:
+                # at the victim count ``stop`` (small_left counts this pass's victims at the end).
+                floor = -1 if main_done else target
+                taken = len(victims)
+                stop = min(n, taken + small_left - floor + 1)
+                for key, block in small_scan:
+                    if block.freq:
                         promoted.append(key)
-                        item = (key, 0)
-                        moved.append(item)
-                        appended.append(item)
+                        moved_item = (key, block, 0)
+                        moved.append(moved_item)
+                        appended.append(moved_item)
                         small_left -= 1
+                        stop = min(n, taken + small_left - floor + 1)
                         continue
-                    block = blocks[key]
-                    if block.ref_cnt == 0 and key not in protected:
-                        from_small.append(key)
+                    if not block.ref_cnt and key not in protected:
                         victims.append((key, block))
-                        if len(victims) == n:
-                            self._commit(from_small, from_main, promoted, moved)
-                            return victims
-                        small_left -= 1
-                        if small_left < target and not main_done:
+                        if len(victims) >= stop:
                             break
                 else:
                     small_done = True
+                small_left -= len(victims) - taken
+                if small_done:
+                    continue
+                if len(victims) == n:
+                    self._commit(victims, from_main, promoted, moved)
+                    return victims
             elif not main_done:
                 while True:
                     item = next(main_scan, None)
-                    if item is None:
-                        if not appended:
-                            main_done = True
-                            break
-                        item = appended.popleft()
-                    key, freq = item
+                    if item is not None:
+                        key, block = item
+                        freq = block.freq
+                    elif appended:
+                        key, block, freq = appended.popleft()
+                    else:
+                        main_done = True
+                        break
                     if freq >= 1:
-                        item = (key, freq - 1)
-                        moved.append(item)
-                        appended.append(item)
+                        moved_item = (key, block, freq - 1)
+                        moved.append(moved_item)
+                        appended.append(moved_item)
                         continue
-                    block = blocks[key]
-                    if block.ref_cnt == 0 and key not in protected:
+                    if not block.ref_cnt and key not in protected:
                         from_main.append(key)
                         victims.append((key, block))
                         if len(victims) == n:
-                            self._commit(from_small, from_main, promoted, moved)
+                            self._commit(victims, from_main, promoted, moved)
                             return victims
                         break
             else:
@@ -185,22 +201,25 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _commit(
         self,
-        from_small: list[OffloadKey],
+        victims: list[tuple[OffloadKey, OffloadedBlock]],
         from_main: list[OffloadKey],
         promoted: list[OffloadKey],
-        moved: list[tuple[OffloadKey, int]],
+        moved: list[tuple[OffloadKey, OffloadedBlock, int]],
     ) -> None:
         """Apply a successful dry run of :meth:`evict` (its lists, each in scan order)."""
         blocks, small, main, ghost = self._blocks, self._small, self._main, self._ghost
         for key in promoted:
             del small[key]
-        for key in from_small:
+        for key, _ in taken_from_small(victims, from_main):
             del small[key], blocks[key]
             ghost[key] = None
         move = main.move_to_end
-        for key, freq in moved:  # the last move of a key sets its place and frequency
-            main[key] = freq
-            move(key)
+        for key, block, freq in moved:  # the last move of a key sets its place and frequency
+            block.freq = freq
+            if key in main:
+                move(key)
+            else:
+                main[key] = block
         for key in from_main:
             del main[key], blocks[key]
         for _ in range(len(ghost) - self.capacity):
@@ -223,5 +242,6 @@ class S3FIFOPolicy(EvictionPolicy):
         assert not ghost.keys() & self._blocks.keys(), "a held block is also a ghost"
         assert len(ghost) <= self.capacity, "ghost FIFO over capacity"
         for fifo in (small, main):
-            for key, freq in fifo.items():
-                assert 0 <= freq <= _MAX_FREQ, f"{key.hex()}: frequency {freq}"
+            for key, block in fifo.items():
+                assert block is self._blocks[key], f"{key.hex()}: two records"
+                assert 0 <= block.freq <= _MAX_FREQ, f"{key.hex()}: frequency {block.freq}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import filterfalse
 from operator import attrgetter
 
 from kvoffload.base import (
@@ -32,9 +33,11 @@ class CPUOffloadingManager(OffloadingManager):
     """Bookkeeping of ``num_blocks`` host slots, each holding one offloaded block.
 
     Slots: never-used ids are handed out in ascending order first (a bump pointer), then freed
-    ids last-in first-out. Invariants (checked by :meth:`check_invariants`): every slot below the
-    bump pointer is either free or owned by exactly one key; the pool never holds more than
-    ``num_blocks`` blocks; pending and pinned blocks are never evicted.
+    ids last-in first-out, each with the record that held it (once a block has left, its record
+    is reused for a later block in the same slot). Invariants (checked by
+    :meth:`check_invariants`): every slot below the bump pointer is either free or owned by
+    exactly one key; the pool never holds more than ``num_blocks`` blocks; pending and pinned
+    blocks are never evicted.
 
     Events (only when ``enable_events``): one removal event per ``prepare_store`` that evicted,
     one stored event per ``complete_store(success=True)`` that made blocks readable, removals of
@@ -75,7 +78,8 @@ class CPUOffloadingManager(OffloadingManager):
         )
         self._num_blocks = num_blocks
         self._num_allocated = 0  # bump pointer over never-used slot ids
-        self._free_slots: list[int] = []  # freed ids, reused LIFO
+        # Records of freed slots (each keeps its slot id), reused LIFO for the next blocks stored.
+        self._free: list[OffloadedBlock] = []
         # Blocks with ref_cnt == 0: lets prepare_store refuse in O(1) when the tier is all pending
         # or pinned, instead of the policy scanning every block before answering None.
         self._num_evictable = 0
@@ -155,9 +159,10 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        get = self._get
-        # One pass: the absent keys, each once (a key listed twice is stored once), in order.
-        to_store = list(dict.fromkeys([k for k in keys if get(k) is None]))
+        # The keys offered, each once, in order (a key listed twice is stored once): also the
+        # protected set of an eviction. The absent ones in one C-level pass (a record is truthy).
+        offered = dict.fromkeys(keys)
+        to_store = list(filterfalse(self._get, offered))
         if self._admit is not None and to_store:
             admitted = self._admit(to_store, keys, ctx)
             self._not_admitted += len(to_store) - len(admitted)
@@ -165,43 +170,50 @@ class CPUOffloadingManager(OffloadingManager):
         if not to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
 
-        free_slots = self._free_slots
+        free = self._free
+        n = len(to_store)
         n_fresh = self._num_blocks - self._num_allocated
-        need = len(to_store) - (n_fresh + len(free_slots))
+        need = n - (n_fresh + len(free))
         evicted: list[OffloadKey] = []
         if need > 0:
-            victims = self._policy.evict(need, set(keys)) if need <= self._num_evictable else None
+            victims = self._policy.evict(need, offered) if need <= self._num_evictable else None
             if victims is None:
                 self._rejected += 1
                 return None
             self._num_evictable -= need
             evicted = [key for key, _ in victims]
-            free_slots.extend([block.slot for _, block in victims])
+            free += [block for _, block in victims]
             self._evicted += need
-            if self._events is not None:
-                self._events.append(OffloadingEvent(list(evicted), self.medium, True))
+            if self._events is not None:  # shares the list with the output (both read-only)
+                self._events.append(OffloadingEvent(evicted, self.medium, True))
 
-        # Never-used slot ids first (ascending), then freed ids last-in first-out.
-        n_fresh = min(n_fresh, len(to_store))
-        slots = list(range(self._num_allocated, self._num_allocated + n_fresh))
-        self._num_allocated += n_fresh
-        n_reused = len(to_store) - n_fresh
-        if n_reused:
-            slots += free_slots[: -n_reused - 1 : -1]
-            del free_slots[-n_reused:]
-        # Allocate and fill the records directly: a third of the cost of calling the class
-        # (measured).
-        new_block = OffloadedBlock.__new__
-        blocks = []
-        for slot in slots:
-            block = new_block(OffloadedBlock)
-            block.slot = slot
+        # Never-used slot ids first (ascending), then freed ones last-in first-out, each with the
+        # record that held it (a fresh record costs an allocation and a slot store per block).
+        n_fresh = min(n_fresh, n)
+        if n_fresh:
+            first = self._num_allocated
+            self._num_allocated += n_fresh
+            new_block = OffloadedBlock.__new__
+            blocks = []
+            for slot in range(first, first + n_fresh):
+                block = new_block(OffloadedBlock)
+                block.slot = slot
+                blocks.append(block)
+            n_reused = n - n_fresh
+            if n_reused:
+                blocks += free[: -n_reused - 1 : -1]
+                del free[-n_reused:]
+        else:
+            blocks = free[: -n - 1 : -1]
+            del free[-n:]
+        for block in blocks:
             block.ref_cnt = PENDING
-            blocks.append(block)
         self._policy.insert_n(to_store, blocks)
         if self._commit is not None:
             uses_recorded_by(ctx, self).stored.append(to_store)
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), evicted)
+        return PrepareStoreOutput(
+            to_store, CPULoadStoreSpec(list(map(_slot_of, blocks))), evicted
+        )
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
@@ -222,7 +234,7 @@ class CPUOffloadingManager(OffloadingManager):
                 block = get(key)
                 if block is not None and block.ref_cnt < 0:
                     remove(key)
-                    self._free_slots.append(block.slot)
+                    self._free.append(block)
                     self._failed += 1
 
     def request_finished(self, ctx: ReqContext) -> None:
@@ -243,7 +255,7 @@ class CPUOffloadingManager(OffloadingManager):
         get = self._get
         readable = [k for k in self._policy if get(k).ref_cnt >= 0]  # type: ignore[union-attr]
         self._policy.clear()
-        self._free_slots.clear()
+        self._free.clear()
         self._num_allocated = 0
         self._num_evictable = 0
         if readable and self._events is not None:
@@ -278,8 +290,8 @@ class CPUOffloadingManager(OffloadingManager):
             )
             assert block.slot not in owners, f"slot {block.slot} owned by two keys"
             owners[block.slot] = key
-        free = set(self._free_slots)
-        assert len(free) == len(self._free_slots), "a slot is on the free list twice"
+        free = {block.slot for block in self._free}
+        assert len(free) == len(self._free), "a slot is on the free list twice"
         assert not free & owners.keys(), "a slot is both free and owned"
         assert len(owners) + len(free) == self._num_allocated <= self._num_blocks, "slots leaked"
         evictable = sum(1 for _, block in self.items() if block.ref_cnt == 0)

@@ -5,7 +5,7 @@
     {"spec_name": "KVOffloadSpec",
      "spec_module_path": "kvoffload.integrations.vllm.spec",
      "cpu_bytes_to_use": 8000000000,
-     "eviction_policy": "prefix",              # a kvoffload policy name (default "lru")
+     "eviction_policy": "prefix",              # a kvoffload policy name (default "adaptive")
      "store_threshold": 2,                     # our reuse filter (default 0: off)
      "max_tracker_size": 64000,
      "kvoffload_cascade": "write_through",     # or "on_evict"
@@ -72,7 +72,7 @@ class KVOffloadSpec(TieringOffloadingSpec):
             raise ConfigError(
                 "secondary_tiers", "is vLLM's tiering setting; KVOffloadSpec reads kvoffload_tiers"
             )
-        self.policy_name = str(extra.get("eviction_policy", "lru"))
+        self.policy_name = str(extra.get("eviction_policy", "adaptive"))
         if self.policy_name not in available_eviction_policies():
             raise ConfigError(
                 "eviction_policy",
