@@ -63,7 +63,7 @@ test-vllm: $(STAMP)
 	$(PY) -m pytest -q $(VLLM_TESTS) || [ $$? -eq 5 ]  # 5: all skipped, loudly (no vLLM)
 
 bench: $(STAMP)
-	$(VENV)/bin/kvoffload bench throughput --compare --repeats 2 $(BENCH_ARGS)
+	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff
