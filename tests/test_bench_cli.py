@@ -250,10 +250,12 @@ BAD_FLAGS = {
         "kv_offloading_size",
     ),
     "two instances with a disk tier": (
-        ["--instances", "2", "--random-prefix-len", "8", "--kv-disk-path",
-         str(Path(__file__).parent), "--kv-disk-size", "1"],
+        [
+            "--instances", "2", "--random-prefix-len", "8",
+            "--kv-disk-path", str(Path(__file__).parent), "--kv-disk-size", "1",
+        ],
         "kv_disk_path",
-    ),  # fmt: skip
+    ),
     "two instances, remote optional": (
         ["--instances", "2", "--random-prefix-len", "8", "--kv-remote-optional"],
         "kv_remote_optional",

@@ -145,7 +145,6 @@ def test_bug_a_round_run_together_promotes_instead_of_recomputing(
     disk_tokens = stats["offload_hit_tokens_disk"] - before.get("offload_hit_tokens_disk", 0)
     assert promoted > 0
     assert disk_tokens == promoted * 4  # every promoted block was loaded by its request
-    computed = stats["forward_tokens"] - before["forward_tokens"]
 
 
 @pytest.mark.parametrize("cascade", ["write_through", "on_evict"])
