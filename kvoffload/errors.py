@@ -60,3 +60,8 @@ class HostAllocationError(KVOffloadError, MemoryError):
             f"could not allocate {num_bytes} bytes ({gib:.2f} GiB) of host memory: {detail}"
         )
         self.num_bytes = num_bytes
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[HostAllocationError], tuple[int, str]]:
+        # Rebuilt from both arguments, so that it crosses process boundaries (pickle).
+        return type(self), (self.num_bytes, self.detail)
