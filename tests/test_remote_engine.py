@@ -81,18 +81,26 @@ def assert_b_loaded_from_remote(b: dict[str, Any]) -> None:
     assert b["cached_offload"][0] > 0  # B's very first request loaded A's prefix
 
 
-def test_second_process_loads_first_engines_prefixes(redis_server: RedisServer) -> None:
-    with redis_server.client() as c:
-        c.flushall()
-    rounds = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=2, seed=31)
-    settings = engine_settings(redis_server.url)
+def run_a_then_b(url: str, rounds: list[list[list[int]]]) -> dict[str, Any]:
+    """Engine A, then engine B, each in its own process on the remote tier at ``url``: both
+    generate the outputs of a run without offloading, A stored blocks, B loaded them. Returns
+    A's result."""
+    settings = engine_settings(url)
     a = run_engine_process(settings, rounds)
     b = run_engine_process(settings, rounds)
     want = reference(rounds)
     assert a["outputs"] == want and b["outputs"] == want
     assert a["stats"]["offload_tier_remote_stored_blocks"] > 0
-    assert a["stats"]["offload_tier_remote_loaded_blocks"] == 0  # nobody had them before A
     assert_b_loaded_from_remote(b)
+    return a
+
+
+def test_second_process_loads_first_engines_prefixes(redis_server: RedisServer) -> None:
+    with redis_server.client() as c:
+        c.flushall()
+    rounds = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=2, seed=31)
+    a = run_a_then_b(redis_server.url, rounds)
+    assert a["stats"]["offload_tier_remote_loaded_blocks"] == 0  # nobody had them before A
 
 
 def test_second_process_through_the_cluster(redis_cluster: RedisClusterServers) -> None:
@@ -118,13 +126,7 @@ def test_second_process_over_tls(tls_redis: TLSRedisServer) -> None:
     """rediss:// to a TLS-only redis-server (certificates made for the test), the CA given as
     ``ssl_ca_certs`` in the URL: engine B loads engine A's prefixes as over plain TCP."""
     rounds = cycling_rounds(num_prefixes=2, prefix_blocks=6, num_rounds=1, seed=34)
-    settings = engine_settings(tls_redis.url)
-    a = run_engine_process(settings, rounds)
-    b = run_engine_process(settings, rounds)
-    want = reference(rounds)
-    assert a["outputs"] == want and b["outputs"] == want
-    assert a["stats"]["offload_tier_remote_stored_blocks"] > 0
-    assert_b_loaded_from_remote(b)
+    run_a_then_b(tls_redis.url, rounds)
 
 
 def _debug_sleep(node: RedisServer, seconds: int) -> None:
