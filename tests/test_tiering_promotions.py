@@ -111,9 +111,12 @@ def test_bug_landed_promotion_evicted_before_its_request_loads_it(tmp_path: Path
     try:
         k0, k1, *rest = (key(i) for i in range(12))
         _on_disk_only(manager, [k0, k1], rest[:4])
+        loaded = manager.stats()["loaded_blocks"]
+        assert loaded == 0  # the cascades to disk pinned host blocks; they loaded none
         a, b = ReqContext("a"), ReqContext("b")
         _promote(manager, [k0, k1], a)
         assert manager.stats()["pinned_promoted_blocks"] == 2
+        assert manager.stats()["loaded_blocks"] == loaded  # a pin is not a load
         assert manager.prepare_store(rest[4:7], b) is None  # only 2 evictable
         out = manager.prepare_store(rest[4:6], b)
         assert out is not None and set(out.evicted_keys).isdisjoint({k0, k1})
@@ -124,6 +127,7 @@ def test_bug_landed_promotion_evicted_before_its_request_loads_it(tmp_path: Path
 
         spec = manager.prepare_load([k0, k1], a)  # A admitted: its load pin replaces the other
         assert manager.stats()["pinned_promoted_blocks"] == 0
+        assert manager.stats()["loaded_blocks"] == loaded + 2  # counted once, when loaded
         assert [manager.host.policy.get(k).ref_cnt for k in (k0, k1)] == [1, 1]
         assert len(spec.block_ids) == 2
         manager.complete_load([k0, k1], a)

@@ -110,6 +110,14 @@ class CPUOffloadingManager(OffloadingManager):
         return _HIT if block.ref_cnt >= 0 else _HIT_PENDING
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        spec = self.pin(keys)
+        self._loaded += len(keys)
+        return spec
+
+    def pin(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
+        """Pin readable blocks against eviction, as :meth:`prepare_load` does but not counted as
+        a load (for readers that are not loads to the device: cascades to secondary tiers,
+        promotions held for their request); :meth:`complete_load` releases the pins."""
         blocks = list(map(self._get, keys))
         evictable = self._num_evictable
         for block in blocks:
@@ -120,7 +128,6 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt += 1
         else:
             self._num_evictable = evictable
-            self._loaded += len(blocks)
             return CPULoadStoreSpec(list(map(_slot_of, blocks)))
         # A key is not loadable: release the pins taken before it (it fails again, pinned or not).
         bad = next(i for i, block in enumerate(blocks) if block is None or block.ref_cnt < 0)

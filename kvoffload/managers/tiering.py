@@ -17,7 +17,7 @@ exchange blocks with host slots only. Behind the unchanged :class:`OffloadingMan
   tiers (``cascade="write_through"``), or, with ``cascade="on_evict"``, only when the host runs
   short of free slots (oldest-stored first; a block the host evicts before its turn is lost to
   the secondary tiers and counted in ``cascade_lost_blocks``).
-* **Pins**: a host slot being read by a cascade is pinned (host ``prepare_load``) until the
+* **Pins**: a host slot being read by a cascade is pinned (host ``pin``) until the
   tier's store reports; a slot being written by a promotion is pending in the host; a landed
   promotion is pinned for the request that asked for it until that request loads
   (:meth:`prepare_load`) or ends (:meth:`request_finished`). None of them is evicted.
@@ -196,21 +196,23 @@ class TieringOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ lookups and loads
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        result = self.host.lookup(key, ctx)
-        if result is _HIT:
+        # The host's answer read from its block record (one dict lookup: the record also says
+        # whether the block is evictable).
+        block = self.host.policy.get(key)
+        if block is not None and block.ref_cnt >= 0:  # a host HIT
             state = self._state(ctx)
             if state.scan_step != self._step:
                 state.scan_step = self._step
                 state.scan.clear()
                 state.scan_evictable = 0
             state.scan.append(key)
-            if not self.host.policy.get(key).ref_cnt:  # type: ignore[union-attr]
+            if not block.ref_cnt:
                 state.scan_evictable += 1
             return _HIT
         if key in self._promoting:
             self._counters["retry_answers"] += 1
             return _RETRY
-        if result is _HIT_PENDING:
+        if block is not None:  # being written into the host
             return _HIT_PENDING
         state = self._state(ctx)
         if key in state.failed:
@@ -324,7 +326,7 @@ class TieringOffloadingManager(OffloadingManager):
             ]
             if not wanted:
                 continue
-            spec = self.host.prepare_load(wanted, probe)
+            spec = self.host.pin(wanted)
             queued_keys, queued_slots = self._cascade_queue[i]
             queued_keys.extend(wanted)
             queued_slots.extend(spec.block_ids)  # type: ignore[attr-defined]
@@ -376,7 +378,7 @@ class TieringOffloadingManager(OffloadingManager):
                         if live is not None:
                             # Held for the request until it loads them: otherwise the next
                             # device stores may evict them before it is admitted.
-                            host.prepare_load(ok, _NO_REQUEST)
+                            host.pin(ok)
                             self._promotion_pins.setdefault(ctx, []).extend(ok)
                     if failed:
                         bad = [k for k in job.keys if k in failed]
