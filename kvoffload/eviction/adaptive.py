@@ -161,10 +161,9 @@ class AdaptivePolicy(S3FIFOPolicy):
         promoted: list[OffloadKey],
         moved: list[tuple[OffloadKey, OffloadedBlock, int]],
     ) -> None:
+        self._apply_moves(promoted, moved)
         blocks, small, main = self._blocks, self._small, self._main
         ghost, main_ghost = self._ghost, self._main_ghost
-        for key in promoted:
-            del small[key]
         # Each ghost entry remembers when its key left: the count of evictions from its queue.
         small_evictions = self._small_evictions
         from_small = taken_from_small(victims, from_main)
@@ -173,13 +172,6 @@ class AdaptivePolicy(S3FIFOPolicy):
             small_evictions += 1
             ghost[key] = small_evictions
         self._small_evictions = small_evictions
-        move = main.move_to_end
-        for key, block, freq in moved:  # the last move of a key sets its place and frequency
-            block.freq = freq
-            if key in main:
-                move(key)
-            else:
-                main[key] = block
         main_evictions = self._main_evictions
         for key in from_main:
             del main[key], blocks[key]

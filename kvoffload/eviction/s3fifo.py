@@ -207,12 +207,25 @@ class S3FIFOPolicy(EvictionPolicy):
         moved: list[tuple[OffloadKey, OffloadedBlock, int]],
     ) -> None:
         """Apply a successful dry run of :meth:`evict` (its lists, each in scan order)."""
+        self._apply_moves(promoted, moved)
         blocks, small, main, ghost = self._blocks, self._small, self._main, self._ghost
-        for key in promoted:
-            del small[key]
         for key, _ in taken_from_small(victims, from_main):
             del small[key], blocks[key]
             ghost[key] = None
+        for key in from_main:
+            del main[key], blocks[key]
+        for _ in range(len(ghost) - self.capacity):
+            ghost.popitem(last=False)
+
+    def _apply_moves(
+        self, promoted: list[OffloadKey], moved: list[tuple[OffloadKey, OffloadedBlock, int]]
+    ) -> None:
+        """The first part of a commit: ``promoted`` leave ``small``, and ``moved`` (keys
+        promoted into ``main`` or reinserted there, in scan order) take their places in
+        ``main``; before any victim of ``main`` is removed (a key may be moved, then evicted)."""
+        small, main = self._small, self._main
+        for key in promoted:
+            del small[key]
         move = main.move_to_end
         for key, block, freq in moved:  # the last move of a key sets its place and frequency
             block.freq = freq
@@ -220,10 +233,6 @@ class S3FIFOPolicy(EvictionPolicy):
                 move(key)
             else:
                 main[key] = block
-        for key in from_main:
-            del main[key], blocks[key]
-        for _ in range(len(ghost) - self.capacity):
-            ghost.popitem(last=False)
 
     def clear(self) -> None:
         for d in (self._blocks, self._small, self._main, self._ghost):
