@@ -66,9 +66,7 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
         raise ConfigError("kv_disk_path", f"{str(probe_dir)!r} is not writable")
 
 
-def validate_remote_settings(
-    url: str | None, ttl_s: float | None, lookup_wait_s: float = 0.25
-) -> None:
+def validate_remote_settings(url: str | None, ttl_s: float | None, lookup_wait_s: float) -> None:
     """Check the remote tier's settings without connecting: :class:`ConfigError` naming
     ``kv_remote_url`` (password hidden), ``kv_remote_ttl`` or ``kv_remote_lookup_wait``."""
     from kvoffload.tiers.redis_url import parse_redis_url
