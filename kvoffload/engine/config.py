@@ -126,6 +126,17 @@ class EngineConfig:
         check_choice("eviction_policy", self.eviction_policy, available_eviction_policies())
         check_choice("store_policy", self.store_policy, STORE_POLICIES)
         check_int("store_threshold", self.store_threshold, 0)
+        self._check_tiers()
+        check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
+        check_str("hash_seed", self.hash_seed, allow_empty=True)
+        if self.metrics_port is not None:
+            check_int("metrics_port", self.metrics_port, 0, 65535)
+        check_str("metrics_host", self.metrics_host)
+        check_real("log_stats_interval_s", self.log_stats_interval_s, 0, unit="seconds")
+        self.events = _events_config(self.kv_events_config)
+
+    def _check_tiers(self) -> None:
+        """The secondary tiers' settings, and the host tier they need."""
         validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
         check_bool("kv_disk_o_direct", self.kv_disk_o_direct)
         check_bool("kv_remote_optional", self.kv_remote_optional)
@@ -148,27 +159,22 @@ class EngineConfig:
             )
         check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
         check_real("kv_lookup_retry_s", self.kv_lookup_retry_s, 0, unit="seconds")
-        check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
-        check_str("hash_seed", self.hash_seed, allow_empty=True)
-        if self.metrics_port is not None:
-            check_int("metrics_port", self.metrics_port, 0, 65535)
-        check_str("metrics_host", self.metrics_host)
-        check_real("log_stats_interval_s", self.log_stats_interval_s, 0, unit="seconds")
-        events = self.kv_events_config
-        if events is None:
-            self.events = KVEventsConfig()
-        elif isinstance(events, KVEventsConfig):
-            self.events = events
-        elif isinstance(events, str):
-            self.events = KVEventsConfig.from_json(events)
-        elif isinstance(events, Mapping):
-            self.events = KVEventsConfig.from_dict(dict(events))
-        else:
-            raise ConfigError(
-                "kv_events_config",
-                f"must be a KVEventsConfig, a dict or a JSON string, got {events!r}",
-            )
 
     @property
     def offloading(self) -> bool:
         return self.kv_offloading_size > 0
+
+
+def _events_config(events: Any) -> KVEventsConfig:
+    """``kv_events_config`` (``None``, a ``KVEventsConfig``, a JSON string or a dict) parsed."""
+    if events is None:
+        return KVEventsConfig()
+    if isinstance(events, KVEventsConfig):
+        return events
+    if isinstance(events, str):
+        return KVEventsConfig.from_json(events)
+    if isinstance(events, Mapping):
+        return KVEventsConfig.from_dict(dict(events))
+    raise ConfigError(
+        "kv_events_config", f"must be a KVEventsConfig, a dict or a JSON string, got {events!r}"
+    )

@@ -233,22 +233,7 @@ def config_from_hf(
             raise ConfigError(key, "missing from config.json")
         return hf[key]
 
-    hidden_act = hf.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ConfigError("hidden_act", f"only 'silu' is implemented, got {hidden_act!r}")
-    if hf.get("mlp_bias", False):
-        raise ConfigError("mlp_bias", "MLP biases are not implemented")
-    if hf.get("use_sliding_window", False):
-        raise ConfigError("use_sliding_window", "sliding-window attention is not implemented")
-    layer_types = hf.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(
-            "layer_types",
-            f"only full_attention layers are implemented, got {sorted(set(layer_types))}",
-        )
-    if hf.get("pretraining_tp", 1) not in (1, None):
-        raise ConfigError("pretraining_tp", "only pretraining_tp == 1 is implemented")
-
+    _reject_unsupported(hf)
     hidden_size = need("hidden_size")
     num_heads = need("num_attention_heads")
     head_dim = hf.get("head_dim") or (hidden_size // num_heads if num_heads else 0)
@@ -259,16 +244,7 @@ def config_from_hf(
     else:
         attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
 
-    eos = hf.get("eos_token_id")
-    if eos is None and generation_config is not None:
-        eos = generation_config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None:
-        raise ConfigError(
-            "eos_token_id",
-            "missing from config.json and generation_config.json (needed to stop generation)",
-        )
+    eos = _eos_token_id(hf, generation_config)
 
     return ModelConfig(
         architecture=family,
@@ -289,6 +265,40 @@ def config_from_hf(
         eos_token_id=eos,
         rope_scaling=rope_scaling,
     )
+
+
+def _reject_unsupported(hf: Mapping[str, Any]) -> None:
+    """:class:`ConfigError` for a ``config.json`` setting this model would silently get wrong."""
+    hidden_act = hf.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConfigError("hidden_act", f"only 'silu' is implemented, got {hidden_act!r}")
+    if hf.get("mlp_bias", False):
+        raise ConfigError("mlp_bias", "MLP biases are not implemented")
+    if hf.get("use_sliding_window", False):
+        raise ConfigError("use_sliding_window", "sliding-window attention is not implemented")
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(
+            "layer_types",
+            f"only full_attention layers are implemented, got {sorted(set(layer_types))}",
+        )
+    if hf.get("pretraining_tp", 1) not in (1, None):
+        raise ConfigError("pretraining_tp", "only pretraining_tp == 1 is implemented")
+
+
+def _eos_token_id(hf: Mapping[str, Any], generation_config: Mapping[str, Any] | None) -> Any:
+    """The EOS id from ``config.json``, else ``generation_config.json`` (first of a list)."""
+    eos = hf.get("eos_token_id")
+    if eos is None and generation_config is not None:
+        eos = generation_config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise ConfigError(
+            "eos_token_id",
+            "missing from config.json and generation_config.json (needed to stop generation)",
+        )
+    return eos
 
 
 def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
