@@ -64,6 +64,7 @@ SCHEDULER_SIDE = [
     "kvoffload.errors",
     "kvoffload.events",
     "kvoffload.eviction",
+    "kvoffload.identity",
     "kvoffload.keys",
     "kvoffload.managers",
     "kvoffload.mediums",

@@ -19,13 +19,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.config import RENAMED_SETTINGS, EngineConfig
 from kvoffload.engine.device_events import DeviceEventRecorder
-from kvoffload.engine.loader import load_model
+from kvoffload.engine.loader import load_model, model_identity
 from kvoffload.engine.offload_stack import DeviceCache, build_offload_stack
 from kvoffload.engine.request import Request, RequestOutput, RequestStatus
 from kvoffload.engine.runner import ModelRunner
@@ -173,12 +172,8 @@ class Engine:
             ) from exc
 
     def _model_identity(self) -> str:
-        """The model's name in shared tiers. Preset models have random weights drawn from
-        ``seed``, so the seed is part of the model."""
-        model = self.config.model
-        if not Path(model).is_dir():
-            model = f"{model}@seed{self.config.seed}"
-        return model
+        """The model's name in shared tiers, by content (:func:`model_identity`)."""
+        return model_identity(self.config.model, self.model.dtype, self.config.seed)
 
     # ------------------------------------------------------------------ requests
 
