@@ -10,7 +10,7 @@ naming the new spelling.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvoffload.engine.loader import DTYPES, resolve_device
@@ -21,6 +21,7 @@ from kvoffload.keys import HASH_SCHEMES
 from kvoffload.managers.tiering import CASCADE_MODES
 from kvoffload.scheduler.policy import STORE_POLICIES
 from kvoffload.tiers.factory import validate_disk_settings, validate_remote_settings
+from kvoffload.tiers.redis_url import redacted_url
 from kvoffload.validation import (
     accepts_renamed,
     check_bool,
@@ -159,6 +160,14 @@ class EngineConfig:
             )
         check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
         check_real("kv_lookup_retry_s", self.kv_lookup_retry_s, 0, unit="seconds")
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, with the remote URL's password shown as ``***`` (also ``str``,
+        so every log line, message or JSON made from a config is safe)."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        if self.kv_remote_url is not None:
+            shown["kv_remote_url"] = redacted_url(self.kv_remote_url)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @property
     def offloading(self) -> bool:
