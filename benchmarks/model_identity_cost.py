@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from disk_bandwidth import evict  # this directory: the scripts run from it
 from safetensors.torch import save_file
 
 from kvoffload import filedigest
@@ -40,16 +41,6 @@ def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor]) -> int:
     (directory / "config.json").write_text(json.dumps(_CONFIG))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def evict(directory: Path) -> None:
-    for path in directory.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def uncache(directory: Path) -> None:
@@ -78,7 +69,7 @@ def show(label: str, times: list[float], nbytes: int = 0) -> None:
 def checkpoint_cases(directory: Path) -> dict[str, Callable[[], object]]:
     def cold() -> None:
         uncache(directory)
-        evict(directory)
+        evict(sorted(directory.glob("*.safetensors")))
         checkpoint_fingerprint(directory, "float32")
 
     def hot() -> None:
