@@ -35,6 +35,7 @@ from redis_servers import RedisServer
 
 from kvoffload import filedigest
 from kvoffload.engine import Engine
+from kvoffload.errors import ConfigError
 from kvoffload.tiers.blockformat import CorruptBlockError, parse_header
 
 pytest.importorskip("transformers")
@@ -250,3 +251,27 @@ def test_the_digest_cache_is_written_beside_the_checkpoint(
         patch.setattr(filedigest, "RACY_WINDOW_S", 0.0)
         run(str(folder), disk)
     assert (folder / filedigest.CACHE_NAME).is_file()
+
+
+def test_a_checkpoint_rewritten_while_it_loads_is_refused(
+    checkpoints: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights B written over the folder just after the engine read weights A (the write placed
+    at that instant by wrapping the loader): the engine must not name A's KV after B."""
+    import kvoffload.engine.engine as engine_module
+
+    weights_a, weights_b = checkpoints
+    folder = Path(shutil.copytree(weights_a, tmp_path / "model"))
+    real_load = engine_module.load_model
+
+    def load_then_overwrite(*args: Any, **kwargs: Any) -> Any:
+        loaded = real_load(*args, **kwargs)
+        for shard in weights_b.glob("*.safetensors"):
+            shutil.copyfile(shard, folder / shard.name)
+        return loaded
+
+    monkeypatch.setattr(engine_module, "load_model", load_then_overwrite)
+    disk = {"kv_disk_path": str(tmp_path / "kv"), "kv_disk_size": 0.05}
+    with pytest.raises(ConfigError, match="changed while it was loaded") as info:
+        run(str(folder), disk)
+    assert info.value.field == "model"

@@ -24,7 +24,7 @@ from typing import Any
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.config import RENAMED_SETTINGS, EngineConfig
 from kvoffload.engine.device_events import DeviceEventRecorder
-from kvoffload.engine.loader import load_model, model_identity
+from kvoffload.engine.loader import load_model, model_identity, resolve_device, resolve_dtype
 from kvoffload.engine.offload_stack import DeviceCache, build_offload_stack
 from kvoffload.engine.request import Request, RequestOutput, RequestStatus
 from kvoffload.engine.runner import ModelRunner
@@ -93,6 +93,8 @@ class Engine:
 
     def _build(self) -> None:
         config = self.config
+        shared = config.offloading and (config.kv_disk_path or config.kv_remote_url) is not None
+        named_before_loading = self._model_identity() if shared else None
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, config.device, config.dtype, config.seed
         )
@@ -114,7 +116,7 @@ class Engine:
                 self.runner.kv_cache,
                 self.num_device_blocks,
                 self.model_config,
-                self._model_identity,
+                lambda: self._loaded_model_identity(named_before_loading),
             )
             stack = build_offload_stack(
                 config, device, self._device_events is not None, self._owned
@@ -173,7 +175,20 @@ class Engine:
 
     def _model_identity(self) -> str:
         """The model's name in shared tiers, by content (:func:`model_identity`)."""
-        return model_identity(self.config.model, self.model.dtype, self.config.seed)
+        config = self.config
+        dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+        return model_identity(config.model, dtype, config.seed)
+
+    def _loaded_model_identity(self, before: str | None) -> str:
+        """The name of the weights this engine loaded: named before loading and again after
+        (a ``stat`` per weight file, the digests being cached), so that a checkpoint rewritten
+        while it was read is refused rather than named after weights other than those loaded."""
+        after = self._model_identity()
+        if before is not None and after != before:
+            raise ConfigError(
+                "model", f"the checkpoint in {self.config.model!r} changed while it was loaded"
+            )
+        return after
 
     # ------------------------------------------------------------------ requests
 
