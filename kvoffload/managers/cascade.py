@@ -1,5 +1,13 @@
 """Cascades: host blocks written on to the secondary tiers, and when (the cascade strategies:
-``write_through`` at once, ``on_evict`` when the host runs short of room)."""
+``write_through`` at once, ``on_evict`` when the host runs short of room).
+
+Which tiers a block may reach, under every strategy: only those that the request whose store
+wrote it into the host allowed (``kv_store_tiers``; all when absent). A host copy has exactly
+one writer: a request that offers a block the host already holds (or is writing) stores nothing,
+so it adds no tier; a block stored again after the host evicted it is a new copy, governed by
+its new writer. So a block never reaches a tier that no request storing it allowed, and a
+request with ``kv_store_tiers: []`` cascades nothing. Promoted blocks never cascade back.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +48,6 @@ class CascadeQueue:
         self._tiers = tiers
         self._jobs = jobs
         self._queued: list[tuple[list[OffloadKey], list[int]]] = [([], []) for _ in tiers]
-        self.num_tiers = len(tiers)
         self.cascaded_blocks = 0
         self.failed_cascade_blocks = 0
 
@@ -139,12 +146,13 @@ class OnEvictCascade(Cascade):
         self._headroom = max(1, int(host.num_blocks * evict_headroom))
         #: stored in the host, not cascaded yet, oldest first: key -> the tiers it may go to
         self._dirty: dict[OffloadKey, Sequence[int]] = {}
-        self._every_tier = list(range(queue.num_tiers))
 
     def stored(self, keys: Sequence[OffloadKey], tiers: Sequence[int], ctx: ReqContext) -> None:
-        dirty, every_tier = self._dirty, self._every_tier
+        if not tiers:
+            return
+        dirty = self._dirty
         for key in keys:
-            dirty[key] = every_tier
+            dirty[key] = tiers
 
     def host_evicted(self, keys: Sequence[OffloadKey]) -> None:
         dirty = self._dirty
