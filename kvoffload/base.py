@@ -135,6 +135,13 @@ class OffloadingManager(ABC):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """Say whether ``key`` is held, readable or being written. Changes no recency."""
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether :meth:`prepare_store` would skip ``key``: the tier that stores go to holds it
+        (readable or being written). A pure probe: no recency, no background work, no counters.
+        Default: :meth:`lookup` is not ``MISS``; managers whose lookup does more (a tiering
+        manager's promotions, a reuse filter's counting) override it."""
+        return self.lookup(key, ctx) is not LookupResult.MISS
+
     @abstractmethod
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """Pin ``keys`` for reading and return where they are, co-indexed with ``keys``.

@@ -159,6 +159,11 @@ class TieringOffloadingManager(OffloadingManager):
                 return _RETRY
         return _MISS
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether the host holds ``key`` (stores go to the host). Asks no secondary tier, so it
+        promotes nothing and counts nothing."""
+        return self.host.policy.get(key) is not None
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         try:
             return self.host.prepare_load(keys, ctx)
