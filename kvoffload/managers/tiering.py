@@ -147,11 +147,10 @@ class TieringOffloadingManager(OffloadingManager):
         for i in state.load_tiers:
             answer = tiers[i].lookup(key, ctx)
             if answer is _HIT:
-                if promotions.room(state, self._step) <= 0:
-                    if not promotions.must_wait_for_room(ctx):
-                        return _MISS
-                else:
+                if promotions.room(state, self._step) > 0:
                     promotions.queue(i, ctx, key)
+                elif not promotions.must_wait_for_room(ctx):
+                    return _MISS
                 self._retry_answers += 1
                 return _RETRY
             if answer is _RETRY:
