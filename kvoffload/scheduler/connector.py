@@ -305,6 +305,8 @@ class OffloadingConnectorScheduler:
                 self.manager.complete_load(job.keys, job.ctx)
         if failed:
             self._count_failure(job)
+        else:
+            self._counters["stored_blocks" if job.is_store else "loaded_blocks"] += len(job.keys)
         state = self._requests.get(job.req_id)
         if state is None:
             return
@@ -420,10 +422,16 @@ class OffloadingConnectorScheduler:
         return self._events.convert(events)
 
     def stats(self) -> dict[str, float]:
-        """Connector counters (``lookups``: calls of get_num_new_matched_tokens, retries included;
-        ``hit_tokens``: tokens whose load was planned, split by tier as ``hit_tokens_<tier>``, and
-        ``failed_load_tokens_<tier>`` of those whose load failed and were recomputed; jobs,
-        blocks, bytes, seconds) plus the manager's, the latter prefixed ``tier_``."""
+        """Connector counters plus the manager's, the latter prefixed ``tier_``.
+
+        ``lookups``: calls of get_num_new_matched_tokens, retries included; ``hit_tokens``:
+        tokens whose load was planned, split by tier as ``hit_tokens_<tier>``, and
+        ``failed_load_tokens_<tier>`` of those whose load failed and were recomputed;
+        ``load_jobs`` / ``store_jobs``: jobs planned; ``loaded_blocks`` / ``stored_blocks``:
+        blocks of jobs that completed successfully (loaded into the engine, stored in the
+        tier); ``failed_loads`` / ``failed_stores``: jobs that failed; bytes and seconds as the
+        workers reported them.
+        """
         out: dict[str, float] = dict(self._counters)
         for source, n in self._hit_tokens_by_source.items():
             out[f"hit_tokens_{source}"] = n

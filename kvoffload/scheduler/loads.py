@@ -16,7 +16,7 @@ __all__ = ["LoadPlanner"]
 
 class LoadPlanner:
     """Plans loads (``prepare_load`` pins the tier's blocks) and counts ``load_jobs`` and
-    ``hit_tokens`` into ``counters``, and hit tokens by the tier that supplies them into
+    ``hit_tokens`` (planned) into ``counters``, and hit tokens by the tier that supplies them into
     ``hit_tokens_by_source``."""
 
     def __init__(
@@ -69,7 +69,6 @@ class LoadPlanner:
         for source, n in job.sources.items():
             by_source[source] = by_source.get(source, 0) + n
         self._counters["load_jobs"] += 1
-        self._counters["loaded_blocks"] += len(keys)
         self._counters["hit_tokens"] += num_external_tokens
         return TransferJob(
             job.job_id, ctx.req_id, src, GPULoadStoreSpec(engine_ids, group_sizes, block_indices)

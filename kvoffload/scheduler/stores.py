@@ -30,8 +30,8 @@ Location = tuple[int, int]
 
 
 class StorePlanner:
-    """Plans a request's stores; counts ``store_jobs``, ``stored_blocks`` and
-    ``rejected_stores`` (offers refused as a whole) into ``counters``. Sliding-window sources
+    """Plans a request's stores; counts ``store_jobs`` (planned) and ``rejected_stores`` (offers
+    refused as a whole) into ``counters``. Sliding-window sources
     are registered in the reuse ``fence``; each stored block is described to ``events``."""
 
     def __init__(
@@ -153,7 +153,6 @@ class StorePlanner:
         if self._fences:
             self._fence.add(job, engine_ids, group_sizes)
         self._counters["store_jobs"] += 1
-        self._counters["stored_blocks"] += len(stored)
         return TransferJob(
             job.job_id,
             state.req_context.req_id,
