@@ -33,8 +33,9 @@ class ReqContext:
 
     The scheduler creates exactly one per request and passes the *same object* on every manager
     call for that request, so managers and policies may keep per-request scratch state on it
-    (:meth:`set_state` / :meth:`get_state`, keyed by the state's type) instead of in dicts keyed by
-    request id that they would have to clean up.
+    instead of in dicts keyed by request id that they would have to clean up:
+    :meth:`setdefault_state` gets or creates it (keyed by the state's type, or by its owner),
+    :meth:`pop_state` drops it; :meth:`get_state` / :meth:`set_state` read and replace by type.
     """
 
     req_id: str

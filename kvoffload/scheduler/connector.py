@@ -1,4 +1,6 @@
-"""The scheduler-side offloading connector: hits, load jobs, store jobs and completions.
+"""The scheduler-side offloading connector: the engine protocol, request lifecycle and
+completions. Hit search (``lookup.py``), load and store planning (``loads.py``, ``stores.py``),
+the reuse fence (``fence.py``) and retried final offers (``retries.py``) are its parts.
 
 Engine protocol, per request (modelled on vLLM's KV connector):
 
@@ -27,9 +29,9 @@ Design choices where vLLM has known problems:
   blocks while any of the request's jobs is in flight, and a preempted request's in-flight jobs
   are flushed (``jobs_to_flush``) before the next forward pass may overwrite its blocks.
 * A ``None`` from ``prepare_store`` stores the longest head of the offer that fits and re-offers
-  the whole offer next step (the policy rewinds; the stored head is skipped and protected). A
-  finished request's refused offer is kept, its blocks held, and retried each step while other
-  transfers are in flight, unless the engine needs the blocks first.
+  the whole offer next step (``stores.py``). A finished request's refused offer is kept, its
+  blocks held, and retried each step while other transfers are in flight, unless the engine
+  needs the blocks first (``retries.py``).
 """
 
 from __future__ import annotations
