@@ -195,7 +195,7 @@ class OffloadingConnectorScheduler:
             )
         for group_state, ids in zip(state.group_states, block_ids, strict=True):
             group_state.block_ids[:] = ids
-            if self._fence:
+            if ids and self._fence:
                 self._fence.reallocated(ids, self._jobs_to_flush)
         if num_external_tokens <= 0:
             return
@@ -216,18 +216,20 @@ class OffloadingConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         """Plan this step's stores and hand over every job planned since the last call."""
-        requests = self._requests
+        requests, policies, plan = self._requests, self._policies, self._stores.plan
         store_jobs = self._store_jobs
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             state = requests.get(request.request_id)
             if state is None:
                 continue
-            if scheduled.new_block_ids:
+            new_ids = scheduled.new_block_ids
+            if new_ids and (scheduled.resumed or any(new_ids)):
                 self._record_new_blocks(state, scheduled)
             state.update_offload_keys()
             computed = request.num_computed_tokens + scheduled.num_scheduled_tokens
-            jobs, _ = self._plan_store(state, min(computed, request.num_tokens))
+            policy = policies[state.store_policy]
+            jobs, _ = plan(state, policy, min(computed, request.num_tokens))
             store_jobs.extend(jobs)
         if self._retries:
             self._retries.retry(store_jobs)
@@ -250,19 +252,15 @@ class OffloadingConnectorScheduler:
                 group_state.block_ids[:] = ids
             elif ids:
                 group_state.block_ids.extend(ids)
-            if fence and ids:
+            if ids and fence:
                 fence.reallocated(ids, self._jobs_to_flush)
-
-    def _plan_store(
-        self, state: RequestKVState, num_tokens: int, finished: bool = False
-    ) -> tuple[list[TransferJob], int]:
-        policy = self._policies[state.store_policy]
-        return self._stores.plan(state, policy, num_tokens, finished)
 
     def _plan_final_store(
         self, state: RequestKVState, num_tokens: int
     ) -> tuple[list[TransferJob], int]:
-        return self._plan_store(state, num_tokens, finished=True)
+        """Plan a finished request's last stores (``on_finish`` policies offer everything)."""
+        policy = self._policies[state.store_policy]
+        return self._stores.plan(state, policy, num_tokens, finished=True)
 
     # ------------------------------------------------------------------ completions
 
@@ -270,7 +268,8 @@ class OffloadingConnectorScheduler:
         """Apply worker results; a job completes when all ``num_workers`` workers reported it."""
         self.manager.step_begin()
         update = ConnectorUpdate()
-        update.freed.extend(self._retries.take_freed())
+        if self._retries.freed:
+            update.freed.extend(self._retries.take_freed())
         if self._failed_before_submit:
             update.failed_loads.extend(self._failed_before_submit)
             self._failed_before_submit = []
@@ -284,9 +283,12 @@ class OffloadingConnectorScheduler:
             if job is None:
                 logger.debug("ignoring result of unknown job %d", result.job_id)
                 continue
-            kind = "store" if job.is_store else "load"
-            counters[f"{kind}_bytes"] += result.num_bytes
-            self._transfer_seconds[kind] += result.seconds
+            if job.is_store:
+                counters["store_bytes"] += result.num_bytes
+                self._transfer_seconds["store"] += result.seconds
+            else:
+                counters["load_bytes"] += result.num_bytes
+                self._transfer_seconds["load"] += result.seconds
             if not result.success:
                 job.failed = True
             job.pending -= 1
@@ -299,7 +301,8 @@ class OffloadingConnectorScheduler:
     def _complete(self, job: PlannedJob, update: ConnectorUpdate) -> None:
         """Every worker reported ``job``: tell the manager, then its request."""
         failed = job.failed or job.stale
-        self._fence.release(job)
+        if job.fenced:
+            self._fence.release(job)
         if not job.stale:
             if job.is_store:
                 self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
