@@ -167,22 +167,31 @@ class OnEvictCascade(Cascade):
 
     def step_end(self) -> None:
         """Queue the oldest dirty blocks while the host has less free room than its headroom."""
-        host, dirty = self._host, self._dirty
-        n = self._headroom - (host.num_blocks - len(host.policy))
-        if n <= 0 or not dirty:
+        dirty = self._dirty
+        if not dirty:
             return
-        batch: list[tuple[OffloadKey, Sequence[int]]] = []
-        for item in dirty.items():
-            batch.append(item)
-            if len(batch) >= n:
+        host = self._host
+        n = self._headroom - (host.num_blocks - len(host.policy))
+        if n <= 0:
+            return
+        # Oldest first, in runs of keys that may go to the same tiers (one tier list per
+        # request; requests that allow every tier share one): one queue call per run and tier.
+        runs: list[tuple[Sequence[int], list[OffloadKey]]] = []
+        run_tiers: Sequence[int] | None = None
+        for key, tiers in dirty.items():
+            if tiers is not run_tiers:
+                run: list[OffloadKey] = []
+                runs.append((tiers, run))
+                run_tiers = tiers
+            run.append(key)
+            n -= 1
+            if not n:
                 break
-        by_tier: dict[int, list[OffloadKey]] = {}
-        for key, tiers in batch:
-            del dirty[key]
+        for tiers, keys in runs:
+            for key in keys:
+                del dirty[key]
             for tier in tiers:
-                by_tier.setdefault(tier, []).append(key)
-        for tier in sorted(by_tier):
-            self._queue.add(by_tier[tier], tier, NO_REQUEST)
+                self._queue.add(keys, tier, NO_REQUEST)
 
     def reset(self) -> None:
         self._dirty.clear()
