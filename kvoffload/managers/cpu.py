@@ -218,7 +218,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.insert_n(to_store, blocks)
         if self._commit is not None:
             uses_recorded_by(ctx, self).stored.append(to_store)
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec(list(map(_slot_of, blocks))), evicted)
+        return PrepareStoreOutput(
+            to_store, CPULoadStoreSpec(list(map(_slot_of, blocks))), evicted
+        )
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
