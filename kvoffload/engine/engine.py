@@ -18,20 +18,20 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvoffload.base import OffloadingManager
 from kvoffload.engine.block_pool import BlockPool
-from kvoffload.engine.loader import DTYPES, load_model, resolve_device
+from kvoffload.engine.config import RENAMED_SETTINGS, EngineConfig
+from kvoffload.engine.loader import load_model
 from kvoffload.engine.request import Request, RequestOutput, RequestStatus
 from kvoffload.engine.runner import ModelRunner
 from kvoffload.engine.sampling import SamplingParams
 from kvoffload.engine.scheduler import EngineScheduler
 from kvoffload.errors import ConfigError, HostAllocationError
-from kvoffload.events import KVEventsConfig, create_event_publisher
+from kvoffload.events import create_event_publisher
 from kvoffload.events.messages import (
     MEDIUM_GPU,
     BlockRemoved,
@@ -40,164 +40,22 @@ from kvoffload.events.messages import (
     KVEventBatch,
     external_block_hash,
 )
-from kvoffload.eviction import available_eviction_policies
-from kvoffload.keys import HASH_SCHEMES, BlockHash, BlockHasher
+from kvoffload.keys import BlockHash, BlockHasher
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
-from kvoffload.managers.tiering import (
-    CASCADE_MODES,
-    TieringOffloadingManager,
-    validate_tier_params,
-)
+from kvoffload.managers.tiering import TieringOffloadingManager, validate_tier_params
 from kvoffload.metrics import EngineMetrics, MetricsServer, Snapshot, StatsLogger
 from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOffloadConfig
 from kvoffload.scheduler.connector import parse_kv_transfer_params
 from kvoffload.scheduler.events import OffloadEventDescriber
-from kvoffload.scheduler.policy import STORE_POLICIES
 from kvoffload.tiers import KVLayout
-from kvoffload.tiers.factory import (
-    build_secondary_tiers,
-    validate_disk_settings,
-    validate_remote_settings,
-)
-from kvoffload.validation import check_bool, check_choice, check_int, check_real, check_str
+from kvoffload.tiers.factory import build_secondary_tiers
+from kvoffload.validation import renamed_settings
 from kvoffload.worker import OffloadingConnectorWorker
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine"]
 
 _GIB = 2**30
-_MAX_SEED = 2**64 - 1  # torch.manual_seed's range
-_MAX_GIB = 2**33  # 2**63 bytes: more than any address space
 logger = logging.getLogger(__name__)
-OFFLOADING_BACKENDS = ("native",)
-
-
-@dataclass
-class EngineConfig:
-    """Everything an :class:`Engine` is built from. Invalid values raise :class:`ConfigError`.
-
-    Device cache: ``num_device_blocks`` engine blocks of ``block_size`` tokens, or, when it is
-    ``None``, as many as ``kv_cache_memory`` GiB hold. Offloading is on when
-    ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
-    ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
-    that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
-    ``kv_disk_path`` is set (``kv_disk_size`` GiB on disk; ``docs/disk-tier.md``); blocks cascade
-    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
-    tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
-    (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
-    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks, and a block the server
-    has not answered a lookup of within ``kv_remote_lookup_wait`` seconds is a miss for now (its
-    request computes it rather than waiting on a slow server). A request whose blocks
-    are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_seconds``
-    (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
-    Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
-    the engine is open; ``log_stats_interval`` > 0 logs a stats line every that many seconds.
-    """
-
-    model: str = "small"
-    device: str = "cpu"
-    dtype: str | None = None
-    seed: int = 0
-    block_size: int = 16
-    num_device_blocks: int | None = None
-    kv_cache_memory: float = 1.0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 16
-    enable_prefix_caching: bool = True
-    kv_offloading_size: float = 0.0
-    kv_offloading_backend: str = "native"
-    block_size_factor: int = 1
-    eviction_policy: str = "adaptive"
-    store_policy: str = "on_compute"
-    store_threshold: int = 0
-    kv_disk_path: str | None = None
-    kv_disk_size: float = 0.0
-    kv_disk_eviction_policy: str | None = None
-    kv_disk_o_direct: bool = False
-    kv_tier_cascade: str = "write_through"
-    kv_lookup_retry_seconds: float = 2.0
-    kv_remote_url: str | None = None
-    kv_remote_optional: bool = False
-    kv_remote_ttl: float | None = None
-    kv_remote_lookup_wait: float = 0.25
-    hash_scheme: str = "sha256_cbor"
-    hash_seed: str = "0"
-    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    log_stats_interval: float = 0.0
-    events: KVEventsConfig = field(init=False)
-
-    def __post_init__(self) -> None:
-        check_str("model", self.model)
-        resolve_device(check_str("device", self.device))
-        if self.dtype is not None:
-            check_choice("dtype", self.dtype, DTYPES)
-        check_int("seed", self.seed, 0, _MAX_SEED)
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "block_size_factor"):
-            check_int(name, getattr(self, name), 1)
-        if self.num_device_blocks is not None:
-            check_int("num_device_blocks", self.num_device_blocks, 1)
-        check_real(
-            "kv_cache_memory", self.kv_cache_memory, maximum=_MAX_GIB, positive=True, unit="GiB"
-        )
-        check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        check_real(
-            "kv_offloading_size",
-            self.kv_offloading_size,
-            0,
-            _MAX_GIB,
-            unit="GiB; 0 disables offloading",
-        )
-        check_choice("kv_offloading_backend", self.kv_offloading_backend, OFFLOADING_BACKENDS)
-        check_choice("eviction_policy", self.eviction_policy, available_eviction_policies())
-        check_choice("store_policy", self.store_policy, STORE_POLICIES)
-        check_int("store_threshold", self.store_threshold, 0)
-        validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
-        check_bool("kv_disk_o_direct", self.kv_disk_o_direct)
-        check_bool("kv_remote_optional", self.kv_remote_optional)
-        if self.kv_disk_path is not None and not self.offloading:
-            raise ConfigError(
-                "kv_disk_path", "a disk tier needs the host tier: set kv_offloading_size > 0"
-            )
-        if self.kv_disk_eviction_policy is not None:
-            check_choice(
-                "kv_disk_eviction_policy",
-                self.kv_disk_eviction_policy,
-                available_eviction_policies(),
-            )
-        validate_remote_settings(
-            self.kv_remote_url, self.kv_remote_ttl, self.kv_remote_lookup_wait
-        )
-        if self.kv_remote_url is not None and not self.offloading:
-            raise ConfigError(
-                "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
-            )
-        check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
-        check_real("kv_lookup_retry_seconds", self.kv_lookup_retry_seconds, 0, unit="seconds")
-        check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
-        check_str("hash_seed", self.hash_seed, allow_empty=True)
-        if self.metrics_port is not None:
-            check_int("metrics_port", self.metrics_port, 0, 65535)
-        check_str("metrics_host", self.metrics_host)
-        check_real("log_stats_interval", self.log_stats_interval, 0, unit="seconds")
-        events = self.kv_events_config
-        if events is None:
-            self.events = KVEventsConfig()
-        elif isinstance(events, KVEventsConfig):
-            self.events = events
-        elif isinstance(events, str):
-            self.events = KVEventsConfig.from_json(events)
-        elif isinstance(events, Mapping):
-            self.events = KVEventsConfig.from_dict(dict(events))
-        else:
-            raise ConfigError(
-                "kv_events_config",
-                f"must be a KVEventsConfig, a dict or a JSON string, got {events!r}",
-            )
-
-    @property
-    def offloading(self) -> bool:
-        return self.kv_offloading_size > 0
 
 
 def _release(owned: list[Callable[[], object]]) -> None:
@@ -233,8 +91,9 @@ class Engine:
     def __init__(self, model: str = "small", **kwargs: Any) -> None:
         known = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
         for name in kwargs:
-            if name not in known:
+            if name not in known and name not in RENAMED_SETTINGS:
                 raise ConfigError(name, f"unknown engine setting; known: {sorted(known)}")
+        kwargs = renamed_settings(kwargs, RENAMED_SETTINGS, stacklevel=2)
         self.config = EngineConfig(model=model, **kwargs)
         # Shutdown callables of what this engine owns (copy threads and host pool, the event
         # publisher's thread and socket), run on close(), on a failed construction and when the
@@ -314,8 +173,8 @@ class Engine:
         snapshot = _weak_snapshot(self)
         self.metrics = EngineMetrics(snapshot, block_bytes, directions)
         self._stats_logger = (
-            StatsLogger(snapshot, config.log_stats_interval, block_bytes)
-            if config.log_stats_interval > 0
+            StatsLogger(snapshot, config.log_stats_interval_s, block_bytes)
+            if config.log_stats_interval_s > 0
             else None
         )
         self.metrics_server: MetricsServer | None = None
@@ -368,7 +227,7 @@ class Engine:
             config.block_size,
             config.block_size_factor,
             store_policy=config.store_policy,
-            max_lookup_retry_seconds=config.kv_lookup_retry_seconds,
+            max_lookup_retry_seconds=config.kv_lookup_retry_s,
         )
         describer = (
             OffloadEventDescriber(config.events.int_block_hashes) if self._events_on else None
