@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -163,16 +164,23 @@ def test_remote_settings_are_checked_before_connecting() -> None:
         tiny_engine(kv_offloading_size=host_gib(8), kv_remote_ttl_s=5.0)
 
 
-def test_server_down_at_start_fails_or_degrades_with_optional() -> None:
+def test_server_down_at_start_fails_or_degrades_with_optional(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without kv_remote_optional: one line saying to start the server or set it. With it: a
+    warning that does not tell to set what is set (issue 21), and a run on the host tier."""
     from redis_servers import free_port
 
     url = f"redis://:hunter2-secret@127.0.0.1:{free_port()}/0"
     with pytest.raises(ConfigError, match="kv_remote_url: cannot reach") as info:
         tiny_engine(kv_offloading_size=host_gib(8), kv_remote_url=url)
-    assert "hunter2-secret" not in str(info.value)
+    assert "hunter2-secret" not in str(info.value) and "set kv_remote_optional" in str(info.value)
+    caplog.set_level(logging.WARNING)
     with tiny_engine(
         kv_offloading_size=host_gib(8), kv_remote_url=url, kv_remote_optional=True
     ) as engine:
+        (warning,) = [r.getMessage() for r in caplog.records if "remote tier" in r.getMessage()]
+        assert "cannot reach" in warning and "set kv_remote_optional" not in warning
         assert engine.tiering is None  # only the host tier
         out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(out[0].output_token_ids) == 2

@@ -84,3 +84,13 @@ def test_the_password_is_never_shown(password: str, user: str, bad_port: bool) -
         return
     assert password not in url.redacted() and password not in repr(url)
     assert url.scrub(f"error near {password}!") == "error near ***!"
+
+
+@given(password=_secret)
+def test_the_tier_config_never_shows_the_password(password: str) -> None:
+    from kvoffload.tiers.remote_config import RemoteTierConfig
+
+    config = RemoteTierConfig(url=f"redis://alice:{quote(password, safe='')}@host:1/0")
+    for text in (repr(config), str(config)):
+        assert password not in text and quote(password, safe="") not in text
+        assert "redis://***@host:1/0" in text

@@ -28,7 +28,15 @@ from urllib.parse import parse_qsl, quote, unquote
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["DEFAULT_PORT", "PASSWORD_ENV", "SETTING", "USERNAME_ENV", "RedisURL", "parse_redis_url"]
+__all__ = [
+    "DEFAULT_PORT",
+    "PASSWORD_ENV",
+    "SETTING",
+    "USERNAME_ENV",
+    "RedisURL",
+    "hidden_url",
+    "parse_redis_url",
+]
 
 #: The setting every error names (the EngineConfig field; ``--kv-remote-url`` on the CLI).
 SETTING = "kv_remote_url"
@@ -79,7 +87,7 @@ class RedisURL:
         return f"RedisURL({self.redacted()!r})"
 
 
-def _shown(url: str) -> str:
+def hidden_url(url: str) -> str:
     """``url`` with anything that may be a password (the part before ``@``) hidden."""
     scheme, sep, rest = url.partition("://")
     if not sep:
@@ -97,11 +105,11 @@ def _parse_host_port(text: str, url: str) -> tuple[str, int]:
     else:
         host, _, port_text = text.rpartition(":") if ":" in text else (text, "", "")
     if not host:
-        raise ConfigError(SETTING, f"no host in {_shown(url)}")
+        raise ConfigError(SETTING, f"no host in {hidden_url(url)}")
     if not port_text:
         return host, DEFAULT_PORT
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(SETTING, f"bad port {port_text!r} in {_shown(url)}")
+        raise ConfigError(SETTING, f"bad port {port_text!r} in {hidden_url(url)}")
     return host, int(port_text)
 
 
@@ -116,7 +124,7 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
     if not sep or scheme.lower() not in _SCHEMES:
         raise ConfigError(
             SETTING,
-            f"{_shown(url)} is not a Redis URL; use one of "
+            f"{hidden_url(url)} is not a Redis URL; use one of "
             + ", ".join(f"{s}://" for s in _SCHEMES),
         )
     tls, cluster = _SCHEMES[scheme.lower()]
@@ -135,28 +143,32 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
 
     hosts = [h for h in hosts_text.split(",") if h]
     if not hosts:
-        raise ConfigError(SETTING, f"no host in {_shown(url)}")
+        raise ConfigError(SETTING, f"no host in {hidden_url(url)}")
     if len(hosts) > 1 and not cluster:
-        raise ConfigError(SETTING, f"several hosts need the redis+cluster:// scheme: {_shown(url)}")
+        raise ConfigError(
+            SETTING, f"several hosts need the redis+cluster:// scheme: {hidden_url(url)}"
+        )
     nodes = tuple(_parse_host_port(h, url) for h in hosts)
 
     path = path.strip("/")
     if path and (not path.isdigit()):
-        raise ConfigError(SETTING, f"the path must be a db number, got {path!r} in {_shown(url)}")
+        raise ConfigError(
+            SETTING, f"the path must be a db number, got {path!r} in {hidden_url(url)}"
+        )
     db = int(path) if path else 0
     if cluster and db:
-        raise ConfigError(SETTING, f"Redis Cluster has db 0 only, got /{db} in {_shown(url)}")
+        raise ConfigError(SETTING, f"Redis Cluster has db 0 only, got /{db} in {hidden_url(url)}")
 
     options = parse_qsl(query, keep_blank_values=True)
     for name, value in options:
         if name not in _TLS_OPTIONS:
             raise ConfigError(
-                SETTING, f"unknown option {name!r} in {_shown(url)}; known: {_TLS_OPTIONS}"
+                SETTING, f"unknown option {name!r} in {hidden_url(url)}; known: {_TLS_OPTIONS}"
             )
         if not tls:
             raise ConfigError(SETTING, f"{name} needs the rediss:// scheme (TLS)")
         if name == "ssl_cert_reqs" and value not in _CERT_REQS:
             raise ConfigError(SETTING, f"ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
         if name in _TLS_FILES and not os.path.isfile(value):
-            raise ConfigError(SETTING, f"{name}={value!r} in {_shown(url)}: no such file")
+            raise ConfigError(SETTING, f"{name}={value!r} in {hidden_url(url)}: no such file")
     return RedisURL(tls, cluster, nodes, db, username, password, tuple(options))

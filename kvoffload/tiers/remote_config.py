@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import KVLayout
+from kvoffload.tiers.redis_url import hidden_url
 
 __all__ = ["VALUE_ALIGN", "RemoteTierConfig", "remote_key_prefix"]
 
@@ -16,8 +17,8 @@ VALUE_ALIGN = 8
 
 @dataclass(frozen=True, slots=True)
 class RemoteTierConfig:
-    """Settings of :class:`RedisTier` (``url`` is ``kv_remote_url``; see
-    :mod:`~kvoffload.tiers.redis_url` for its forms)."""
+    """Settings of :class:`~kvoffload.tiers.remote.RedisTier` (``url`` is ``kv_remote_url``;
+    see :mod:`~kvoffload.tiers.redis_url` for its forms). ``repr`` hides the password."""
 
     url: str
     #: Bound of every network call (connect, send, receive), seconds.
@@ -41,6 +42,14 @@ class RemoteTierConfig:
     #: The caller runs on without the tier when the server cannot be used at start (errors
     #: then leave out the advice to set ``kv_remote_optional``).
     optional: bool = False
+
+    def __repr__(self) -> str:
+        """The settings, the URL shown without anything that may be a password."""
+        shown = ", ".join(
+            f"{f.name}={hidden_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self)
+        )
+        return f"RemoteTierConfig({shown})"
 
     def __post_init__(self) -> None:
         positive = {
