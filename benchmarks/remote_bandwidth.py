@@ -228,18 +228,11 @@ def report(setup: Setup, batch: int, b_value: int, rounds: int, t: dict[str, lis
         )
 
 
-def client_choice(setup: Setup, block: int, batch: int, repeats: int) -> None:
-    """Plain pipelined GET of ``batch`` values with each installed client, interleaved."""
+def client_getters(port: int, keys: list[bytes], block: int) -> dict[str, Callable[[], object]]:
+    """One pipelined GET of ``keys`` per installed client library, and this tier's transport
+    receiving into buffers (1 and 4 connections)."""
     from kvoffload.tiers.redis_transport import RedisTransport
     from kvoffload.tiers.redis_url import parse_redis_url
-
-    port = setup.ports[0]
-    value = os.urandom(block + 64)
-    keys = [b"c:%d" % i for i in range(batch)]
-    with redis.Redis(host="127.0.0.1", port=port) as c:
-        for k in keys:
-            c.set(k, value)
-    getters: dict[str, Callable[[], object]] = {}
 
     def pipelined(client: Any) -> Callable[[], object]:
         def get() -> object:
@@ -250,7 +243,7 @@ def client_choice(setup: Setup, block: int, batch: int, repeats: int) -> None:
 
         return get
 
-    getters["redis-py (hiredis)"] = pipelined(redis.Redis(host="127.0.0.1", port=port))
+    getters = {"redis-py (hiredis)": pipelined(redis.Redis(host="127.0.0.1", port=port))}
     with contextlib.suppress(ImportError):
         import valkey
 
@@ -269,17 +262,28 @@ def client_choice(setup: Setup, block: int, batch: int, repeats: int) -> None:
             return glide.exec(b, raise_on_error=True)
 
         getters["valkey-glide (sync)"] = glide_get
+    into = torch.empty((len(keys), block), dtype=torch.uint8)
+    targets = [memoryview(into.numpy()[i]) for i in range(len(keys))]
     for conns in (1, 4):
-        transport = RedisTransport(
-            parse_redis_url(f"redis://127.0.0.1:{port}/0"), 60.0, connections=conns
-        )
-        into = torch.empty((batch, block), dtype=torch.uint8)
-        targets = [memoryview(into.numpy()[i]) for i in range(batch)]
+        url = parse_redis_url(f"redis://127.0.0.1:{port}/0")
+        transport = RedisTransport(url, 60.0, connections=conns)
 
-        def ours(t: RedisTransport = transport, targets: list[memoryview] = targets) -> object:
-            return t.get_into(keys, targets, [64] * batch)
+        def ours(t: RedisTransport = transport) -> object:
+            return t.get_into(keys, targets, [64] * len(keys))
 
         getters[f"kvoffload transport, {conns} conn (into slots)"] = ours
+    return getters
+
+
+def client_choice(setup: Setup, block: int, batch: int, repeats: int) -> None:
+    """Plain pipelined GET of ``batch`` values with each client, interleaved."""
+    port = setup.ports[0]
+    value = os.urandom(block + 64)
+    keys = [b"c:%d" % i for i in range(batch)]
+    with redis.Redis(host="127.0.0.1", port=port) as c:
+        for k in keys:
+            c.set(k, value)
+    getters = client_getters(port, keys, block)
     times: dict[str, list[float]] = {name: [] for name in getters}
     for _ in range(repeats):
         for name, get in getters.items():

@@ -278,3 +278,27 @@ def test_a_connection_dropped_mid_value_fails_that_load_cleanly(redis_server: Re
         writer.close()
         reader.close()
         proxy.close()
+
+
+def test_connections_the_server_closed_while_idle_are_replaced() -> None:
+    """A server that closes idle clients (``timeout 1``): after our pooled connections were
+    closed, the next store and load open new ones and succeed (no batch lost to a stale
+    connection, no backoff)."""
+    with standalone_server(extra_args=("--timeout", "1")) as server:
+        tensor, view = make_pool(4)
+        fill_random(tensor, seed=20)
+        tier = make_tier(server.url, view, make_layout(), stats_interval_s=3600)
+        try:
+            keys = keys_for(2, salt=20)
+            assert run_job(tier, True, keys, [0, 1]).success
+            with server.client() as c:
+
+                def ours_closed() -> bool:
+                    return not any(cl["name"] == "kvoffload" for cl in c.client_list())
+
+                wait_until(ours_closed, "the server to close the idle connections")
+            assert run_job(tier, False, keys, [2, 3]).success
+            assert torch.equal(tensor[2:], tensor[:2])
+            assert tier.stats()["connection_errors"] == 0
+        finally:
+            tier.close()

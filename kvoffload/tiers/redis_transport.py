@@ -282,7 +282,7 @@ class RedisTransport:
         sections = [encode_command("INFO", s) for s in ("memory", "stats", "keyspace", "cluster")]
         for address in self.nodes():
             try:
-                conn = self._acquire(address)
+                conn, _ = self._acquire(address)
             except OSError as exc:
                 self.mark_down(exc)
                 raise
@@ -353,14 +353,34 @@ class RedisTransport:
         self, address: Address, indices: list[int], op: _Op, results: list[Any]
     ) -> BaseException | None:
         """Pipeline ``indices`` on one connection to ``address``; on a failure the part's
-        unanswered keys get the error (returned)."""
-        try:
-            conn = self._acquire(address)
-        except Exception as exc:  # unreachable, or a refusal (credentials changed)
-            error = exc if isinstance(exc, OSError) else ConnectionError(str(exc))
-            for i in indices:
+        unanswered keys get the error (returned). A pooled connection the server closed while
+        it sat idle (it fails before any reply) is replaced once: every command is idempotent."""
+        for attempt in range(2):
+            try:
+                conn, pooled = self._acquire(address)
+            except Exception as exc:  # unreachable, or a refusal (credentials changed)
+                error = exc if isinstance(exc, OSError) else ConnectionError(str(exc))
+                for i in indices:
+                    results[i] = error
+                return error
+            error = self._pipeline(conn, indices, op, results)
+            if error is None:
+                self._release(conn)
+                return None
+            conn.close()
+            idle_drop = pooled and not isinstance(error, TimeoutError)
+            if not (attempt == 0 and idle_drop and results[indices[0]] is _UNSET):
+                break
+        for i in indices:
+            if results[i] is _UNSET:
                 results[i] = error
-            return error
+        return error
+
+    def _pipeline(
+        self, conn: RedisConnection, indices: list[int], op: _Op, results: list[Any]
+    ) -> BaseException | None:
+        """Send ``indices``' commands in windows and read their replies into ``results``;
+        the error that stopped it (the connection is then unusable), else ``None``."""
         window = max(1, self.pipeline_bytes // op.value_bytes)
         try:
             conn.send(op.commands(indices[:window]))
@@ -373,22 +393,18 @@ class RedisTransport:
                 for i in chunk:
                     results[i] = op.read(conn, i, i == last)
         except Exception as exc:  # a timeout, a broken stream (or a bug): this part fails
-            conn.close()
             if not isinstance(exc, OSError):
                 log.error("remote tier: %s", self.url.scrub(repr(exc)))
-            for i in indices:
-                if results[i] is _UNSET:
-                    results[i] = exc
             return exc
-        self._release(conn)
         return None
 
-    def _acquire(self, address: Address) -> RedisConnection:
+    def _acquire(self, address: Address) -> tuple[RedisConnection, bool]:
+        """A connection to ``address`` and whether it came from the pool (else: new)."""
         with self._lock:
             pool = self._pools.get(address)
             if pool:
-                return pool.pop()
-        return self.connect(address)
+                return pool.pop(), True
+        return self.connect(address), False
 
     def _release(self, conn: RedisConnection) -> None:
         if conn.broken or self._closed:

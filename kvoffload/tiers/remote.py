@@ -266,6 +266,8 @@ class RedisTier(SecondaryTier):
             "lookups_sent": 0,
             "lookup_round_trips": 0,
             "lookup_round_trip_us": 0,
+            "store_us": 0,
+            "load_us": 0,
             "connection_errors": 0,
             "reconnects": 0,
             "connected": int(not self._transport.is_down()),
@@ -319,6 +321,7 @@ class RedisTier(SecondaryTier):
             if gone and self._enable_events:
                 self._events.append(OffloadingEvent(gone, self.medium, True, self.locality))
         kind = "store" if queued.is_store else "load"
+        counters[f"{kind}_us"] += int(outcome.seconds * 1e6)
         for cause in failed.values():
             counters[f"failed_{kind}_blocks"] += 1
             counters[f"failed_{kind}_{cause}"] += 1
