@@ -179,7 +179,8 @@ class RedisTransport:
         )
         self._closed = False
         # Health: written by the threads that run operations, read anywhere.
-        self._down_until = 0.0
+        #: Until when the server is marked down (``time.monotonic()``).
+        self.down_until = 0.0
         self._backoff_s = _MIN_BACKOFF_S
         self._counters: Counter[str] = Counter()
         self._warned_moved = False
@@ -214,7 +215,8 @@ class RedisTransport:
     # ------------------------------------------------------------------ health
 
     def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        """Marked down: operations fail at once until ``down_until`` (``time.monotonic()``)."""
+        return time.monotonic() < self.down_until
 
     def counters(self) -> dict[str, int]:
         with self._lock:
@@ -232,7 +234,7 @@ class RedisTransport:
 
     def mark_down(self, exc: BaseException) -> None:
         self._count("connection_errors")
-        self._down_until = time.monotonic() + self._backoff_s
+        self.down_until = time.monotonic() + self._backoff_s
         log.warning(
             "remote tier %s failed (%s: %s); retrying in %.2f s",
             self.url.redacted(),

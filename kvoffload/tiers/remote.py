@@ -179,9 +179,10 @@ class RedisTier(SecondaryTier):
         answer = self._answers.answer(key)
         if answer is not None:
             return answer
-        if self._closed or self._transport.is_down():
+        now = time.monotonic()
+        if self._closed or now < self._transport.down_until:
             return LookupResult.MISS
-        self._answers.ask(key)
+        self._answers.ask(key, now)
         with self._lock:
             self._lookup_queue.append(key)
             if len(self._lookup_queue) == 1:

@@ -75,24 +75,30 @@ class RemoteAnswers:
             return True
         return key in self.writing
 
-    def ask(self, key: OffloadKey) -> None:
-        self.asked[key] = time.monotonic() + self.lookup_wait_s
+    def ask(self, key: OffloadKey, now: float) -> None:
+        """``key`` was asked at ``now`` (``time.monotonic()``)."""
+        self.asked[key] = now + self.lookup_wait_s
 
     def learned(self, keys: Sequence[OffloadKey], ttls: Sequence[int | None], asked_at: float):
         """Apply the server's answers to ``keys``: ``PTTL`` results (-2 missing, -1 kept until
         evicted, else milliseconds left) from a question sent at ``asked_at``; ``None`` for an
         unknown answer."""
-        miss_until = time.monotonic() + self.miss_ttl_s
+        now = time.monotonic()
+        miss_until = now + self.miss_ttl_s
+        asked, hits, writing, misses = self.asked, self.hits, self.writing, self.misses
         for key, ttl in zip(keys, ttls, strict=True):
-            self.asked.pop(key, None)
-            if ttl is None or key in self.hits or key in self.writing:
+            asked.pop(key, None)
+            if ttl is None or key in hits or key in writing:
                 continue
             if ttl == -1:
                 self._hit(key, FOREVER)
-            elif ttl >= 0 and asked_at + ttl / 1000 > time.monotonic():
+            elif ttl >= 0 and asked_at + ttl / 1000 > now:
                 self._hit(key, asked_at + ttl / 1000)
-            else:
-                self._miss(key, miss_until)
+            else:  # missing (or expired by now); re-inserted: the oldest entries stay first
+                misses.pop(key, None)
+                misses[key] = miss_until
+        while len(misses) > self.max_known:
+            del misses[next(iter(misses))]
 
     def stored(self, keys: Sequence[OffloadKey], until: float) -> None:
         """``keys`` were written (``until``: when the server expires them)."""
@@ -116,10 +122,3 @@ class RemoteAnswers:
         hits[key] = until
         if len(hits) > self.max_known:
             del hits[next(iter(hits))]
-
-    def _miss(self, key: OffloadKey, until: float) -> None:
-        misses = self.misses
-        misses.pop(key, None)
-        misses[key] = until
-        if len(misses) > self.max_known:
-            del misses[next(iter(misses))]
