@@ -33,8 +33,9 @@ class ReqContext:
 
     The scheduler creates exactly one per request and passes the *same object* on every manager
     call for that request, so managers and policies may keep per-request scratch state on it
-    (:meth:`set_state` / :meth:`get_state`, keyed by the state's type) instead of in dicts keyed by
-    request id that they would have to clean up.
+    instead of in dicts keyed by request id that they would have to clean up:
+    :meth:`setdefault_state` gets or creates it (keyed by the state's type, or by its owner),
+    :meth:`pop_state` drops it; :meth:`get_state` / :meth:`set_state` read and replace by type.
     """
 
     req_id: str
@@ -134,6 +135,13 @@ class OffloadingManager(ABC):
     @abstractmethod
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """Say whether ``key`` is held, readable or being written. Changes no recency."""
+
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether :meth:`prepare_store` would skip ``key``: the tier that stores go to holds it
+        (readable or being written). A pure probe: no recency, no background work, no counters.
+        Default: :meth:`lookup` is not ``MISS``; managers whose lookup does more (a tiering
+        manager's promotions, a reuse filter's counting) override it."""
+        return self.lookup(key, ctx) is not LookupResult.MISS
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:

@@ -1,5 +1,13 @@
 """Cascades: host blocks written on to the secondary tiers, and when (the cascade strategies:
-``write_through`` at once, ``on_evict`` when the host runs short of room)."""
+``write_through`` at once, ``on_evict`` when the host runs short of room).
+
+Which tiers a block may reach, under every strategy: only those that the request whose store
+wrote it into the host allowed (``kv_store_tiers``; all when absent). A host copy has exactly
+one writer: a request that offers a block the host already holds (or is writing) stores nothing,
+so it adds no tier; a block stored again after the host evicted it is a new copy, governed by
+its new writer. So a block never reaches a tier that no request storing it allowed, and a
+request with ``kv_store_tiers: []`` cascades nothing. Promoted blocks never cascade back.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +47,6 @@ class CascadeQueue:
         self._tiers = tiers
         self._jobs = jobs
         self._queued: list[tuple[list[OffloadKey], list[int]]] = [([], []) for _ in tiers]
-        self.num_tiers = len(tiers)
         self.cascaded_blocks = 0
         self.failed_cascade_blocks = 0
 
@@ -134,12 +141,13 @@ class OnEvictCascade(Cascade):
         self._headroom = max(1, int(host.num_blocks * evict_headroom))
         #: stored in the host, not cascaded yet, oldest first: key -> the tiers it may go to
         self._dirty: dict[OffloadKey, Sequence[int]] = {}
-        self._every_tier = list(range(queue.num_tiers))
 
     def stored(self, keys: Sequence[OffloadKey], tiers: Sequence[int], ctx: ReqContext) -> None:
-        dirty, every_tier = self._dirty, self._every_tier
+        if not tiers:
+            return
+        dirty = self._dirty
         for key in keys:
-            dirty[key] = every_tier
+            dirty[key] = tiers
 
     def host_evicted(self, keys: Sequence[OffloadKey]) -> None:
         dirty = self._dirty
@@ -154,22 +162,31 @@ class OnEvictCascade(Cascade):
 
     def step_end(self) -> None:
         """Queue the oldest dirty blocks while the host has less free room than its headroom."""
-        host, dirty = self._host, self._dirty
-        n = self._headroom - (host.num_blocks - len(host.policy))
-        if n <= 0 or not dirty:
+        dirty = self._dirty
+        if not dirty:
             return
-        batch: list[tuple[OffloadKey, Sequence[int]]] = []
-        for item in dirty.items():
-            batch.append(item)
-            if len(batch) >= n:
+        host = self._host
+        n = self._headroom - (host.num_blocks - len(host.policy))
+        if n <= 0:
+            return
+        # Oldest first, in runs of keys that may go to the same tiers (one tier list per
+        # request; requests that allow every tier share one): one queue call per run and tier.
+        runs: list[tuple[Sequence[int], list[OffloadKey]]] = []
+        run_tiers: Sequence[int] | None = None
+        for key, tiers in dirty.items():
+            if tiers is not run_tiers:
+                run: list[OffloadKey] = []
+                runs.append((tiers, run))
+                run_tiers = tiers
+            run.append(key)
+            n -= 1
+            if not n:
                 break
-        by_tier: dict[int, list[OffloadKey]] = {}
-        for key, tiers in batch:
-            del dirty[key]
+        for tiers, keys in runs:
+            for key in keys:
+                del dirty[key]
             for tier in tiers:
-                by_tier.setdefault(tier, []).append(key)
-        for tier in sorted(by_tier):
-            self._queue.add(by_tier[tier], tier, NO_REQUEST)
+                self._queue.add(keys, tier, NO_REQUEST)
 
     def reset(self) -> None:
         self._dirty.clear()

@@ -31,7 +31,7 @@ class Promotions:
     """The promotions of one tiering manager: queued, in flight, and landed but pinned.
 
     ``in_flight``: key -> id of the job writing it into the host (:data:`QUEUED` before
-    submission); ``num_queued``: keys queued this step. Counters: ``promoted_blocks``,
+    submission; one dict for the manager's life, cleared, never replaced); ``num_queued``: keys queued this step. Counters: ``promoted_blocks``,
     ``failed_promotion_blocks``, ``refused_promotion_blocks`` (no host room, or not admitted),
     ``room_waits``, ``promotion_jobs``, ``promotion_us``.
     """

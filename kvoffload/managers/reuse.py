@@ -82,6 +82,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._record((key,), ctx)
         return self._backing.lookup(key, ctx)
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        return self._backing.holds(key, ctx)  # a probe is not a sighting: nothing recorded
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         return self._backing.prepare_load(keys, ctx)
 
@@ -95,14 +98,12 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
         self._record(keys, ctx)
-        counts, threshold, backing = self._counts, self._threshold, self._backing
-        passed = [
-            k
-            for k in keys
-            if counts.get(k, 0) >= threshold or backing.lookup(k, ctx) is not LookupResult.MISS
-        ]
+        # Held keys pass so that the backing manager protects them; asked with the side-effect
+        # free probe (a lookup may start a promotion into the host, or count as a lookup).
+        counts, threshold, holds = self._counts, self._threshold, self._backing.holds
+        passed = [k for k in keys if counts.get(k, 0) >= threshold or holds(k, ctx)]
         self._filtered += len(keys) - len(passed)
-        return backing.prepare_store(passed, ctx)
+        return self._backing.prepare_store(passed, ctx)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True

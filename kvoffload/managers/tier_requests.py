@@ -10,7 +10,7 @@ from kvoffload.base import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
 
-__all__ = ["RequestTiers", "request_tiers", "validate_tier_params"]
+__all__ = ["RequestTiers", "validate_tier_params"]
 
 
 def validate_tier_params(params: Mapping[str, Any] | None, names: Sequence[str]) -> None:
@@ -32,7 +32,7 @@ def validate_tier_params(params: Mapping[str, Any] | None, names: Sequence[str])
 
 
 class RequestTiers:
-    """Per-request state (on the ReqContext, created by :func:`request_tiers`).
+    """Per-request state (on the ReqContext).
 
     ``load_tiers`` / ``store_tiers``: indexes of the secondary tiers the request may promote from
     / cascade to (``kv_transfer_params["kv_load_tiers"]`` / ``["kv_store_tiers"]``; all when
@@ -52,12 +52,13 @@ class RequestTiers:
         self.scan_step = -1
 
     @classmethod
-    def of(cls, ctx: ReqContext, tier_names: Sequence[str]) -> RequestTiers:
-        """Fresh state for ``ctx`` from its ``kv_transfer_params``."""
+    def of(cls, ctx: ReqContext, tier_names: Sequence[str], every_tier: list[int]) -> RequestTiers:
+        """Fresh state for ``ctx`` from its ``kv_transfer_params``; ``every_tier`` (the indexes of
+        ``tier_names``) is shared by every request that does not choose."""
         params = ctx.kv_transfer_params
         return cls(
-            _selected(params.get("kv_load_tiers"), tier_names),
-            _selected(params.get("kv_store_tiers"), tier_names),
+            _selected(params.get("kv_load_tiers"), tier_names, every_tier),
+            _selected(params.get("kv_store_tiers"), tier_names, every_tier),
         )
 
     def begin_scan(self, step: int) -> None:
@@ -69,12 +70,9 @@ class RequestTiers:
             self.scan_evictable = 0
 
 
-def request_tiers(ctx: ReqContext, tier_names: Sequence[str]) -> RequestTiers:
-    """The request's :class:`RequestTiers`, created on first use."""
-    return ctx.setdefault_state(RequestTiers, RequestTiers.of, ctx, tier_names)
-
-
-def _selected(names: Sequence[str] | None, tier_names: Sequence[str]) -> list[int]:
+def _selected(
+    names: Sequence[str] | None, tier_names: Sequence[str], every_tier: list[int]
+) -> list[int]:
     if names is None:
-        return list(range(len(tier_names)))
+        return every_tier
     return [i for i, name in enumerate(tier_names) if name in names]

@@ -105,16 +105,24 @@ class TieringOffloadingManager(OffloadingManager):
         self.host = host
         self.tiers = list(tiers)
         self.tier_names = names
+        self._every_tier = list(range(len(names)))  # the tiers of requests that do not choose
         self._step = 0
         self._jobs = BackgroundJobs(self.tiers)
         self._promotions = Promotions(host, self.tiers, self._jobs, self._host_evicted)
+        self._in_flight = self._promotions.in_flight  # read per lookup (never replaced)
         self._cascade_queue = CascadeQueue(host, self.tiers, self._jobs)
         #: the cascade strategy (``cascade.name`` is the mode)
         self.cascade: Cascade = strategy(self._cascade_queue, host, evict_headroom)
         self._retry_answers = 0
 
     def _state(self, ctx: ReqContext) -> RequestTiers:
-        return ctx.setdefault_state(RequestTiers, RequestTiers.of, ctx, self.tier_names)
+        """The request's :class:`RequestTiers` (read first: this runs per lookup)."""
+        state = ctx.get_state(RequestTiers)
+        if state is not None:
+            return state
+        return ctx.setdefault_state(
+            RequestTiers, RequestTiers.of, ctx, self.tier_names, self._every_tier
+        )
 
     # ------------------------------------------------------------------ lookups and loads
 
@@ -130,7 +138,7 @@ class TieringOffloadingManager(OffloadingManager):
             if not block.ref_cnt:
                 state.scan_evictable += 1
             return _HIT
-        if key in self._promotions.in_flight:
+        if key in self._in_flight:  # being promoted (for this request or another)
             self._retry_answers += 1
             return _RETRY
         if block is not None:  # being written into the host
@@ -138,26 +146,27 @@ class TieringOffloadingManager(OffloadingManager):
         state = self._state(ctx)
         if key in state.failed:
             return _MISS
-        return self._ask_tiers(key, ctx, state)
-
-    def _ask_tiers(self, key: OffloadKey, ctx: ReqContext, state: RequestTiers) -> LookupResult:
-        """A host miss: the first secondary tier the request may load from that holds ``key``
-        gets it promoted (``RETRY``), room permitting."""
+        # The first secondary tier the request may load from that holds the block gets it
+        # promoted, room permitting.
         tiers, promotions = self.tiers, self._promotions
         for i in state.load_tiers:
             answer = tiers[i].lookup(key, ctx)
             if answer is _HIT:
-                if promotions.room(state, self._step) <= 0:
-                    if not promotions.must_wait_for_room(ctx):
-                        return _MISS
-                else:
+                if promotions.room(state, self._step) > 0:
                     promotions.queue(i, ctx, key)
+                elif not promotions.must_wait_for_room(ctx):
+                    return _MISS
                 self._retry_answers += 1
                 return _RETRY
             if answer is _RETRY:
                 self._retry_answers += 1
                 return _RETRY
         return _MISS
+
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether the host holds ``key`` (stores go to the host). Asks no secondary tier, so it
+        promotes nothing and counts nothing."""
+        return self.host.policy.get(key) is not None
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         try:
