@@ -34,8 +34,8 @@ __all__ = [
     "SETTING",
     "USERNAME_ENV",
     "RedisURL",
-    "hidden_url",
     "parse_redis_url",
+    "redacted_url",
 ]
 
 #: The setting every error names (the EngineConfig field; ``--kv-remote-url`` on the CLI).
@@ -87,7 +87,16 @@ class RedisURL:
         return f"RedisURL({self.redacted()!r})"
 
 
-def hidden_url(url: str) -> str:
+def redacted_url(url: str) -> str:
+    """``url`` as it may be shown: the password (plain or percent-encoded) replaced by ``***``,
+    whether or not the URL parses; the environment is not read."""
+    try:
+        return parse_redis_url(url, env={}).redacted()
+    except ConfigError:
+        return _shown(url)
+
+
+def _shown(url: str) -> str:
     """``url`` with anything that may be a password (the part before ``@``) hidden."""
     scheme, sep, rest = url.partition("://")
     if not sep:
@@ -105,11 +114,11 @@ def _parse_host_port(text: str, url: str) -> tuple[str, int]:
     else:
         host, _, port_text = text.rpartition(":") if ":" in text else (text, "", "")
     if not host:
-        raise ConfigError(SETTING, f"no host in {hidden_url(url)}")
+        raise ConfigError(SETTING, f"no host in {_shown(url)}")
     if not port_text:
         return host, DEFAULT_PORT
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(SETTING, f"bad port {port_text!r} in {hidden_url(url)}")
+        raise ConfigError(SETTING, f"bad port {port_text!r} in {_shown(url)}")
     return host, int(port_text)
 
 
@@ -124,7 +133,7 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
     if not sep or scheme.lower() not in _SCHEMES:
         raise ConfigError(
             SETTING,
-            f"{hidden_url(url)} is not a Redis URL; use one of "
+            f"{_shown(url)} is not a Redis URL; use one of "
             + ", ".join(f"{s}://" for s in _SCHEMES),
         )
     tls, cluster = _SCHEMES[scheme.lower()]
@@ -143,32 +152,28 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
 
     hosts = [h for h in hosts_text.split(",") if h]
     if not hosts:
-        raise ConfigError(SETTING, f"no host in {hidden_url(url)}")
+        raise ConfigError(SETTING, f"no host in {_shown(url)}")
     if len(hosts) > 1 and not cluster:
-        raise ConfigError(
-            SETTING, f"several hosts need the redis+cluster:// scheme: {hidden_url(url)}"
-        )
+        raise ConfigError(SETTING, f"several hosts need the redis+cluster:// scheme: {_shown(url)}")
     nodes = tuple(_parse_host_port(h, url) for h in hosts)
 
     path = path.strip("/")
     if path and (not path.isdigit()):
-        raise ConfigError(
-            SETTING, f"the path must be a db number, got {path!r} in {hidden_url(url)}"
-        )
+        raise ConfigError(SETTING, f"the path must be a db number, got {path!r} in {_shown(url)}")
     db = int(path) if path else 0
     if cluster and db:
-        raise ConfigError(SETTING, f"Redis Cluster has db 0 only, got /{db} in {hidden_url(url)}")
+        raise ConfigError(SETTING, f"Redis Cluster has db 0 only, got /{db} in {_shown(url)}")
 
     options = parse_qsl(query, keep_blank_values=True)
     for name, value in options:
         if name not in _TLS_OPTIONS:
             raise ConfigError(
-                SETTING, f"unknown option {name!r} in {hidden_url(url)}; known: {_TLS_OPTIONS}"
+                SETTING, f"unknown option {name!r} in {_shown(url)}; known: {_TLS_OPTIONS}"
             )
         if not tls:
             raise ConfigError(SETTING, f"{name} needs the rediss:// scheme (TLS)")
         if name == "ssl_cert_reqs" and value not in _CERT_REQS:
             raise ConfigError(SETTING, f"ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
         if name in _TLS_FILES and not os.path.isfile(value):
-            raise ConfigError(SETTING, f"{name}={value!r} in {hidden_url(url)}: no such file")
+            raise ConfigError(SETTING, f"{name}={value!r} in {_shown(url)}: no such file")
     return RedisURL(tls, cluster, nodes, db, username, password, tuple(options))

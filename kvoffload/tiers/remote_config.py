@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import KVLayout
-from kvoffload.tiers.redis_url import hidden_url
+from kvoffload.tiers.redis_url import redacted_url
 
 __all__ = ["VALUE_ALIGN", "RemoteTierConfig", "remote_key_prefix"]
 
@@ -46,7 +46,7 @@ class RemoteTierConfig:
     def __repr__(self) -> str:
         """The settings, the URL shown without anything that may be a password."""
         shown = ", ".join(
-            f"{f.name}={hidden_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
+            f"{f.name}={redacted_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
             for f in fields(self)
         )
         return f"RemoteTierConfig({shown})"
