@@ -1,215 +1,329 @@
-"""Store and load bandwidth of the remote tier against the same client's plain pipelined SET/GET.
+"""Store and load bandwidth of the remote tier against what the server delivers to its own
+client (``redis-benchmark``) and to redis-py, on a standalone server and a 3-master Cluster.
 
-For each batch size, interleaved repeats of four timed operations on one ``redis-server``:
+For each batch size ``B`` (blocks per job), interleaved repeats (the order rotates) of:
 
-* ``tier store``: :meth:`RedisTier.submit_store` of a batch of host slots (header + checksum +
-  zero-copy send) until its result is reported;
-* ``tier load``: :meth:`RedisTier.submit_load` of those blocks (GET, header and checksum
-  verified, copied into the host slots);
-* ``plain SET`` / ``plain GET``: one ``redis.Redis().pipeline(transaction=False)`` of the same
-  number of values of the same size (header + payload bytes), the limit of this client on this
-  server.
+* ``tier store`` / ``tier load``: :meth:`RedisTier.submit_store` / :meth:`RedisTier.submit_load`
+  of ``B`` host slots, waiting for each result (headers, xxh3 checksums and verification
+  included), ``rounds`` jobs back to back;
+* ``redis-benchmark SET`` / ``GET``: ``redis-benchmark`` (the limit: the server's own C client)
+  started here with the same value size (header + block), the same client count (the tier's
+  connections: ``--connections`` per master) and the same pipeline depth (``B`` / clients), for
+  the same number of requests (``rounds x B``); its own requests per second;
+* ``redis-py SET`` / ``GET``: one redis-py pipeline (``RedisCluster`` pipeline on a Cluster) of
+  ``B`` values, ``rounds`` times.
 
-Prints medians with the spread (min..max) of each, in GB/s of payload and blocks/s, and the tier's
-share of the plain loop. The server is flushed between repeats (outside the timings). With
-``--clients`` it also measures the plain loop with each installed client (redis-py, valkey-py,
-valkey-glide's sync client): the measurement behind the client choice.
+Prints GB/s of values as median [min..max], and the tier's share of redis-benchmark as the
+median [min..max] of the per-repeat ratios (a repeat's operations run back to back, so they
+share the machine's load of that moment). Servers are started here (no persistence; the
+Cluster without replicas, as redis-benchmark would see it) and stopped at the end. Report the
+load (``/proc/loadavg``), printed at the start and the end.
 
-Usage: ``python benchmarks/remote_bandwidth.py [--url redis://host:port] [--block-kib 256]
-[--batches 16 64 256] [--repeats 7] [--clients]``. Without ``--url`` it starts a local
-``redis-server`` (kvoffload/benchmark/redis_server.py).
+Usage: ``python benchmarks/remote_bandwidth.py [--modes standalone cluster] [--block-kib 256]
+[--batches 64 256] [--connections 4] [--repeats 5] [--rounds 4] [--clients]``. ``--clients``
+also compares client libraries on plain pipelined GET (redis-py, valkey-py, valkey-glide's sync
+client when installed, and this tier's transport receiving into a buffer): the measurement
+behind the client choice.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
+import io
+import math
 import os
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 import torch
+from redis.cluster import RedisCluster
 
+from kvoffload.benchmark.redis_server import cluster_servers, standalone_server
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.base import KVLayout, TierJob
 from kvoffload.tiers.blockformat import header_size
 from kvoffload.tiers.remote import VALUE_ALIGN, RedisTier, RemoteTierConfig
 
+OPS = (
+    "tier store",
+    "tier load",
+    "redis-benchmark SET",
+    "redis-benchmark GET",
+    "redis-py SET",
+    "redis-py GET",
+)
+
+
+@dataclass
+class Setup:
+    """One server setup: how to reach it, and its masters' ports."""
+
+    mode: str
+    url: str
+    ports: list[int]
+
 
 @contextlib.contextmanager
-def server_url(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    from kvoffload.benchmark.redis_server import standalone_server
-
-    with standalone_server() as server:
-        yield server.url
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def servers(mode: str) -> Iterator[Setup]:
+    if mode == "standalone":
+        with standalone_server() as server:
+            yield Setup(mode, server.url, [server.port])
+    else:
+        with cluster_servers(masters=3, replicas=0) as cluster:
+            yield Setup(mode, cluster.url, [n.port for n in cluster.masters()])
 
 
-def fmt(seconds: list[float], num_bytes: int, blocks: int) -> str:
-    med = statistics.median(seconds)
-    return (
-        f"{num_bytes / med / 1e9:6.2f} GB/s [{num_bytes / max(seconds) / 1e9:5.2f}.."
-        f"{num_bytes / min(seconds) / 1e9:5.2f}] {blocks / med:8.0f} blk/s"
-    )
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
-def bench_batch(url: str, block: int, batch: int, repeats: int) -> dict[str, list[float]]:
-    """Interleaved repeats of tier store/load and plain SET/GET for one batch size."""
-    layout = KVLayout(f"bench-{os.getpid()}", "float32", 16, 8, 4, 64, block)
-    pool_tensor = torch.randint(0, 256, (2 * batch, block), dtype=torch.uint8)
-    tier = RedisTier(
-        memoryview(pool_tensor.numpy()), layout, RemoteTierConfig(url=url, timeout_s=30.0)
-    )
-    plain = redis.Redis.from_url(url, socket_timeout=30)
-    key_len = len(make_offload_key(bytes(32)))
-    value = os.urandom(header_size(key_len, VALUE_ALIGN) + block)
-    plain_keys = [b"plain:%d" % i for i in range(batch)]
-    times: dict[str, list[float]] = {"tier store": [], "tier load": [], "SET": [], "GET": []}
-    job_id = 0
+def redis_benchmark(setup: Setup, test: str, value: int, clients: int, pipe: int, n: int) -> float:
+    """Seconds ``redis-benchmark`` takes for ``n`` requests (from its requests per second)."""
+    exe = shutil.which("redis-benchmark")
+    assert exe is not None, "redis-benchmark is not installed (Debian's redis-tools)"
+    command = [
+        exe, "-h", "127.0.0.1", "-p", str(setup.ports[0]), "-t", test, "-d", str(value),
+        "-c", str(clients), "-P", str(pipe), "-n", str(n), "--csv",
+    ]  # fmt: skip
+    if setup.mode == "cluster":
+        command.append("--cluster")
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
+    rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0].upper() == test.upper()]
+    return n / float(rows[-1][1])
+
+
+def plain_client(setup: Setup) -> Any:
+    if setup.mode == "cluster":
+        return RedisCluster(host="127.0.0.1", port=setup.ports[0], socket_timeout=60)
+    return redis.Redis.from_url(setup.url, socket_timeout=60)
+
+
+class BatchBench:
+    """The six timed operations of one batch size on one setup."""
+
+    def __init__(self, setup: Setup, block: int, batch: int, connections: int, rounds: int):
+        self.setup, self.block, self.batch, self.rounds = setup, block, batch, rounds
+        layout = KVLayout(f"bench-{os.getpid()}-{batch}", "float32", 16, 8, 4, 64, block)
+        self.pool = torch.randint(0, 256, (2 * batch, block), dtype=torch.uint8)
+        self.tier = RedisTier(
+            memoryview(self.pool.numpy()),
+            layout,
+            RemoteTierConfig(url=setup.url, timeout_s=60.0, connections=connections),
+        )
+        self.key_len = len(make_offload_key(bytes(32)))
+        self.value = header_size(self.key_len, VALUE_ALIGN) + block
+        self.clients = connections * len(setup.ports)
+        self.pipe = max(1, math.ceil(batch / self.clients))
+        self.plain = plain_client(setup)
+        self.payload = os.urandom(self.value)
+        self.plain_keys = [b"plain:%d" % i for i in range(batch)]
+        self.job_id = 0
+
+    def close(self) -> None:
+        self.tier.close()
+        self.plain.close()
+
+    def keys(self, rep: int, r: int) -> list[bytes]:
+        base = (rep * 1000 + r) * 1_000_000
+        return [make_offload_key((base + i).to_bytes(32, "big")) for i in range(self.batch)]
+
+    def tier_job(self, store: bool, keys: list[bytes]) -> None:
+        self.job_id += 1
+        slots = list(range(self.batch)) if store else list(range(self.batch, 2 * self.batch))
+        (self.tier.submit_store if store else self.tier.submit_load)(
+            TierJob(self.job_id, keys, slots)
+        )
+        self.tier.drain_jobs()
+        (result,) = self.tier.get_finished_jobs()
+        assert result.success, result.failed_keys
+
+    def plain_pipeline(self, store: bool) -> None:
+        pipe = self.plain.pipeline(transaction=False)
+        for k in self.plain_keys:
+            if store:
+                pipe.set(k, self.payload)
+            else:
+                pipe.get(k)
+        replies = pipe.execute()
+        assert store or len(replies[-1]) == self.value
+
+    def run(self, op: str, rep: int) -> float:
+        """Seconds for ``rounds`` batches of ``op``."""
+        if op.startswith("redis-benchmark"):
+            test = op.split()[-1].lower()
+            n = self.rounds * self.batch
+            return redis_benchmark(self.setup, test, self.value, self.clients, self.pipe, n)
+        start = time.perf_counter()
+        for r in range(self.rounds):
+            if op == "tier store":
+                self.tier_job(True, self.keys(rep, r))
+            elif op == "tier load":
+                self.tier_job(False, self.keys(rep, r))
+            else:
+                self.plain_pipeline(op.endswith("SET"))
+        elapsed = time.perf_counter() - start
+        if op == "tier load":
+            assert torch.equal(self.pool[self.batch :], self.pool[: self.batch])
+            self.pool[self.batch :].zero_()
+        return elapsed
+
+
+def bench(setup: Setup, block: int, batch: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    b = BatchBench(setup, block, batch, args.connections, args.rounds)
+    times: dict[str, list[float]] = {op: [] for op in OPS}
+    order = list(OPS)
     try:
-        for rep in range(repeats):
-            keys = [
-                make_offload_key((rep * 1_000_000 + i).to_bytes(32, "big")) for i in range(batch)
-            ]
-
-            def run(is_store: bool, slots: list[int], keys: list[bytes] = keys) -> None:
-                nonlocal job_id
-                job_id += 1
-                job = TierJob(job_id, keys, slots)
-                (tier.submit_store if is_store else tier.submit_load)(job)
-                tier.drain_jobs()
-                (result,) = tier.get_finished_jobs()
-                assert result.success, result.failed_keys
-
-            def plain_set() -> None:
-                pipe = plain.pipeline(transaction=False)
-                for k in plain_keys:
-                    pipe.set(k, value)
-                pipe.execute()
-
-            def plain_get() -> None:
-                pipe = plain.pipeline(transaction=False)
-                for k in plain_keys:
-                    pipe.get(k)
-                assert len(pipe.execute()[-1]) == len(value)
-
-            order = [0, 1, 2, 3] if rep % 2 == 0 else [2, 3, 0, 1]
-            for op in order:
-                if op == 0:
-                    times["tier store"].append(timed(lambda: run(True, list(range(batch)))))
-                elif op == 1:
-                    slots = list(range(batch, 2 * batch))
-                    times["tier load"].append(timed(lambda slots=slots: run(False, slots)))
-                elif op == 2:
-                    times["SET"].append(timed(plain_set))
-                else:
-                    times["GET"].append(timed(plain_get))
-            assert torch.equal(pool_tensor[batch:], pool_tensor[:batch])
-            pool_tensor[batch:].zero_()
-            plain.flushall()
+        for rep in range(args.repeats):
+            # stores before their loads; the pairs rotate so that none always runs first
+            pairs = [order[i : i + 2] for i in range(0, len(order), 2)]
+            pairs = pairs[rep % 3 :] + pairs[: rep % 3]
+            for pair in pairs:
+                for op in pair:
+                    times[op].append(b.run(op, rep))
+            for client in clients_of(setup):
+                client.flushall()
     finally:
-        tier.close()
-        plain.close()
+        b.close()
     return times
 
 
-def client_choice(url: str, block: int, batch: int, repeats: int) -> None:
-    """Plain pipelined SET/GET with each installed client, interleaved."""
-    host, port = url.split("//")[1].split("/")[0].rsplit("@", 1)[-1].split(":")
-    value = os.urandom(block + 64)
-    keys = [b"c:%d" % i for i in range(batch)]
-    clients: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+def clients_of(setup: Setup) -> Iterator[redis.Redis]:
+    for port in setup.ports:
+        yield redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
 
-    def pipelined(client: object) -> tuple[Callable[[], None], Callable[[], None]]:
-        def s() -> None:
-            p = client.pipeline(transaction=False)  # type: ignore[attr-defined]
-            for k in keys:
-                p.set(k, value)
-            p.execute()
 
-        def g() -> None:
-            p = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+def gbps(seconds: list[float], num_bytes: int) -> str:
+    med = statistics.median(seconds)
+    return (
+        f"{num_bytes / med / 1e9:5.2f} [{num_bytes / max(seconds) / 1e9:4.2f}-"
+        f"{num_bytes / min(seconds) / 1e9:4.2f}]"
+    )
+
+
+def share(tier: list[float], limit: list[float]) -> str:
+    ratios = [b / a for a, b in zip(tier, limit, strict=True)]
+    return f"{100 * statistics.median(ratios):4.0f}% [{100 * min(ratios):.0f}-{100 * max(ratios):.0f}%]"
+
+
+def report(setup: Setup, batch: int, b_value: int, rounds: int, t: dict[str, list[float]]) -> None:
+    n = rounds * batch * b_value
+    for kind, tier_op, limit_op, py_op in (
+        ("store", "tier store", "redis-benchmark SET", "redis-py SET"),
+        ("load ", "tier load", "redis-benchmark GET", "redis-py GET"),
+    ):
+        print(
+            f"{setup.mode:10s} batch {batch:4d} {kind}  tier {gbps(t[tier_op], n)} | "
+            f"redis-benchmark {gbps(t[limit_op], n)} | redis-py {gbps(t[py_op], n)} GB/s | "
+            f"tier/redis-benchmark {share(t[tier_op], t[limit_op])}",
+            flush=True,
+        )
+
+
+def client_getters(port: int, keys: list[bytes], block: int) -> dict[str, Callable[[], object]]:
+    """One pipelined GET of ``keys`` per installed client library, and this tier's transport
+    receiving into buffers (1 and 4 connections)."""
+    from kvoffload.tiers.redis_transport import RedisTransport
+    from kvoffload.tiers.redis_url import parse_redis_url
+
+    def pipelined(client: Any) -> Callable[[], object]:
+        def get() -> object:
+            p = client.pipeline(transaction=False)
             for k in keys:
                 p.get(k)
-            p.execute()
+            return p.execute()
 
-        return s, g
+        return get
 
-    clients["redis-py"] = pipelined(redis.Redis(host=host, port=int(port)))
+    getters = {"redis-py (hiredis)": pipelined(redis.Redis(host="127.0.0.1", port=port))}
     with contextlib.suppress(ImportError):
         import valkey
 
-        clients["valkey-py"] = pipelined(valkey.Valkey(host=host, port=int(port)))
+        getters["valkey-py"] = pipelined(valkey.Valkey(host="127.0.0.1", port=port))
     with contextlib.suppress(ImportError):
         from glide_sync import Batch, GlideClient, GlideClientConfiguration, NodeAddress
 
         glide = GlideClient.create(
-            GlideClientConfiguration([NodeAddress(host, int(port))], request_timeout=30000)
+            GlideClientConfiguration([NodeAddress("127.0.0.1", port)], request_timeout=60000)
         )
 
-        def gs() -> None:
-            b = Batch(is_atomic=False)
-            for k in keys:
-                b.set(k, value)
-            glide.exec(b, raise_on_error=True)
-
-        def gg() -> None:
+        def glide_get() -> object:
             b = Batch(is_atomic=False)
             for k in keys:
                 b.get(k)
-            glide.exec(b, raise_on_error=True)
+            return glide.exec(b, raise_on_error=True)
 
-        clients["valkey-glide (sync)"] = (gs, gg)
-    times = {name: ([], []) for name in clients}
+        getters["valkey-glide (sync)"] = glide_get
+    into = torch.empty((len(keys), block), dtype=torch.uint8)
+    targets = [memoryview(into.numpy()[i]) for i in range(len(keys))]
+    for conns in (1, 4):
+        url = parse_redis_url(f"redis://127.0.0.1:{port}/0")
+        transport = RedisTransport(url, 60.0, connections=conns)
+
+        def ours(t: RedisTransport = transport) -> object:
+            return t.get_into(keys, targets, [64] * len(keys))
+
+        getters[f"kvoffload transport, {conns} conn (into slots)"] = ours
+    return getters
+
+
+def client_choice(setup: Setup, block: int, batch: int, repeats: int) -> None:
+    """Plain pipelined GET of ``batch`` values with each client, interleaved."""
+    port = setup.ports[0]
+    value = os.urandom(block + 64)
+    keys = [b"c:%d" % i for i in range(batch)]
+    with redis.Redis(host="127.0.0.1", port=port) as c:
+        for k in keys:
+            c.set(k, value)
+    getters = client_getters(port, keys, block)
+    times: dict[str, list[float]] = {name: [] for name in getters}
     for _ in range(repeats):
-        for name, (s, g) in clients.items():
-            times[name][0].append(timed(s))
-            times[name][1].append(timed(g))
-    n = batch * block
-    print(f"\nclient choice: plain pipelined SET/GET, {batch} x {block // 1024} KiB")
-    for name, (st, gt) in times.items():
-        print(f"  {name:20s} SET {fmt(st, n, batch)}   GET {fmt(gt, n, batch)}")
+        for name, get in getters.items():
+            start = time.perf_counter()
+            get()
+            times[name].append(time.perf_counter() - start)
+    n = batch * len(value)
+    print(f"\nclient choice ({setup.mode}): pipelined GET of {batch} x {len(value)} B, one batch")
+    for name, t in times.items():
+        print(f"  {name:42s} {gbps(t, n)} GB/s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--url", default=None)
+    parser.add_argument(
+        "--modes", nargs="+", default=["standalone", "cluster"], choices=["standalone", "cluster"]
+    )
     parser.add_argument("--block-kib", type=int, default=256, help="256 KiB: a small-model block")
-    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--connections", type=int, default=4, help="per server (per master)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4, help="batches per timed operation")
     parser.add_argument("--clients", action="store_true", help="also compare client libraries")
     args = parser.parse_args()
     block = args.block_kib * 1024
-    with server_url(args.url) as url:
-        print(
-            f"remote tier vs plain redis-py pipeline, {args.block_kib} KiB blocks, "
-            f"median [min..max] of {args.repeats} interleaved repeats"
-        )
-        for batch in args.batches:
-            t = bench_batch(url, block, batch, args.repeats)
-            n = batch * block
-            store = statistics.median(t["SET"]) / statistics.median(t["tier store"])
-            load = statistics.median(t["GET"]) / statistics.median(t["tier load"])
-            print(
-                f"batch {batch:4d}  tier store {fmt(t['tier store'], n, batch)} | plain SET "
-                f"{fmt(t['SET'], n, batch)} | {100 * store:4.0f}%"
-            )
-            print(
-                f"            tier load  {fmt(t['tier load'], n, batch)} | plain GET "
-                f"{fmt(t['GET'], n, batch)} | {100 * load:4.0f}%"
-            )
-        if args.clients:
-            client_choice(url, block, 64, args.repeats)
+    print(
+        f"remote tier vs redis-benchmark and redis-py, {args.block_kib} KiB blocks, "
+        f"{args.connections} connections per master, median [min-max] of {args.repeats} "
+        f"interleaved repeats of {args.rounds} batches; load {loadavg()}",
+        flush=True,
+    )
+    for mode in args.modes:
+        with servers(mode) as setup:
+            for batch in args.batches:
+                t = bench(setup, block, batch, args)
+                value = header_size(len(make_offload_key(bytes(32))), VALUE_ALIGN) + block
+                report(setup, batch, value, args.rounds, t)
+            if args.clients and mode == "standalone":
+                client_choice(setup, block, max(args.batches), args.repeats)
+    print(f"load at the end {loadavg()}")
 
 
 if __name__ == "__main__":

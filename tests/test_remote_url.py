@@ -6,7 +6,7 @@ import string
 from urllib.parse import quote
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError
@@ -84,3 +84,14 @@ def test_the_password_is_never_shown(password: str, user: str, bad_port: bool) -
         return
     assert password not in url.redacted() and password not in repr(url)
     assert url.scrub(f"error near {password}!") == "error near ***!"
+
+
+@given(password=_secret)
+def test_the_tier_config_never_shows_the_password(password: str) -> None:
+    from kvoffload.tiers.remote_config import RemoteTierConfig
+
+    assume(password not in repr(RemoteTierConfig(url="redis://alice:x@host:1/0")))  # "Remote"
+    config = RemoteTierConfig(url=f"redis://alice:{quote(password, safe='')}@host:1/0")
+    for text in (repr(config), str(config)):
+        assert password not in text and quote(password, safe="") not in text
+        assert "redis://alice:***@host:1/0" in text

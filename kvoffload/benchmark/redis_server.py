@@ -1,6 +1,7 @@
 """A real ``redis-server`` on a free loopback port, started and stopped by its owner: what
 ``kvoffload bench throughput --instances 2`` runs when no ``--kv-remote-url`` is given, and the
-base of the test fixtures (``tests/redis_servers.py`` adds the Cluster).
+base of the test fixtures and benchmarks; a Cluster of such servers (``tests/redis_servers.py``
+adds TLS).
 
 Debian's ``redis-server`` package provides the binary (``make setup`` installs it as root). When
 it is missing, :func:`require_redis_binaries` raises :class:`RedisUnavailableError` whose message
@@ -11,6 +12,7 @@ carrying its log.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -26,8 +28,10 @@ import redis
 
 __all__ = [
     "INSTALL_HINT",
+    "RedisClusterServers",
     "RedisServer",
     "RedisUnavailableError",
+    "cluster_servers",
     "free_port",
     "require_redis_binaries",
     "standalone_server",
@@ -159,6 +163,20 @@ class RedisServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the block the process is stopped (SIGSTOP): the kernel still accepts its
+        connections and takes what clients send, but nothing is ever answered (a server that
+        hangs, however slow the machine). Resumed (SIGCONT) on exit."""
+        assert self.proc is not None and self.proc.poll() is None, "the server is not running"
+        pid = self.proc.pid
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: _process_state(pid) in "Tt", START_TIMEOUT_S, "SIGSTOP", 0.005)
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is None:
             return
@@ -169,6 +187,12 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.proc = None
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc/PID/stat``: ``T`` when stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
 
 
 @contextlib.contextmanager
@@ -183,3 +207,118 @@ def standalone_server(
             yield server
         finally:
             server.stop()
+
+
+#: Seconds a cluster may take to agree on its state.
+CLUSTER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RedisClusterServers:
+    """A Redis Cluster of masters (with replicas, for tests), all on loopback."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` URL naming every node as a seed."""
+        return "redis+cluster://" + ",".join(n.address for n in self.nodes)
+
+    def node_client(self, node: RedisServer) -> redis.Redis:
+        return node.client()
+
+    def masters(self) -> list[RedisServer]:
+        """Nodes that are masters now (failover changes which)."""
+        out = []
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            with contextlib.suppress(redis.RedisError), node.client() as c:
+                if c.info("replication")["role"] == "master":
+                    out.append(node)
+        return out
+
+    def wait_healthy(self, num_masters: int, timeout_s: float = CLUSTER_TIMEOUT_S) -> None:
+        """Wait until every live node reports ``cluster_state:ok`` and ``num_masters`` masters
+        hold slots."""
+
+        def healthy() -> bool:
+            live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+            try:
+                for node in live:
+                    with node.client() as c:
+                        if c.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                            return False
+            except redis.RedisError:
+                return False
+            return len(self.masters()) == num_masters
+
+        wait_until(healthy, timeout_s, "the cluster to report cluster_state:ok", 0.1)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@contextlib.contextmanager
+def cluster_servers(
+    masters: int = 3, node_timeout_ms: int = 60_000, replicas: int = 1
+) -> Iterator[RedisClusterServers]:
+    """A running Cluster of ``masters`` masters and ``replicas`` replicas each (``redis-cli
+    --cluster create ... --cluster-replicas N``), stopped and removed on exit.
+
+    ``node_timeout_ms`` is ``cluster-node-timeout``: a killed master is failed over to its replica
+    about twice that long after it stopped answering. The default is long, so that a master
+    paused by a test (:meth:`RedisServer.paused`) is never failed over however slow the machine;
+    failover tests pass a short one.
+    """
+    _, cli = require_redis_binaries()
+    with tempfile.TemporaryDirectory(prefix="kvo-redis-cluster-") as tmp:
+        nodes: list[RedisServer] = []
+        cluster = RedisClusterServers(nodes)
+        try:
+            for _ in range((1 + replicas) * masters):
+                port = free_port(bus_offset=10000)
+                node = RedisServer(
+                    port,
+                    Path(tmp) / str(port),
+                    extra_args=(
+                        "--cluster-enabled", "yes",
+                        "--cluster-config-file", "nodes.conf",
+                        "--cluster-node-timeout", str(node_timeout_ms),
+                        "--cluster-replica-validity-factor", "0",
+                    ),
+                )  # fmt: skip
+                node.start()
+                nodes.append(node)
+            subprocess.run(
+                [cli, "--cluster", "create", *(n.address for n in nodes),
+                 "--cluster-replicas", str(replicas), "--cluster-yes"],
+                check=True, capture_output=True, timeout=CLUSTER_TIMEOUT_S, env=_cli_env(),
+            )  # fmt: skip
+            cluster.wait_healthy(masters)
+            wait_until(
+                lambda: _replicas_in_sync(nodes, replicas * masters),
+                CLUSTER_TIMEOUT_S,
+                "replicas to sync",
+                0.1,
+            )
+            yield cluster
+        finally:
+            cluster.close()
+
+
+def _replicas_in_sync(nodes: list[RedisServer], replicas: int) -> bool:
+    synced = 0
+    for node in nodes:
+        with contextlib.suppress(redis.RedisError), node.client() as c:
+            info = c.info("replication")
+            if info["role"] == "slave" and info.get("master_link_status") == "up":
+                synced += 1
+    return synced == replicas
+
+
+def _cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("REDISCLI_AUTH", None)
+    return env

@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 _HIT = LookupResult.HIT
-_HIT_PENDING = LookupResult.HIT_PENDING
 
 
 class CascadeQueue:
@@ -55,14 +54,10 @@ class CascadeQueue:
         """Pin the readable host copies of ``keys`` that tier ``tier`` lacks, for this step's
         job (``probe``: the context of the lookups that decide it)."""
         host_lookup = self._host.lookup
-        tier_lookup = self._tiers[tier].lookup
-        # RETRY (an asynchronous tier does not know yet) cascades too: the tier skips keys it
-        # turns out to hold.
-        wanted = [
-            k
-            for k in keys
-            if host_lookup(k, probe) is _HIT and tier_lookup(k, probe) not in (_HIT, _HIT_PENDING)
-        ]
+        tier_holds = self._tiers[tier].holds
+        # A tier that does not know yet is not asked (a question per stored block would double
+        # a remote tier's round trips): the block cascades, and its store overwrites.
+        wanted = [k for k in keys if host_lookup(k, probe) is _HIT and not tier_holds(k, probe)]
         if not wanted:
             return
         spec = self._host.pin(wanted)

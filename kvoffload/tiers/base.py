@@ -138,6 +138,12 @@ class SecondaryTier(ABC):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """``HIT``, ``MISS``, ``HIT_PENDING`` (being written) or ``RETRY`` (not known yet)."""
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether the tier knows, without asking anyone (no I/O, no question queued), that it
+        holds ``key`` or is writing it. A cascade asks this before storing. Default: ``lookup``
+        is ``HIT`` or ``HIT_PENDING`` (for tiers whose lookup answers from what they know)."""
+        return self.lookup(key, ctx) in (LookupResult.HIT, LookupResult.HIT_PENDING)
+
     @abstractmethod
     def submit_store(self, job: TierJob, ctx: ReqContext | None = None) -> None:
         """Queue writing ``job``'s slots under its keys; keys already held are skipped

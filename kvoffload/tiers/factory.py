@@ -123,6 +123,7 @@ def _build_remote_tier(
         url=settings.kv_remote_url,
         ttl_s=settings.kv_remote_ttl_s,
         lookup_wait_s=settings.kv_remote_lookup_wait_s,
+        optional=settings.kv_remote_optional,
     )
     try:
         return RedisTier(pool, layout, config, enable_events=enable_events)

@@ -7,136 +7,70 @@ Data: one Redis string per block, key ``kvo:<layout fingerprint hex>:<OffloadKey
 layouts never share a block; keys spread over every Cluster slot), value the self-checking
 :mod:`~kvoffload.tiers.blockformat` header (``align=8``) followed by the host slot's bytes.
 
+Layers: :class:`RedisTier` keeps the tier contract, what it knows of the server's keys
+(:class:`~kvoffload.tiers.remote_answers.RemoteAnswers`) and two threads; the network is the
+:class:`~kvoffload.tiers.redis_transport.RedisTransport` under it (pipelines over several
+connections, per-shard fan-out, topology, health), on
+:class:`~kvoffload.tiers.redis_connection.RedisConnection` (RESP, values received straight into
+host slots).
+
 Threads: every method runs on the scheduler's thread and never touches the network. All tier
 state (known answers, blocks being written, counters, events) belongs to that thread. Two
 background threads do the I/O and post their outcomes to an inbox that the scheduler thread
 applies at its next call:
 
 * the lookup thread answers the keys :meth:`RedisTier.lookup` could not (``RETRY``) with one
-  pipelined ``EXISTS`` round trip per batch, and refreshes the server's memory figures;
-* the I/O thread runs store and load jobs (loads first) as pipelined ``SET`` / ``GET`` batches;
-  in Cluster mode redis-py groups each pipeline per shard node.
+  pipelined ``PTTL`` round trip per batch (existence and expiry in one answer), and refreshes
+  the server's memory figures;
+* the I/O thread runs store and load jobs (loads first), each spread by the transport over
+  connections (and shards) in parallel.
 
-Answers: ``HIT`` once a store of this tier completed or the server said the key exists; a
-remote ``MISS`` is believed for ``miss_ttl_s`` (then asked again: another engine may have stored
-it). A key unanswered after ``lookup_wait_s`` is a ``MISS`` for now, so a slow or dead server
-delays a request by at most that long.
+Answers: ``HIT`` once a store of this tier completed or the server said the key exists, until
+the server's expiry (``ttl_s``) if any; a remote ``MISS`` is believed for ``miss_ttl_s``. A key
+unanswered after ``lookup_wait_s`` is a ``MISS`` for now, so a slow or dead server delays a
+request by at most that long; a question that failed is no answer (asked again when the server
+is back).
 
 The server may evict or expire blocks at any time (``maxmemory``, ``ttl_s``): a ``HIT`` is a
 promise the server may break, so a load of a vanished block fails with ``"missing"`` and the
 engine recomputes (counted as ``vanished_blocks``). For the same reason invariant 4 of the tier
 contract (a block being loaded is never evicted) holds only as far as the server keeps it.
 
-Faults: a network error or timeout fails the batch's blocks (``"io"`` / ``"timeout"``; stores
-dropped, loads recomputed) and marks the server down for a backoff that doubles up to
-``max_backoff_s``; while down, lookups answer ``MISS`` and jobs fail at once without touching the
-network. Credentials never appear in ``repr``, errors, logs or events.
+Loads are verified in full (header, layout, length, xxh3 checksum); a value that can never be
+served (garbage, another layout, a wrong length or type) fails its load and is deleted. A failed
+load's slot may hold part of the bad value (the caller frees it, as for the disk tier).
+
+Faults: a network error or timeout fails the keys of the connection it hit (``"io"`` /
+``"timeout"``; stores dropped, loads recomputed) and marks the server down for a backoff that
+doubles up to ``max_backoff_s``; while down, lookups answer ``MISS`` and jobs fail at once without
+touching the network. Credentials never appear in ``repr``, errors, logs or events.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from typing import Any
-
-import redis
-from redis.cluster import RedisCluster
-from redis.exceptions import MovedError
 
 from kvoffload.base import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.blockformat import (
-    CorruptBlockError,
-    encode_header,
-    parse_header,
-    payload_checksum,
-    verify_payload,
-)
-from kvoffload.tiers.redis_client import FramedValue, close_client, connect, error_cause
-from kvoffload.tiers.redis_url import (
-    PASSWORD_ENV,
-    SETTING,
-    USERNAME_ENV,
-    parse_redis_url,
-    redacted_url,
-)
+from kvoffload.tiers.redis_messages import cluster_node_problem, connect_problem
+from kvoffload.tiers.redis_transport import RedisTransport
+from kvoffload.tiers.redis_url import SETTING, parse_redis_url
+from kvoffload.tiers.remote_answers import FOREVER, RemoteAnswers
+from kvoffload.tiers.remote_blocks import JobOutcome, RemoteBlocks
+from kvoffload.tiers.remote_config import VALUE_ALIGN, RemoteTierConfig, remote_key_prefix
 
-__all__ = ["RedisTier", "RemoteTierConfig", "remote_key_prefix"]
+__all__ = ["VALUE_ALIGN", "RedisTier", "RemoteTierConfig", "remote_key_prefix"]
 
 log = logging.getLogger(__name__)
 
-#: Values are padded to 8 bytes, not to disk pages.
-VALUE_ALIGN = 8
 _LOAD_CAUSES = ("missing", "checksum", "layout", "corrupt", "io", "timeout")
 _STORE_CAUSES = ("io", "timeout", "full")
-_MIN_BACKOFF_S = 0.05
-#: The result of a command not sent because the server is marked down.
-_DOWN = redis.ConnectionError("the remote server is marked down (reconnect backoff)")
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteTierConfig:
-    """Settings of :class:`RedisTier` (``url`` is ``kv_remote_url``; see
-    :mod:`~kvoffload.tiers.redis_url` for its forms)."""
-
-    url: str
-    #: Bound of every network call (connect, send, receive), seconds.
-    timeout_s: float = 1.0
-    #: Server-side expiry of stored blocks (``SET ... PX``); ``None`` keeps them until evicted.
-    ttl_s: float | None = None
-    #: A key the lookup thread has not answered after this long is a MISS for now.
-    lookup_wait_s: float = 0.25
-    #: A remote MISS is believed this long before the server is asked again.
-    miss_ttl_s: float = 2.0
-    #: Bytes of values per pipelined round trip (a batch is split into such chunks).
-    pipeline_bytes: int = 16 << 20
-    #: How often the server's memory figures are refreshed, seconds.
-    stats_interval_s: float = 1.0
-    #: The reconnect backoff doubles from 50 ms up to this, seconds.
-    max_backoff_s: float = 5.0
-    #: Most answers (hits and misses each) remembered locally; the oldest are forgotten first.
-    max_known_keys: int = 1 << 20
-
-    def __repr__(self) -> str:  # the dataclass's, with the URL's password hidden
-        shown = ", ".join(
-            f"{f.name}={redacted_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
-            for f in fields(self)
-        )
-        return f"RemoteTierConfig({shown})"
-
-    def __post_init__(self) -> None:
-        positive = {
-            "kv_remote_timeout": self.timeout_s,
-            "kv_remote_lookup_wait_s": self.lookup_wait_s,
-            "kv_remote_miss_ttl": self.miss_ttl_s,
-            "kv_remote_stats_interval": self.stats_interval_s,
-            "kv_remote_max_backoff": self.max_backoff_s,
-        }
-        if self.ttl_s is not None:
-            positive["kv_remote_ttl_s"] = self.ttl_s
-        for name, value in positive.items():
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
-        for name, value in (
-            ("kv_remote_pipeline_bytes", self.pipeline_bytes),
-            ("kv_remote_max_known_keys", self.max_known_keys),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
-
-
-def remote_key_prefix(layout: KVLayout) -> bytes:
-    """The prefix of every Redis key this layout's blocks are stored under."""
-    return b"kvo:" + layout.fingerprint().hex().encode() + b":"
 
 
 class _Job:
@@ -155,8 +89,9 @@ class RedisTier(SecondaryTier):
 
     Events (medium ``STORAGE``, locality ``REMOTE``) are gathered only with ``enable_events``:
     blocks this tier stored, and blocks a load found gone (the server's own evictions are not
-    seen). Construction connects and checks the server: an unreachable server or refused credentials
-    raise :class:`ConfigError` naming ``kv_remote_url`` (password hidden).
+    seen). Construction connects and checks the server: an unreachable server, refused
+    credentials or a URL of the wrong mode (standalone / Cluster) raise :class:`ConfigError`
+    naming ``kv_remote_url`` in one line (password hidden).
     """
 
     name = "remote"
@@ -173,18 +108,12 @@ class RedisTier(SecondaryTier):
         self.config = config
         self._enable_events = enable_events
         self.url = parse_redis_url(config.url)
-        self._flat = pool.cast("B") if pool.format != "B" or pool.ndim != 1 else pool
-        self._block_bytes = layout.block_bytes
-        self._fingerprint = layout.fingerprint()
-        self._prefix = remote_key_prefix(layout)
-        self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
         self._closed = False
 
         # Scheduler-thread state.
-        self._hits: dict[OffloadKey, None] = {}
-        self._misses: dict[OffloadKey, float] = {}
-        self._asked: dict[OffloadKey, float] = {}
-        self._writing: set[OffloadKey] = set()
+        self._answers = RemoteAnswers(
+            config.lookup_wait_s, config.miss_ttl_s, config.max_known_keys
+        )
         self._events: list[OffloadingEvent] = []
         self._done_now: list[TierJobResult] = []
         self._counters: Counter[str] = Counter()
@@ -200,19 +129,14 @@ class RedisTier(SecondaryTier):
         self._inbox: list[tuple[str, Any]] = []
         self._in_flight = 0
         self._stop = False
-        # Written by the background threads, read anywhere (single attribute reads).
-        self._down_until = 0.0
-        self._backoff_s = _MIN_BACKOFF_S
+        # Written by the lookup thread, read anywhere (single attribute reads).
         self._server: dict[str, int] = {}
-        self._server_base: dict[str, int] | None = None
+        self._server_base: dict[str, int] = {}
         self._io_counters: Counter[str] = Counter()
 
-        self._client, self._zero_copy = self._connect()
-        self._shards = (
-            ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvo-remote-shard")
-            if self.url.cluster
-            else None
-        )
+        self._transport = self._connect()
+        ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
+        self._blocks = RemoteBlocks(pool, layout, self._transport, ttl_ms)
         self._threads = [
             threading.Thread(target=self._io_loop, name="kvo-remote-io", daemon=True),
             threading.Thread(target=self._lookup_loop, name="kvo-remote-lookup", daemon=True),
@@ -223,79 +147,64 @@ class RedisTier(SecondaryTier):
     def __repr__(self) -> str:
         return f"RedisTier({self.url.redacted()!r})"
 
-    # ----------------------------------------------------------------- setup
-
-    def _connect(self) -> tuple[Any, bool]:
-        where = self.url.redacted()
-        client = None
-        try:
-            client, zero_copy = connect(self.url, self.config.timeout_s)
-            client.ping()
-            self._server = self._read_server_figures(client)
-        except redis.AuthenticationError as exc:
-            problem = (
-                f"{where}: the server refused the credentials (from the URL or the "
-                f"{USERNAME_ENV} / {PASSWORD_ENV} environment): {self.url.scrub(str(exc))}"
-            )
-        except (redis.RedisError, OSError) as exc:
-            problem = self._tls_problem(str(exc)) or (
-                f"cannot reach {where}: {self.url.scrub(str(exc)) or type(exc).__name__} "
-                "(start the server, fix the URL, or set kv_remote_optional to run without "
-                "the remote tier)"
-            )
-        else:
-            self._server_base = dict(self._server)
-            return client, zero_copy
-        if client is not None:
-            close_client(client)
-        raise ConfigError(SETTING, problem)
-
-    def _tls_problem(self, error: str) -> str | None:
-        """What to say when the server's TLS certificate failed verification (``None``
-        otherwise): which CA the URL trusts, and how to name the right one."""
-        if not self.url.tls or "CERTIFICATE_VERIFY_FAILED" not in error:
-            return None
-        ca = dict(self.url.tls_options).get("ssl_ca_certs")
-        trusted = f"ssl_ca_certs={ca}" if ca else "the system's CAs (no ssl_ca_certs given)"
-        return (
-            f"{self.url.redacted()}: the server's TLS certificate did not verify against "
-            f"{trusted}: {self.url.scrub(error)} (give the CA that signed it in kv_remote_url: "
-            "rediss://host:port/db?ssl_ca_certs=/path/to/ca.pem)"
+    def _connect(self) -> RedisTransport:
+        """The transport, with the server checked: reachable, credentials accepted, the URL's
+        mode (standalone or Cluster) the server's; else a one-line :class:`ConfigError`."""
+        config = self.config
+        transport = RedisTransport(
+            self.url,
+            config.timeout_s,
+            connections=config.connections,
+            pipeline_bytes=config.pipeline_bytes,
+            max_backoff_s=config.max_backoff_s,
         )
+        try:
+            transport.start()
+            self._server = transport.server_figures()
+        except Exception as exc:
+            transport.close()
+            problem = connect_problem(self.url, exc, config.optional)
+            raise ConfigError(SETTING, problem) from None
+        if self._server.get("cluster_enabled") and not self.url.cluster:
+            transport.close()
+            raise ConfigError(SETTING, cluster_node_problem(self.url))
+        self._server_base = dict(self._server)
+        return transport
 
     # -------------------------------------------------------------- contract
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if self._inbox:
             self._apply_inbox()
-        if key in self._hits:
-            return LookupResult.HIT
-        if key in self._writing:
-            return LookupResult.HIT_PENDING
+        answer = self._answers.answer(key)
+        if answer is not None:
+            return answer
         now = time.monotonic()
-        expiry = self._misses.get(key)
-        if expiry is not None and expiry > now:
+        if self._closed or now < self._transport.down_until:
             return LookupResult.MISS
-        deadline = self._asked.get(key)
-        if deadline is not None:
-            return LookupResult.RETRY if now < deadline else LookupResult.MISS
-        if now < self._down_until or self._closed:
-            return LookupResult.MISS
-        self._asked[key] = now + self.config.lookup_wait_s
+        self._answers.ask(key, now)
         with self._lock:
             self._lookup_queue.append(key)
             if len(self._lookup_queue) == 1:
                 self._lookup_cv.notify()
         return LookupResult.RETRY
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether the tier knows it holds ``key`` (a hit not expired) or is writing it; never
+        asks the server."""
+        if self._inbox:
+            self._apply_inbox()
+        return self._answers.holds(key)
+
     def submit_store(self, job: TierJob, ctx: ReqContext | None = None) -> None:
         if self._inbox:
             self._apply_inbox()
+        answers = self._answers
         work = []
         for key, slot in zip(job.keys, job.slots, strict=True):
-            if key in self._hits or key in self._writing:
+            if answers.holds(key):
                 continue  # held or being written: reported as stored
-            self._writing.add(key)
+            answers.writing.add(key)
             work.append((key, slot))
         self._enqueue(_Job(job, True, work))
 
@@ -307,7 +216,7 @@ class RedisTier(SecondaryTier):
     def _enqueue(self, queued: _Job) -> None:
         if not queued.work or self._closed:
             failed = dict.fromkeys((key for key, _ in queued.work), "io")
-            self._done_now.append(self._finish_job(queued, failed, 0, 0.0))
+            self._done_now.append(self._finish_job(queued, JobOutcome(failed, 0, 0.0)))
             return
         with self._lock:
             (self._stores if queued.is_store else self._loads).append(queued)
@@ -336,14 +245,12 @@ class RedisTier(SecondaryTier):
         server's blocks stay: other engines share them, and a changed layout never reads them."""
         self.drain_jobs()
         self._apply_inbox()
-        self._hits.clear()
-        self._misses.clear()
-        self._asked.clear()
+        self._answers.clear()
 
     def stats(self) -> dict[str, int]:
         if self._inbox:
             self._apply_inbox()
-        server, base = self._server, self._server_base or {}
+        server, base = self._server, self._server_base
         out = {
             "capacity_bytes": server.get("capacity_bytes", 0),
             "used_bytes": server.get("used_bytes", 0),
@@ -360,16 +267,19 @@ class RedisTier(SecondaryTier):
             "lookups_sent": 0,
             "lookup_round_trips": 0,
             "lookup_round_trip_us": 0,
+            "store_us": 0,
+            "load_us": 0,
             "connection_errors": 0,
             "reconnects": 0,
-            "connected": int(time.monotonic() >= self._down_until),
-            "known_hits": len(self._hits),
+            "connected": int(not self._transport.is_down()),
+            "known_hits": len(self._answers.hits),
             **{f"failed_load_{c}": 0 for c in _LOAD_CAUSES},
             **{f"failed_store_{c}": 0 for c in _STORE_CAUSES},
         }
         out.update(self._counters)
         with self._lock:
             out.update(self._io_counters)
+        out.update(self._transport.counters())
         return out
 
     def close(self) -> None:
@@ -383,9 +293,7 @@ class RedisTier(SecondaryTier):
         for thread in self._threads:
             thread.join()
         self._apply_inbox()
-        if self._shards is not None:
-            self._shards.shutdown()
-        close_client(self._client)
+        self._transport.close()
 
     # ------------------------------------------------------ scheduler thread
 
@@ -394,50 +302,27 @@ class RedisTier(SecondaryTier):
             inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "lookup":
-                self._apply_answers(*payload)
+                self._answers.learned(*payload)
             else:
                 self._done_now.append(self._finish_job(*payload))
 
-    def _apply_answers(self, keys: list[OffloadKey], exists: list[bool] | None) -> None:
-        expiry = time.monotonic() + self.config.miss_ttl_s
-        hits, misses, cap = self._hits, self._misses, self.config.max_known_keys
-        for i, key in enumerate(keys):
-            self._asked.pop(key, None)
-            if key in hits or key in self._writing:
-                continue
-            if exists is not None and exists[i]:
-                misses.pop(key, None)
-                hits[key] = None
-                if len(hits) > cap:
-                    del hits[next(iter(hits))]
-            else:
-                misses.pop(key, None)  # re-insert: the oldest entries stay first
-                misses[key] = expiry
-                if len(misses) > cap:
-                    del misses[next(iter(misses))]
-
-    def _finish_job(
-        self, queued: _Job, failed: dict[OffloadKey, str], num_bytes: int, seconds: float
-    ) -> TierJobResult:
-        counters = self._counters
+    def _finish_job(self, queued: _Job, outcome: JobOutcome) -> TierJobResult:
+        counters, answers, failed = self._counters, self._answers, outcome.failed
         ok = [key for key, _ in queued.work if key not in failed]
         if queued.is_store:
-            for key, _ in queued.work:
-                self._writing.discard(key)
-            for key in ok:
-                self._misses.pop(key, None)
-                self._hits[key] = None
+            answers.writing.difference_update(key for key, _ in queued.work)
+            ttl = self.config.ttl_s
+            answers.stored(ok, FOREVER if ttl is None else outcome.sent_at + ttl)
             counters["stored_blocks"] += len(ok)
             if ok and self._enable_events:
                 self._events.append(OffloadingEvent(ok, self.medium, False, self.locality))
         else:
             counters["loaded_blocks"] += len(ok)
-            gone = [key for key in failed if key in self._hits]
-            for key in gone:
-                del self._hits[key]
+            gone = answers.gone(list(failed))
             if gone and self._enable_events:
                 self._events.append(OffloadingEvent(gone, self.medium, True, self.locality))
         kind = "store" if queued.is_store else "load"
+        counters[f"{kind}_us"] += int(outcome.seconds * 1e6)
         for cause in failed.values():
             counters[f"failed_{kind}_blocks"] += 1
             counters[f"failed_{kind}_{cause}"] += 1
@@ -445,38 +330,11 @@ class RedisTier(SecondaryTier):
                 counters["dropped_store_blocks"] += 1
             if not queued.is_store and cause == "missing":
                 counters["vanished_blocks"] += 1
-        return TierJobResult(queued.job.job_id, queued.is_store, failed, num_bytes, seconds)
+        return TierJobResult(
+            queued.job.job_id, queued.is_store, failed, outcome.num_bytes, outcome.seconds
+        )
 
     # ---------------------------------------------------- background threads
-
-    def _post(self, kind: str, payload: Any) -> None:
-        with self._lock:
-            self._inbox.append((kind, payload))
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._io_counters[name] += n
-
-    def _is_down(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def _mark_up(self) -> None:
-        if self._backoff_s != _MIN_BACKOFF_S:
-            self._backoff_s = _MIN_BACKOFF_S
-            self._count("reconnects")
-            log.info("remote tier %s reachable again", self.url.redacted())
-
-    def _mark_down(self, exc: BaseException) -> None:
-        self._count("connection_errors")
-        self._down_until = time.monotonic() + self._backoff_s
-        log.warning(
-            "remote tier %s failed (%s: %s); retrying in %.2f s",
-            self.url.redacted(),
-            type(exc).__name__,
-            self.url.scrub(str(exc)),
-            self._backoff_s,
-        )
-        self._backoff_s = min(2 * self._backoff_s, self.config.max_backoff_s)
 
     def _io_loop(self) -> None:
         while True:
@@ -484,164 +342,32 @@ class RedisTier(SecondaryTier):
                 while not (self._loads or self._stores or self._stop):
                     self._work_cv.wait()
                 if self._stop:
-                    queued_jobs = [*self._loads, *self._stores]
-                    self._loads.clear()
-                    self._stores.clear()
-                    for queued in queued_jobs:
-                        failed = dict.fromkeys((k for k, _ in queued.work), "io")
-                        self._inbox.append(("job", (queued, failed, 0, 0.0)))
-                    self._in_flight -= len(queued_jobs)
-                    self._idle_cv.notify_all()
+                    self._fail_queued()
                     return
                 queued = self._loads.popleft() if self._loads else self._stores.popleft()
             start = time.perf_counter()
-            run = self._run_store if queued.is_store else self._run_load
             try:
-                failed, num_bytes = run(queued.work)
+                run = self._blocks.store if queued.is_store else self._blocks.load
+                outcome = run(queued.work)
             except Exception as exc:  # never let a job go unreported: it fails, serving goes on
                 log.error("remote tier job failed: %s", self.url.scrub(repr(exc)))
-                failed, num_bytes = dict.fromkeys((key for key, _ in queued.work), "io"), 0
+                outcome = JobOutcome(dict.fromkeys((key for key, _ in queued.work), "io"), 0, 0.0)
+            outcome.seconds = time.perf_counter() - start
             with self._lock:
-                self._inbox.append(
-                    ("job", (queued, failed, num_bytes, time.perf_counter() - start))
-                )
+                self._inbox.append(("job", (queued, outcome)))
                 self._in_flight -= 1
                 self._idle_cv.notify_all()
 
-    def _chunks(self, work: list[tuple[OffloadKey, int]]) -> list[list[tuple[OffloadKey, int]]]:
-        step = max(1, self.config.pipeline_bytes // (self._block_bytes + 64))
-        return [work[i : i + step] for i in range(0, len(work), step)]
-
-    def _round_trip(self, redis_keys: list[bytes], add: Callable[[Any, int], object]) -> list[Any]:
-        """One pipelined round trip: ``add(pipe, i)`` queues the command of ``redis_keys[i]``.
-        Returns one result per key, an exception for each key whose command failed. A whole
-        round trip that fails marks the server down; while it is down nothing is sent."""
-        if self._is_down():
-            return [_DOWN] * len(redis_keys)
-        if self._shards is None:
-            pipe = self._client.pipeline(transaction=False)
-            for i in range(len(redis_keys)):
-                add(pipe, i)
-            return self._execute(pipe, len(redis_keys))
-        return self._cluster_round_trip(redis_keys, add)
-
-    def _execute(self, pipe: Any, n: int) -> list[Any]:
-        try:
-            results = pipe.execute(raise_on_error=False)
-        except (redis.RedisError, OSError) as exc:
-            self._mark_down(exc)
-            return [exc] * n
-        self._mark_up()
-        return results
-
-    def _cluster_round_trip(
-        self, redis_keys: list[bytes], add: Callable[[Any, int], object]
-    ) -> list[Any]:
-        """Group the keys per shard node and run one pipeline per node, all nodes at once.
-
-        redis-py's own cluster pipeline retries every failed command one by one, each up to
-        the socket timeout, so a hung shard would stall a batch for ``n x timeout``; here a
-        node's batch costs one timeout at most, and only that node's keys fail."""
-        client = self._client
-        results: list[Any] = [None] * len(redis_keys)
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        uncovered: BaseException | None = None
-        for i, rkey in enumerate(redis_keys):
-            try:
-                node = client.get_node_from_key(rkey)
-            except (redis.RedisError, OSError) as exc:  # its slot has no master (failover)
-                results[i] = uncovered = exc
-                continue
-            groups.setdefault(node.name, (node, []))[1].append(i)
-
-        def run(node: Any, indices: list[int]) -> list[Any]:
-            pipe = client.get_redis_connection(node).pipeline(transaction=False)
-            for i in indices:
-                add(pipe, i)
-            try:
-                return pipe.execute(raise_on_error=False)
-            except (redis.RedisError, OSError) as exc:
-                return [exc] * len(indices)
-
-        futures = [(self._shards.submit(run, node, idx), idx) for node, idx in groups.values()]
-        broken: BaseException | None = uncovered
-        for future, indices in futures:
-            for i, result in zip(indices, future.result(), strict=True):
-                results[i] = result
-                if isinstance(result, redis.ConnectionError | redis.TimeoutError | MovedError):
-                    broken = result
-        if broken is None:
-            self._mark_up()
-        elif isinstance(broken, MovedError):
-            self._refresh_topology(broken, down=False)
-        else:
-            self._refresh_topology(broken)
-        return results
-
-    def _refresh_topology(self, exc: BaseException, down: bool = True) -> None:
-        """Follow a failover or resharding: re-read the slot map (best effort)."""
-        if down:
-            self._mark_down(exc)
-        with contextlib.suppress(redis.RedisError, OSError):
-            self._client.nodes_manager.initialize()
-
-    def _run_store(self, work: list[tuple[OffloadKey, int]]) -> tuple[dict[OffloadKey, str], int]:
-        failed: dict[OffloadKey, str] = {}
-        flat, size, fp, prefix, ttl = (
-            self._flat,
-            self._block_bytes,
-            self._fingerprint,
-            self._prefix,
-            self._ttl_ms,
-        )
-        stored = 0
-        for chunk in self._chunks(work):
-
-            def add(pipe: Any, i: int, chunk: list[tuple[OffloadKey, int]] = chunk) -> None:
-                key, slot = chunk[i]
-                payload = flat[slot * size : (slot + 1) * size]
-                header = encode_header(fp, key, size, payload_checksum(payload), VALUE_ALIGN)
-                value = FramedValue(header, payload) if self._zero_copy else header + payload
-                pipe.set(prefix + key, value, px=ttl)
-
-            results = self._round_trip([prefix + key for key, _ in chunk], add)
-            for (key, _), result in zip(chunk, results, strict=True):
-                if isinstance(result, BaseException):
-                    failed[key] = error_cause(result)
-                else:
-                    stored += 1
-        return failed, stored * size
-
-    def _run_load(self, work: list[tuple[OffloadKey, int]]) -> tuple[dict[OffloadKey, str], int]:
-        failed: dict[OffloadKey, str] = {}
-        flat, size, fp, prefix = self._flat, self._block_bytes, self._fingerprint, self._prefix
-        loaded = 0
-        bad: list[bytes] = []
-        for chunk in self._chunks(work):
-            rkeys = [prefix + key for key, _ in chunk]
-            results = self._round_trip(rkeys, lambda pipe, i, rkeys=rkeys: pipe.get(rkeys[i]))
-            for (key, slot), value in zip(chunk, results, strict=True):
-                if isinstance(value, BaseException):
-                    failed[key] = error_cause(value)
-                    continue
-                if value is None:
-                    failed[key] = "missing"
-                    continue
-                try:
-                    header = parse_header(value, fp, key, VALUE_ALIGN)
-                    if header.payload_len != size:
-                        raise CorruptBlockError("corrupt", f"payload of {header.payload_len} B")
-                    payload = memoryview(value)[header.header_len :]
-                    verify_payload(header, payload)
-                except CorruptBlockError as exc:
-                    failed[key] = exc.cause
-                    bad.append(prefix + key)
-                    continue
-                flat[slot * size : (slot + 1) * size] = payload
-                loaded += 1
-        if bad:  # best effort: values that can never be served go
-            self._round_trip(bad, lambda pipe, i: pipe.delete(bad[i]))
-        return failed, loaded * size
+    def _fail_queued(self) -> None:
+        """On close (under the lock): every job not started fails ``"io"``."""
+        queued_jobs = [*self._loads, *self._stores]
+        self._loads.clear()
+        self._stores.clear()
+        for queued in queued_jobs:
+            failed = dict.fromkeys((k for k, _ in queued.work), "io")
+            self._inbox.append(("job", (queued, JobOutcome(failed, 0, 0.0))))
+        self._in_flight -= len(queued_jobs)
+        self._idle_cv.notify_all()
 
     def _lookup_loop(self) -> None:
         next_stats = time.monotonic() + self.config.stats_interval_s
@@ -656,51 +382,39 @@ class RedisTier(SecondaryTier):
                     return
                 batch, self._lookup_queue = self._lookup_queue, []
             if batch:
+                asked_at = time.monotonic()
                 try:
-                    answers = self._exists(batch)
+                    answers = self._ask(batch)
                 except Exception as exc:  # every asked key gets an answer, even on a bug
                     log.error("remote tier lookup failed: %s", self.url.scrub(repr(exc)))
-                    answers = None
-                self._post("lookup", (batch, answers))
+                    answers = [None] * len(batch)
+                with self._lock:
+                    self._inbox.append(("lookup", (batch, answers, asked_at)))
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + self.config.stats_interval_s
-                if not self._is_down():
-                    try:
-                        self._server = self._read_server_figures(self._client)
-                    except (redis.RedisError, OSError) as exc:
-                        self._mark_down(exc)
-                    except Exception as exc:  # figures are informative: keep the old ones
-                        log.error("remote tier INFO failed: %s", self.url.scrub(repr(exc)))
+                self._refresh_figures()
 
-    def _exists(self, keys: list[OffloadKey]) -> list[bool] | None:
-        """One pipelined EXISTS round trip for ``keys``; ``None`` when the server is down."""
-        if self._is_down():
-            return None
-        rkeys = [self._prefix + key for key in keys]
-        self._count("lookups_sent", len(keys))
+    def _ask(self, keys: list[OffloadKey]) -> list[int | None]:
+        """One pipelined ``PTTL`` round trip for ``keys``: per key the remaining milliseconds
+        (-1: no expiry, -2: missing), or ``None`` when unknown (the round trip failed)."""
+        if self._transport.is_down():
+            return [None] * len(keys)
         start = time.perf_counter()
-        results = self._round_trip(rkeys, lambda pipe, i: pipe.exists(rkeys[i]))
-        self._count("lookup_round_trip_us", int((time.perf_counter() - start) * 1e6))
-        self._count("lookup_round_trips")
-        return [not isinstance(r, BaseException) and r > 0 for r in results]
+        prefix = self._blocks.prefix
+        results = self._transport.ttls([prefix + key for key in keys])
+        elapsed_us = int((time.perf_counter() - start) * 1e6)
+        with self._lock:
+            self._io_counters["lookups_sent"] += len(keys)
+            self._io_counters["lookup_round_trip_us"] += elapsed_us
+            self._io_counters["lookup_round_trips"] += 1
+        return [r if isinstance(r, int) else None for r in results]
 
-    def _read_server_figures(self, client: Any) -> dict[str, int]:
-        """Capacity, use, key count and eviction counters summed over the (master) nodes."""
-        if isinstance(client, RedisCluster):
-            per_node = client.info(
-                "memory", "stats", "keyspace", target_nodes=RedisCluster.PRIMARIES
-            )
-            infos = [per_node] if "used_memory" in per_node else list(per_node.values())
-        else:
-            infos = [client.info("memory", "stats", "keyspace")]
-        figures = Counter[str]()
-        db = f"db{self.url.db}"
-        for info in infos:
-            maxmemory = int(info.get("maxmemory", 0))
-            figures["capacity_bytes"] += maxmemory or int(info.get("total_system_memory", 0))
-            figures["used_bytes"] += int(info.get("used_memory", 0))
-            figures["evicted_keys"] += int(info.get("evicted_keys", 0))
-            figures["expired_keys"] += int(info.get("expired_keys", 0))
-            keyspace = info.get(db)
-            figures["keys"] += int(keyspace["keys"]) if isinstance(keyspace, dict) else 0
-        return dict(figures)
+    def _refresh_figures(self) -> None:
+        if self._transport.is_down():
+            return
+        try:
+            self._server = self._transport.server_figures()
+        except OSError:
+            pass  # the transport marked the server down
+        except Exception as exc:  # figures are informative: keep the old ones
+            log.error("remote tier INFO failed: %s", self.url.scrub(repr(exc)))
