@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 # The tiers themselves load on first use (the tiering manager imports this package for the
-# contract alone; the Redis tier pulls in redis-py).
+# contract alone, and the tiers start threads and open files or sockets only when built).
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
