@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     LoadStoreSpec,
     Locality,
     LookupResult,
@@ -47,6 +46,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.base import LookupResult as KVOLookupResult
 from kvoffload.base import OffloadingManager as KVOManager
+from kvoffload.integrations.vllm.compat import ConfigInfoMapping
 from kvoffload.integrations.vllm.context import kvoffload_context
 
 __all__ = ["STATS_METRIC", "KVOffloadManager"]
@@ -58,8 +58,8 @@ _LOOKUP = {result: LookupResult[result.name] for result in KVOLookupResult}
 class KVOffloadManager(OffloadingManager):
     """vLLM's view of one kvoffload manager stack (see the module docstring).
 
-    ``close`` is called at ``shutdown`` (our tiering manager's, which closes its tiers), then
-    ``on_shutdown`` (the spec releases vLLM's shared pool there).
+    ``close`` is called at ``shutdown`` (our tiering manager's, which closes its tiers), then,
+    if it succeeded, ``on_shutdown`` (the spec unmaps vLLM's shared pool there).
     """
 
     def __init__(
@@ -161,9 +161,11 @@ class KVOffloadManager(OffloadingManager):
         self.inner.reset()
 
     def shutdown(self) -> None:
-        try:
-            if self._close is not None:
-                self._close()
-        finally:
-            if self._on_shutdown is not None:
-                self._on_shutdown()
+        # on_shutdown (unmapping the pool) only after close succeeded: a tier that failed to
+        # close may still be writing the pool (vLLM's tiering manager keeps it then, too).
+        if self._close is not None:
+            self._close()
+            self._close = None
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None

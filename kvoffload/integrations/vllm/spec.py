@@ -34,7 +34,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingMetricMetadata
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -42,8 +48,11 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvoffload.base import OffloadingManager as KVOManager
 from kvoffload.errors import ConfigError
 from kvoffload.eviction import available_eviction_policies
+from kvoffload.integrations.vllm.compat import cpu_config_info
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
+from kvoffload.integrations.vllm.pool import unexported_alias
 from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
+from kvoffload.integrations.vllm.worker import KVOffloadCPUWorker
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
 from kvoffload.tiers.base import SecondaryTier
@@ -103,6 +112,33 @@ class KVOffloadSpec(TieringOffloadingSpec):
                 f"{self.kv_bytes_per_chunk} bytes",
             )
 
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """vLLM's worker where it runs (CUDA-alike, XPU), ours on its CPU platform."""
+        if current_platform.is_cuda_alike() or current_platform.is_xpu():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = self._build_cpu_worker(kv_caches)  # type: ignore[assignment]
+        return self._worker  # type: ignore[return-value]
+
+    def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadCPUWorker:
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            area = region.create_next_worker_view(self.cpu_page_size_per_worker)
+            return KVOffloadCPUWorker(
+                kv_caches, self.blocks_per_chunk, area, release=region.cleanup
+            )
+        except BaseException:
+            area = None
+            region.cleanup()
+            raise
+
     def get_manager(self) -> KVOffloadManager:  # type: ignore[override]
         if self._manager is None:
             self._manager = self._build_manager()
@@ -117,13 +153,12 @@ class KVOffloadSpec(TieringOffloadingSpec):
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
-        pool = region.create_kv_memoryview()
+        vllm_view = region.create_kv_memoryview()
+        pool = unexported_alias(vllm_view)  # our tiers' views never pin vLLM's mapping
+        vllm_view.release()
         events = self.kv_events_config.enable_kv_cache_events
         tiers: list[SecondaryTier] = []
-
-        def release_pool() -> None:
-            pool.release()
-            region.cleanup()
+        release_pool = region.cleanup
 
         try:
             layout = layout_of_spec(self, pool.strides[0])
@@ -150,7 +185,7 @@ class KVOffloadSpec(TieringOffloadingSpec):
             manager,
             close=close,
             on_shutdown=release_pool,
-            config_info=self.cpu_info.as_config_info(),
+            config_info=cpu_config_info(self),
         )
 
 

@@ -59,6 +59,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvoffload.base import LookupResult as KVOLookupResult
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.context import kvoffload_context
+from kvoffload.integrations.vllm.pool import unexported_alias
 from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob
 
 if TYPE_CHECKING:
@@ -158,7 +159,9 @@ class KVOffloadTier(SecondaryTierManager):
         )
         layout = layout_of_spec(offloading_spec, self.block_size_bytes)
         enable_events = offloading_spec.kv_events_config.enable_kv_cache_events
-        self.tier: SecondaryTier = self.build_tier(primary_kv_view, layout, enable_events, options)
+        # An alias, so that no view our tier derives pins vLLM's mapping at its cleanup.
+        pool = unexported_alias(primary_kv_view)
+        self.tier: SecondaryTier = self.build_tier(pool, layout, enable_events, options)
         self.locality = Locality(self.tier.locality)
         self._events_enabled = enable_events
         self._jobs: dict[int, Collection[OffloadKey]] = {}  # in flight: promotions' keys
