@@ -59,12 +59,20 @@ class EventSink:
 
 
 def _metrics(llm: Any) -> dict[str, list[list[Any]]]:
+    """vLLM's metrics (``LLM.get_metrics``: the ``vllm:`` ones) and, from the Prometheus
+    registry that vLLM's ``/metrics`` serves, every ``kvoffload:`` sample."""
+    import prometheus_client
+
     out: dict[str, list[list[Any]]] = {}
     for metric in llm.get_metrics():
         value = getattr(metric, "value", None)
         if value is None:
             value = getattr(metric, "count", None)
         out.setdefault(metric.name, []).append([dict(metric.labels), value])
+    for family in prometheus_client.REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("kvoffload:"):
+                out.setdefault(sample.name, []).append([dict(sample.labels), sample.value])
     return out
 
 

@@ -202,6 +202,8 @@ class KVOffloadCachePolicy(CachePolicy):
     ) -> None:
         ctx = kvoffload_context(req_context)
         touched = [list(keys) for keys in key_groups]
+        if self._probation and reused_keys:  # vLLM 0.32 tells a request's uses only here
+            self._admit_from_probation(reused_keys)
         if self._commits:
             stored = [[k for k in keys if k in insertion_only_keys] for keys in touched]
             self._policy.request_finished(touched, [keys for keys in stored if keys], ctx)
