@@ -10,7 +10,9 @@
      "max_tracker_size": 64000,
      "kvoffload_cascade": "write_through",     # or "on_evict"
      "kvoffload_tiers": [{"kind": "disk", "path": "/mnt/nvme/kv", "size_gib": 200},
-                         {"kind": "redis", "url": "redis://cache:6379/0"}]}
+                         {"kind": "redis", "url": "redis://cache:6379/0"}],
+     "kvoffload_lookup_retry_s": 2.0,          # how long a request waits on RETRY (then MISS)
+     "kvoffload_stats_file": "/tmp/kvoffload-stats.json"}  # optional: stats when idle
 
 What vLLM runs and what is ours:
 
@@ -105,6 +107,14 @@ class KVOffloadSpec(TieringOffloadingSpec):
                     f"{tier.get('kind')!r}; choose from {sorted(TIER_BUILDERS)}",
                 )
         self.tier_configs: list[dict[str, Any]] = tiers
+        stats_file = extra.get("kvoffload_stats_file")
+        if stats_file is not None and not isinstance(stats_file, str):
+            raise ConfigError("kvoffload_stats_file", f"must be a path, got {stats_file!r}")
+        self.stats_file: str | None = stats_file
+        retry_s = extra.get("kvoffload_lookup_retry_s", 2.0)
+        if isinstance(retry_s, bool) or not isinstance(retry_s, int | float) or retry_s < 0:
+            raise ConfigError("kvoffload_lookup_retry_s", f"must be seconds >= 0, got {retry_s!r}")
+        self.lookup_retry_s = float(retry_s)
         if self.num_chunks <= 0:
             raise ConfigError(
                 "cpu_bytes_to_use",
@@ -186,6 +196,8 @@ class KVOffloadSpec(TieringOffloadingSpec):
             close=close,
             on_shutdown=release_pool,
             config_info=cpu_config_info(self),
+            stats_file=self.stats_file,
+            lookup_retry_s=self.lookup_retry_s,
         )
 
 
