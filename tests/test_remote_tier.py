@@ -403,7 +403,7 @@ def test_close_reports_every_job_and_fails_later_ones(redis_server: RedisServer)
 
 
 def test_config_is_validated() -> None:
-    with pytest.raises(ConfigError, match="kv_remote_ttl"):
+    with pytest.raises(ConfigError, match="kv_remote_ttl_s"):
         RemoteTierConfig(url="redis://h", ttl_s=0)
     with pytest.raises(ConfigError, match="kv_remote_timeout"):
         RemoteTierConfig(url="redis://h", timeout_s=float("nan"))

@@ -443,9 +443,9 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         "kv_events_config": args.kv_events_config,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
-        "log_stats_interval": args.log_stats_interval,
-        "kv_lookup_retry_seconds": args.kv_lookup_retry_seconds,
-        "kv_remote_lookup_wait": args.kv_remote_lookup_wait,
+        "log_stats_interval_s": args.log_stats_interval,
+        "kv_lookup_retry_s": args.kv_lookup_retry_seconds,
+        "kv_remote_lookup_wait_s": args.kv_remote_lookup_wait,
     }
     if args.kv_cache_memory is not None:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
@@ -471,7 +471,7 @@ def _check_args(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         remote = {
             "kv_remote_url": url,
             "kv_remote_optional": args.kv_remote_optional,
-            "kv_remote_ttl": args.kv_remote_ttl,
+            "kv_remote_ttl_s": args.kv_remote_ttl,
         }
     plus = " + remote" if remote else ""
     host_only = {**host_only, **remote}

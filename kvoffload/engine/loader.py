@@ -10,27 +10,36 @@ tensor) raises :class:`~kvoffload.errors.ConfigError` before the model is return
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from kvoffload.engine.config import PRESETS, ModelConfig, config_from_hf, preset_config
+from kvoffload.checkpoint_files import read_json_object, weight_files
 from kvoffload.engine.model import DecoderModel
+from kvoffload.engine.model_config import PRESETS, ModelConfig, config_from_hf, preset_config
 from kvoffload.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvoffload.errors import ConfigError
+from kvoffload.identity import checkpoint_fingerprint, preset_fingerprint
 
 __all__ = [
     "DTYPES",
+    "PRESET_FORMAT_VERSION",
     "init_random_weights",
+    "is_preset",
     "load_model",
     "load_model_config",
+    "model_identity",
     "resolve_device",
     "resolve_dtype",
 ]
+
+#: Bump whenever a preset's seed draws other weights (a change to :func:`init_random_weights` or
+#: to the order of parameters): the blocks of the old weights then stop matching. (A change to a
+#: preset's configuration needs no bump: the configuration is part of the identity.)
+PRESET_FORMAT_VERSION = 1
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -82,7 +91,7 @@ def load_model(
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    if model in PRESETS:
+    if is_preset(model):
         config = preset_config(model)
         net = DecoderModel(config, torch_dtype, dev)
         init_random_weights(net, seed)
@@ -92,9 +101,26 @@ def load_model(
 
 def load_model_config(model: str) -> ModelConfig:
     """The configuration of a preset or a checkpoint directory, without loading weights."""
-    if model in PRESETS:
+    if is_preset(model):
         return preset_config(model)
     return _checkpoint_config(_checkpoint_dir(model))
+
+
+def is_preset(model: str) -> bool:
+    """Whether ``model`` names a preset (it does even where a directory of that name exists:
+    ``load_model`` and :func:`model_identity` both decide by this)."""
+    return model in PRESETS
+
+
+def model_identity(model: str, dtype: torch.dtype, seed: int = 0) -> str:
+    """The name of ``model`` (as :func:`load_model` takes it) run in ``dtype`` in shared tiers:
+    :func:`kvoffload.identity.preset_fingerprint` (name, configuration, seed,
+    :data:`PRESET_FORMAT_VERSION`) or :func:`kvoffload.identity.checkpoint_fingerprint`
+    (``config.json`` and the weights' digest; the checkpoint's path plays no part)."""
+    if is_preset(model):
+        config = dataclasses.asdict(preset_config(model))
+        return preset_fingerprint(model, config, dtype, seed, PRESET_FORMAT_VERSION)
+    return checkpoint_fingerprint(_checkpoint_dir(model), dtype)
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -110,9 +136,9 @@ def _checkpoint_config(directory: Path) -> ModelConfig:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ConfigError("model", f"no config.json in {directory}")
-    hf = _read_json(config_path)
+    hf = read_json_object(config_path)
     generation_path = directory / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.is_file() else None
+    generation = read_json_object(generation_path) if generation_path.is_file() else None
     return config_from_hf(hf, generation)
 
 
@@ -182,37 +208,13 @@ def _targets(model: DecoderModel) -> dict[str, _Target]:
     return out
 
 
-def _weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(name, str) for name in weight_map.values()
-        ):
-            raise ConfigError(
-                "model",
-                f"{index} is not a valid safetensors index: weight_map must map names to files",
-            )
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ConfigError("model", f"shards listed in {index.name} are missing: {missing}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        other = sorted(p.name for p in directory.glob("*.bin"))
-        hint = f" (found {other}; only safetensors is supported)" if other else ""
-        raise ConfigError("model", f"no *.safetensors weights in {directory}{hint}")
-    return files
-
-
 def _load_checkpoint(
     directory: Path, dtype: torch.dtype, device: torch.device
 ) -> tuple[DecoderModel, ModelConfig, Tokenizer]:
     from safetensors import SafetensorError, safe_open
 
     config = _checkpoint_config(directory)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     model = DecoderModel(config, dtype, device)
     targets = _targets(model)
     loaded: set[str] = set()
@@ -249,16 +251,6 @@ def _load_checkpoint(
         )
     tokenizer = load_tokenizer(directory, config.vocab_size, config.eos_token_id)
     return model.eval(), config, tokenizer
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model", f"cannot read {path}: {exc}") from None
-    if not isinstance(value, dict):
-        raise ConfigError("model", f"{path} must hold a JSON object")
-    return value
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

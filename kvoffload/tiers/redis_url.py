@@ -28,7 +28,15 @@ from urllib.parse import parse_qsl, quote, unquote
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["DEFAULT_PORT", "PASSWORD_ENV", "SETTING", "USERNAME_ENV", "RedisURL", "parse_redis_url"]
+__all__ = [
+    "DEFAULT_PORT",
+    "PASSWORD_ENV",
+    "SETTING",
+    "USERNAME_ENV",
+    "RedisURL",
+    "parse_redis_url",
+    "redacted_url",
+]
 
 #: The setting every error names (the EngineConfig field; ``--kv-remote-url`` on the CLI).
 SETTING = "kv_remote_url"
@@ -77,6 +85,15 @@ class RedisURL:
 
     def __repr__(self) -> str:
         return f"RedisURL({self.redacted()!r})"
+
+
+def redacted_url(url: str) -> str:
+    """``url`` as it may be shown: the password (plain or percent-encoded) replaced by ``***``,
+    whether or not the URL parses; the environment is not read."""
+    try:
+        return parse_redis_url(url, env={}).redacted()
+    except ConfigError:
+        return _shown(url)
 
 
 def _shown(url: str) -> str:

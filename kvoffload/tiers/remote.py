@@ -43,7 +43,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import redis
@@ -62,7 +62,13 @@ from kvoffload.tiers.blockformat import (
     verify_payload,
 )
 from kvoffload.tiers.redis_client import FramedValue, close_client, connect, error_cause
-from kvoffload.tiers.redis_url import PASSWORD_ENV, SETTING, USERNAME_ENV, parse_redis_url
+from kvoffload.tiers.redis_url import (
+    PASSWORD_ENV,
+    SETTING,
+    USERNAME_ENV,
+    parse_redis_url,
+    redacted_url,
+)
 
 __all__ = ["RedisTier", "RemoteTierConfig", "remote_key_prefix"]
 
@@ -100,16 +106,23 @@ class RemoteTierConfig:
     #: Most answers (hits and misses each) remembered locally; the oldest are forgotten first.
     max_known_keys: int = 1 << 20
 
+    def __repr__(self) -> str:  # the dataclass's, with the URL's password hidden
+        shown = ", ".join(
+            f"{f.name}={redacted_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self)
+        )
+        return f"RemoteTierConfig({shown})"
+
     def __post_init__(self) -> None:
         positive = {
             "kv_remote_timeout": self.timeout_s,
-            "kv_remote_lookup_wait": self.lookup_wait_s,
+            "kv_remote_lookup_wait_s": self.lookup_wait_s,
             "kv_remote_miss_ttl": self.miss_ttl_s,
             "kv_remote_stats_interval": self.stats_interval_s,
             "kv_remote_max_backoff": self.max_backoff_s,
         }
         if self.ttl_s is not None:
-            positive["kv_remote_ttl"] = self.ttl_s
+            positive["kv_remote_ttl_s"] = self.ttl_s
         for name, value in positive.items():
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
