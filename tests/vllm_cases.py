@@ -92,6 +92,7 @@ def offloading_config(
     enable_events: bool = True,
     engine_id: str | None = None,
     blocks_per_chunk: int = 1,
+    model_name: str = "kvo-test-model",
 ) -> Any:
     """vLLM's ``OffloadingConfig`` for a one-group model whose blocks are ``chunk_bytes``
     (``chunk_bytes * blocks_per_chunk`` a multiple of vLLM's 4 KiB alignment) and a CPU tier of
@@ -111,7 +112,7 @@ def offloading_config(
         enable_kv_cache_events=enable_events,
         extra_config=extra,
         engine_id=engine_id or unique_engine_id(),
-        model=OffloadingModelConfig(name="kvo-test-model", dtype="float16"),
+        model=OffloadingModelConfig(name=model_name, dtype="float16"),
         cache=OffloadingCacheConfig(
             tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk
         ),

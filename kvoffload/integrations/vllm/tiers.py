@@ -103,7 +103,8 @@ _DISK_OPTION_OF = {"kv_disk_path": "path", "kv_disk_size": "size_gib"}
 
 def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
     """What one chunk of vLLM's CPU pool means, as our :class:`KVLayout` (its fingerprint keeps
-    blocks of another model, dtype, chunk size, KV layout or worker count apart).
+    blocks of another model, dtype, chunk size, KV layout or worker count apart; the model is
+    named by content, not by path).
 
     vLLM's offloading config does not carry heads and head size; they are folded into
     ``block_bytes`` and the per-worker byte count in ``model``, and written as 0.
@@ -114,7 +115,7 @@ def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
     )
     identity = "|".join(
         (
-            f"vllm:{config.model.name}",
+            f"vllm:{_model_identity(config.model)}",
             f"world={config.parallel.world_size}",
             f"replicated={config.replicated_layout}",
             f"canonical={config.canonical_layout}",
@@ -131,6 +132,22 @@ def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
         head_dim=0,
         block_bytes=block_bytes,
     )
+
+
+def _model_identity(offloading_model: Any) -> str:
+    """The served model named by content (:func:`kvoffload.identity.fingerprint_from_vllm`:
+    configuration, dtype, weight files; never the path), from vLLM's ``ModelConfig`` where one is
+    current, else from the spec's ``OffloadingModelConfig`` (its ``name`` is the checkpoint)."""
+    from kvoffload.identity import fingerprint_from_vllm
+
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - older vLLM
+        current = None
+    else:
+        current = get_current_vllm_config_or_none()
+    model_config = getattr(current, "model_config", None) or offloading_model
+    return fingerprint_from_vllm(model_config)
 
 
 class KVOffloadTier(SecondaryTierManager):
