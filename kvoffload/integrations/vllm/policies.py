@@ -1,4 +1,4 @@
-"""Our eviction policies as vLLM 0.33 ``CachePolicy`` classes for its CPU tier.
+"""Our eviction policies as vLLM ``CachePolicy`` classes for its CPU tier (0.32 and 0.33).
 
 Load one with ``kv_connector_extra_config = {"eviction_policy": "KVOffloadPrefix",
 "cache_policy_module_path": "kvoffload.integrations.vllm.policies", ...}`` (for
@@ -19,6 +19,10 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
   commit, as ``touch`` for the others. Our policies count a use once per request
   (state on our :class:`~kvoffload.base.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
+* vLLM 0.32 (feature-detected) has no ``on_request_access`` and inserts without the request's
+  context: a request's chain then grows at ``on_store_miss``, a declined key is recognised at the
+  ``insert`` that follows it in the same ``prepare_store``, and a use of a key on probation
+  admits it at ``on_request_finished`` (its ``reused_keys``).
 * vLLM has no admission hook: it inserts every absent key it offers. For a policy with
   admission control (``prefix``) the adapter asks ``admit`` in ``on_store_miss``; a declined
   key is still stored by vLLM but held *on probation*, outside our policy, and evicted before

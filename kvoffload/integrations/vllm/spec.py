@@ -1,4 +1,4 @@
-"""Our scheduler-side stack as a whole vLLM 0.33 offloading spec: :class:`KVOffloadSpec`.
+"""Our offloading stack as a whole vLLM offloading spec (0.32 and 0.33): :class:`KVOffloadSpec`.
 
 ``kv_connector_extra_config``::
 
@@ -16,8 +16,11 @@
 
 What vLLM runs and what is ours:
 
-* **Worker side (vLLM's):** the spec extends vLLM's ``TieringOffloadingSpec`` only for its
-  worker: vLLM's ``CPUOffloadingWorker`` copies GPU <-> the shared-memory CPU pool by chunk id.
+* **Worker side:** on CUDA-alike and XPU platforms vLLM's own (the spec extends vLLM's
+  ``TieringOffloadingSpec`` for it): ``CPUOffloadingWorker`` copies GPU <-> the shared-memory CPU
+  pool by chunk id. On vLLM's CPU platform, where vLLM's refuses to start, ours:
+  :class:`~kvoffload.integrations.vllm.worker.KVOffloadCPUWorker` copies between vLLM's CPU KV
+  cache and the same pool on our copy threads.
 * **Scheduler side (ours):** :class:`~kvoffload.integrations.vllm.manager.KVOffloadManager`
   over our :class:`~kvoffload.managers.CPUOffloadingManager` (slot ids = vLLM chunk ids) with
   our eviction policy (admission control included, which vLLM's ``CachePolicy`` cannot
@@ -26,8 +29,9 @@ What vLLM runs and what is ours:
   answered ``MISS`` to that request from then on: it recomputes), and our
   :class:`~kvoffload.managers.FilterReusedOffloadingManager` (a block is stored once
   ``store_threshold`` distinct *requests* saw it; vLLM's filter counts lookups).
-* **Not ours:** the request scheduling itself is vLLM's ``OffloadingConnectorScheduler``; how
-  long a request waits on ``RETRY`` and what it does with a failed load are vLLM's behaviour.
+* **Not ours:** the request scheduling itself is vLLM's ``OffloadingConnectorScheduler``; what
+  it does with a failed load is vLLM's behaviour. How long a request waits on ``RETRY`` is
+  bounded by our ``kvoffload_lookup_retry_s`` (vLLM re-asks without end).
 
 Bad settings raise :class:`~kvoffload.errors.ConfigError` naming the setting.
 """
