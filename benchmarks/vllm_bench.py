@@ -11,7 +11,7 @@ Runs, interleaved, ``--repeats`` times each (the order rotates every repeat):
 Workload: vLLM's ``prefix_repetition`` dataset (``--num-prefixes`` prefixes of
 ``--prefix-blocks`` 128-token blocks, a 64-token suffix of its own per prompt) whose prefixes are
 ``--prefix-to-device`` times the device KV cache. Every offloading run publishes KV events over
-ZMQ (``--kv-events-config``); a subscriber here counts them. Prints tokens/s as median [min-max],
+ZMQ (``--kv-events-config``); our own subscriber counts and decodes them. Prints tokens/s as median [min-max],
 the ratios of each repeat's runs (median [min-max]), the lookup waits of the disk runs against
 the engine step (from the spec's ``kvoffload_stats_file``), and the machine's load.
 
@@ -44,7 +44,7 @@ CONFIGS = ("none", "host", "host-small", "host-small+disk")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--num-prompts", type=int, default=15)
     p.add_argument("--device-blocks", type=int, default=40, help="device KV cache, in blocks")
     p.add_argument("--num-prefixes", type=int, default=5)
     p.add_argument("--prefix-to-device", type=float, default=4.0, help="prefixes / device cache")
@@ -76,35 +76,30 @@ def transfer_config(name: str, args: argparse.Namespace, tmp: Path) -> dict[str,
 
 
 class EventCounter:
-    """Counts the KV event batches a ZMQ publisher sends (loopback SUB socket)."""
+    """Counts the KV event batches vLLM publishes, received and decoded by our own
+    :class:`~kvoffload.events.subscriber.KVEventSubscriber` (loopback), on a thread."""
 
     def __init__(self, port: int) -> None:
-        import zmq
+        from kvoffload.events.subscriber import KVEventSubscriber
 
         self.batches = 0
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        import zmq
-
         while not self._stop.is_set():
-            try:
-                self._socket.recv_multipart()
-            except zmq.Again:
-                continue
-            self.batches += 1
+            if self._subscriber.receive(timeout_s=0.2) is not None:
+                self.batches += 1
 
-    def close(self) -> int:
+    def close(self) -> tuple[int, int]:
+        """Stop; return (batches received, batches our decoder could not decode)."""
         self._stop.set()
         self._thread.join(5)
-        self._socket.close(0)
-        return self.batches
+        errors = self._subscriber.stats()["decode_errors"]
+        self._subscriber.close()
+        return self.batches, errors
 
 
 def run_once(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
@@ -136,7 +131,7 @@ def run_once(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env)
     (tmp / f"log-{name}-{time.monotonic_ns()}.txt").write_text(proc.stdout + proc.stderr)
-    batches = counter.close() if counter is not None else 0
+    batches, decode_errors = counter.close() if counter is not None else (0, 0)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: vllm bench throughput failed:\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
@@ -146,6 +141,7 @@ def run_once(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
         "elapsed_s": result["elapsed_time"],
         "requests_per_s": result["requests_per_second"],
         "event_batches": batches,
+        "event_decode_errors": decode_errors,
         "load1": (load_before + os.getloadavg()[0]) / 2,
         "buffer_error": "BufferError" in proc.stderr,
     }
@@ -192,7 +188,8 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
               f"{jobs} jobs; room waits {sum(s.get('room_waits', 0) for s in st)}; budget "
               f"misses {sum(s.get('retry_budget_misses', 0) for s in st)}; loaded blocks "
               f"{sum(s.get('loaded_blocks', 0) for s in st)}; events "
-              f"{sum(r['event_batches'] for r in by[c])} batches")  # fmt: skip
+              f"{sum(r['event_batches'] for r in by[c])} batches, "
+              f"{sum(r['event_decode_errors'] for r in by[c])} undecodable")  # fmt: skip
     if any(r["buffer_error"] for r in runs):
         print("  !!! a run logged BufferError at shutdown")
 

@@ -149,7 +149,7 @@ class KVOffloadSpec(TieringOffloadingSpec):
                 kv_caches, self.blocks_per_chunk, area, release=region.cleanup
             )
         except BaseException:
-            area = None
+            area = None  # drop our view of the mapping before cleanup closes it
             region.cleanup()
             raise
 
