@@ -172,30 +172,32 @@ def test_stats_show_our_tiers(first_run: dict[str, dict[str, Any]]) -> None:
     assert manager_stat(ours, "remote_stored_blocks") > 0
 
 
+def next_process_hits(
+    tmp: Path, model: Path, tier: dict[str, Any], baseline: dict[str, Any]
+) -> dict[str, Any]:
+    """A fresh engine process (empty host tier) with ``tier`` alone, one round of the prompts:
+    its outputs are the baseline's, and its first requests load from ``tier`` (promoted)."""
+    config = offload_config([tier])
+    (ours,) = run_engines(tmp, model, [{"name": tier["kind"], "kv_transfer_config": config}], 1)
+    assert ours["rounds"][0] == baseline["rounds"][0]
+    assert manager_stat(ours, "promoted_blocks") > 0
+    assert metric(ours, "vllm:external_prefix_cache_hits") > 0
+    return ours
+
+
 def test_second_process_hits_the_disk_tier_at_once(
     tmp_path: Path, tiny_model: Path, disk_dir: Path, first_run: dict[str, dict[str, Any]]
 ) -> None:
-    tiers = [{"kind": "disk", "path": str(disk_dir), "size_gib": 0.25}]
-    (ours,) = run_engines(
-        tmp_path, tiny_model, [{"name": "disk", "kv_transfer_config": offload_config(tiers)}], 1
-    )
-    assert ours["rounds"][0] == first_run["baseline"]["rounds"][0]
-    assert (
-        manager_stat(ours, "disk_discovered_blocks") + manager_stat(ours, "disk_scanned_blocks") > 0
-    )
+    tier = {"kind": "disk", "path": str(disk_dir), "size_gib": 0.25}
+    ours = next_process_hits(tmp_path, tiny_model, tier, first_run["baseline"])
+    found = manager_stat(ours, "disk_discovered_blocks") + manager_stat(ours, "disk_scanned_blocks")
+    assert found > 0  # the first process's blocks, found on disk at start
     assert manager_stat(ours, "disk_loaded_blocks") > 0
-    assert manager_stat(ours, "promoted_blocks") > 0
-    assert metric(ours, "vllm:external_prefix_cache_hits") > 0
 
 
 def test_two_processes_share_blocks_through_redis(
     tmp_path: Path, tiny_model: Path, redis_server: Any, first_run: dict[str, dict[str, Any]]
 ) -> None:
-    tiers = [{"kind": "redis", "url": redis_server.url}]
-    (ours,) = run_engines(
-        tmp_path, tiny_model, [{"name": "redis", "kv_transfer_config": offload_config(tiers)}], 1
-    )
-    assert ours["rounds"][0] == first_run["baseline"]["rounds"][0]
+    tier = {"kind": "redis", "url": redis_server.url}
+    ours = next_process_hits(tmp_path, tiny_model, tier, first_run["baseline"])
     assert manager_stat(ours, "remote_loaded_blocks") > 0
-    assert manager_stat(ours, "promoted_blocks") > 0
-    assert metric(ours, "vllm:external_prefix_cache_hits") > 0
