@@ -103,6 +103,21 @@ class EventCounter:
 
 
 def run_once(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
+    """One run; again (up to 3 times) when the events port was taken before vLLM bound it (the
+    machine is shared: a free port can be gone by then)."""
+    for attempt in range(3):
+        try:
+            return _run(name, args, model, tmp)
+        except PortTaken:
+            print(f"{name}: the events port was taken; again ({attempt + 1}/3)", flush=True)
+    raise SystemExit(f"{name}: no free port for the events publisher in 3 tries")
+
+
+class PortTaken(Exception):
+    """vLLM could not bind its KV events publisher's port."""
+
+
+def _run(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
     from kvoffload.benchmark.redis_server import free_port
 
     out = tmp / f"out-{name}-{time.monotonic_ns()}.json"
@@ -133,6 +148,8 @@ def run_once(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
     (tmp / f"log-{name}-{time.monotonic_ns()}.txt").write_text(proc.stdout + proc.stderr)
     batches, decode_errors = counter.close() if counter is not None else (0, 0)
     if proc.returncode != 0:
+        if "Address already in use" in proc.stderr:
+            raise PortTaken
         raise SystemExit(f"{name}: vllm bench throughput failed:\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
     run = {
