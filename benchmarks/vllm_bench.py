@@ -71,8 +71,11 @@ def transfer_config(name: str, args: argparse.Namespace, tmp: Path) -> dict[str,
         disk = Path(tempfile.mkdtemp(prefix="disk-", dir=tmp))
         extra["kvoffload_tiers"] = [{"kind": "disk", "path": str(disk), "size_gib": 1}]
     extra["kvoffload_stats_file"] = str(tmp / f"stats-{name}-{time.monotonic_ns()}.json")
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
 
 
 class EventCounter:
@@ -186,7 +189,9 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
     pairs = [("host", "none"), ("host-small", "none"), ("host-small+disk", "host-small")]
     for a, b in pairs:
         if a in by and b in by:
-            ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(by[a], by[b], strict=True)]
+            ratios = [
+                x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(by[a], by[b], strict=True)
+            ]
             print(f"  {a} / {b}: {statistics.median(ratios):.2f}x "
                   f"[{min(ratios):.2f}-{max(ratios):.2f}]")  # fmt: skip
     for c in configs:
