@@ -7,6 +7,8 @@ Each engine runs in a child process (``vllm_engine_proc.py``, vLLM imported once
 1. baseline (no offloading), then our spec with a disk and a Redis tier: outputs identical over
    16 prompts sharing 4 prefixes, in two rounds; offload hits; our events decoded by vLLM's own
    ``KVEventBatch``; our tiers in vLLM's stats (the Prometheus registry ``/metrics`` serves);
+   then vLLM's own tiering spec on CPU (``CPUTieringOffloadingSpec``) with our policy and disk
+   tier: outputs identical, hits;
 2. a second process on the same disk directory: disk hits on its first requests;
 3. a third process on the same ``redis-server``: Redis hits on its first requests.
 
@@ -66,6 +68,30 @@ def offload_config(tiers: list[dict[str, Any]]) -> dict[str, Any]:
             **SPEC,
             "cpu_bytes_to_use": 64 * BLOCK_TOKENS * KV_BYTES_PER_TOKEN,
             "kvoffload_tiers": tiers,
+        },
+    }
+
+
+def vllm_tiering_config(disk: Path) -> dict[str, Any]:
+    """vLLM's own tiering spec (on CPU through ours), our adaptive policy as its CPU tier's
+    policy and our disk tier behind it."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "CPUTieringOffloadingSpec",
+            "spec_module_path": "kvoffload.integrations.vllm.cpu_tiering",
+            "cpu_bytes_to_use": 16 * BLOCK_TOKENS * KV_BYTES_PER_TOKEN,
+            "eviction_policy": "KVOffloadAdaptive",
+            "cache_policy_module_path": "kvoffload.integrations.vllm.policies",
+            "secondary_tiers": [
+                {
+                    "type": "KVOffloadDiskTier",
+                    "module_path": "kvoffload.integrations.vllm.tiers",
+                    "path": str(disk),
+                    "size_gib": 0.25,
+                }
+            ],
         },
     }
 
@@ -134,6 +160,7 @@ def first_run(
     engines = [
         {"name": "baseline"},
         {"name": "ours", "kv_transfer_config": offload_config(tiers), "events_port": free_port()},
+        {"name": "vllm-tiering", "kv_transfer_config": vllm_tiering_config(disk_dir / "vllm")},
     ]
     results = run_engines(tmp_path_factory.mktemp("run1"), tiny_model, engines)
     return {r["name"]: r for r in results}
@@ -147,6 +174,18 @@ def test_greedy_outputs_identical_with_offload_hits(first_run: dict[str, dict[st
     assert metric(ours, "vllm:external_prefix_cache_hits") > 0
     assert metric(baseline, "vllm:external_prefix_cache_hits") == 0
     assert manager_stat(ours, "loaded_blocks") > 0
+
+
+def test_our_policy_and_disk_tier_inside_vllms_own_tiering_spec(
+    first_run: dict[str, dict[str, Any]],
+) -> None:
+    """vLLM's TieringOffloadingSpec refuses the CPU platform for its worker only; with ours
+    (CPUTieringOffloadingSpec) it runs, with our policy and disk tier, outputs unchanged. Its CPU
+    tier (16 blocks) is smaller than the prefixes (20 blocks): round 2 promotes from our disk."""
+    baseline, ours = first_run["baseline"], first_run["vllm-tiering"]
+    assert ours["rounds"] == baseline["rounds"]
+    assert metric(ours, "vllm:external_prefix_cache_hits") > 0
+    assert metric(ours, "kvoffload:secondary_tier_stored_blocks_total") > 0
 
 
 def test_events_decode_as_vllm_kv_event_batches(first_run: dict[str, dict[str, Any]]) -> None:

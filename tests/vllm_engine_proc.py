@@ -66,8 +66,10 @@ def _metrics(llm: Any) -> dict[str, list[list[Any]]]:
     out: dict[str, list[list[Any]]] = {}
     for metric in llm.get_metrics():
         value = getattr(metric, "value", None)
-        if value is None:
+        if value is None:  # a histogram: its count, and its sum as NAME_sum
             value = getattr(metric, "count", None)
+            total = getattr(metric, "sum", None)
+            out.setdefault(f"{metric.name}_sum", []).append([dict(metric.labels), total])
         out.setdefault(metric.name, []).append([dict(metric.labels), value])
     for family in prometheus_client.REGISTRY.collect():
         for sample in family.samples:

@@ -40,13 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import (
-    CanonicalKVCaches,
-    OffloadingGaugeMetadata,
-    OffloadingMetricMetadata,
-    OffloadingWorker,
-)
+from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingMetricMetadata
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -58,7 +52,7 @@ from kvoffload.integrations.vllm.compat import cpu_config_info
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
 from kvoffload.integrations.vllm.pool import unexported_alias
 from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
-from kvoffload.integrations.vllm.worker import KVOffloadCPUWorker
+from kvoffload.integrations.vllm.worker import CPUPlatformWorker
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
 from kvoffload.tiers.base import SecondaryTier
@@ -66,8 +60,8 @@ from kvoffload.tiers.base import SecondaryTier
 __all__ = ["KVOffloadSpec"]
 
 
-class KVOffloadSpec(TieringOffloadingSpec):
-    """vLLM's worker side, kvoffload's scheduler side (module docstring)."""
+class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
+    """Our scheduler side; vLLM's worker side, ours on vLLM's CPU platform (module docstring)."""
 
     @classmethod
     def build_metric_definitions(
@@ -125,33 +119,6 @@ class KVOffloadSpec(TieringOffloadingSpec):
                 f"{extra.get('cpu_bytes_to_use')!r} bytes hold no chunk of "
                 f"{self.kv_bytes_per_chunk} bytes",
             )
-
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        """vLLM's worker where it runs (CUDA-alike, XPU), ours on its CPU platform."""
-        if current_platform.is_cuda_alike() or current_platform.is_xpu():
-            return super().get_worker(kv_caches)
-        if self._worker is None:
-            self._worker = self._build_cpu_worker(kv_caches)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
-
-    def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadCPUWorker:
-        rank = 0 if self.replicated_layout else self.config.parallel.rank
-        region = SharedOffloadRegion(
-            engine_id=self._engine_id,
-            num_chunks=self.num_chunks,
-            rank=rank,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-            cpu_page_size=self.cpu_page_size_per_worker,
-        )
-        try:
-            area = region.create_next_worker_view(self.cpu_page_size_per_worker)
-            return KVOffloadCPUWorker(
-                kv_caches, self.blocks_per_chunk, area, release=region.cleanup
-            )
-        except BaseException:
-            area = None  # drop our view of the mapping before cleanup closes it
-            region.cleanup()
-            raise
 
     def get_manager(self) -> KVOffloadManager:  # type: ignore[override]
         if self._manager is None:

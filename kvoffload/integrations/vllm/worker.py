@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -32,6 +33,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from kvoffload.errors import ConfigError
 from kvoffload.mediums import CPULoadStoreSpec as KVOCPUSpec
@@ -39,7 +41,7 @@ from kvoffload.mediums import GPULoadStoreSpec as KVOGPUSpec
 from kvoffload.worker.cpu_copy import CPUCopyHandler
 from kvoffload.worker.layout import KVCacheLayout
 
-__all__ = ["KVOffloadCPUWorker", "RegionSlots", "layout_of_canonical"]
+__all__ = ["CPUPlatformWorker", "KVOffloadCPUWorker", "RegionSlots", "layout_of_canonical"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +157,36 @@ class KVOffloadCPUWorker(OffloadingWorker):
             if self._release is not None:
                 self._release()
                 self._release = None
+
+
+class CPUPlatformWorker:
+    """Mixin for a spec derived from vLLM's ``TieringOffloadingSpec``: vLLM's worker where it
+    runs (CUDA-alike, XPU), :class:`KVOffloadCPUWorker` on the same shared pool elsewhere (vLLM's
+    CPU platform, where its own refuses to start)."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if current_platform.is_cuda_alike() or current_platform.is_xpu():
+            return super().get_worker(kv_caches)  # type: ignore[misc]
+        if self._worker is None:  # type: ignore[has-type]
+            self._worker = self._build_cpu_worker(kv_caches)
+        return self._worker
+
+    def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadCPUWorker:
+        spec: Any = self
+        rank = 0 if spec.replicated_layout else spec.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=spec.config.engine_id,
+            num_chunks=spec.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )
+        try:
+            area = region.create_next_worker_view(spec.cpu_page_size_per_worker)
+            return KVOffloadCPUWorker(
+                kv_caches, spec.blocks_per_chunk, area, release=region.cleanup
+            )
+        except BaseException:
+            area = None  # drop our view of the mapping before cleanup closes it
+            region.cleanup()
+            raise
