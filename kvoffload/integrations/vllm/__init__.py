@@ -16,6 +16,10 @@ never imports it):
     (``"spec_name": "KVOffloadSpec", "spec_module_path": ...spec``), with our own worker side
     (:mod:`.worker`) on vLLM's CPU platform.
 
+:mod:`~kvoffload.integrations.vllm.cpu_tiering`
+    vLLM's own ``TieringOffloadingSpec`` with our worker side on vLLM's CPU platform
+    (``"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": ...cpu_tiering``).
+
 :mod:`~kvoffload.integrations.vllm.tiny_model` (no vLLM import) writes a tiny Llama checkpoint
 and tokenizer, so vLLM's engine runs with no model hub.
 
