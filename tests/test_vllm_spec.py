@@ -184,3 +184,26 @@ def test_bad_settings_are_config_errors(extra: dict[str, Any], setting: str) -> 
     with pytest.raises(ConfigError) as info:
         OffloadingSpecFactory.create_spec(config).get_manager()  # no pool file is left behind
     assert info.value.field == setting
+
+
+def test_tier_blocks_are_named_by_the_models_content_not_its_path(tmp_path: Path) -> None:
+    """Two copies of one checkpoint share blocks; other weights under a path once used do not
+    (``layout_of_spec`` named the model by its path before)."""
+    import shutil
+
+    from kvoffload.integrations.vllm.tiers import layout_of_spec
+    from kvoffload.integrations.vllm.tiny_model import write_tiny_llama
+
+    first = write_tiny_llama(tmp_path / "a", seed=0)
+    copy = Path(shutil.copytree(first, tmp_path / "b"))
+    other = write_tiny_llama(tmp_path / "c", seed=1)
+
+    def model_of(directory: Path) -> str:
+        config = offloading_config(SPEC, num_chunks=4, model_name=str(directory))
+        return layout_of_spec(OffloadingSpecFactory.create_spec(config), CHUNK).model
+
+    assert model_of(first) == model_of(copy)
+    assert model_of(first) != model_of(other)
+    shutil.rmtree(first)
+    shutil.copytree(other, first)  # new weights under the old path
+    assert model_of(first) == model_of(other)

@@ -36,7 +36,7 @@ from kvoffload.errors import ContractError
 from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import TransferResult
 from kvoffload.worker.handler import OffloadingHandler, TransferSpec, WorkerState, check_state
-from kvoffload.worker.host_pool import HostPool
+from kvoffload.worker.host_pool import HostSlots
 from kvoffload.worker.layout import KVCacheLayout
 from kvoffload.worker.mapping import BlockMapping
 
@@ -71,8 +71,15 @@ class CopyPlanner:
     costs a handful of vectorised numpy operations per group, whatever the number of views.
     """
 
-    def __init__(self, layout: KVCacheLayout, host_address: int, host_bytes: int) -> None:
-        self._slot_bytes = layout.slot_bytes
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        host_address: int,
+        host_bytes: int,
+        slot_stride: int | None = None,
+    ) -> None:
+        # Slot s starts at host_address + s * slot_stride (default: slots back to back).
+        self._slot_bytes = slot_stride or layout.slot_bytes
         self._host = (host_address, host_address + host_bytes)
 
         def column(values: list[int]) -> np.ndarray:
@@ -195,14 +202,21 @@ class CPUCopyHandler(OffloadingHandler):
     makes its job fail (``success=False``) without touching memory.
     """
 
-    def __init__(self, layout: KVCacheLayout, host_pool: HostPool, num_threads: int = 2) -> None:
+    def __init__(self, layout: KVCacheLayout, host_pool: HostSlots, num_threads: int = 2) -> None:
         if layout.device.type != "cpu":
             raise ContractError(f"CPUCopyHandler needs a CPU KV cache, got one on {layout.device}")
         if num_threads < 1:
             raise ContractError(f"num_threads must be positive, got {num_threads}")
         self._layout = layout
         self._pool = host_pool
-        self._planner = CopyPlanner(layout, host_pool.address, host_pool.nbytes)
+        if layout.slot_bytes > host_pool.slot_stride:
+            raise ContractError(
+                f"host slots of {host_pool.slot_stride} bytes cannot hold offloaded blocks of "
+                f"{layout.slot_bytes} bytes"
+            )
+        self._planner = CopyPlanner(
+            layout, host_pool.address, host_pool.nbytes, host_pool.slot_stride
+        )
         self._factors = [g.block_size_factor for g in layout.groups]
         self._num_threads = num_threads
         self._lock = threading.Lock()

@@ -12,12 +12,13 @@ allocator, which rounds every allocation up to a power of two (vLLM #53042: 1.9x
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
 from kvoffload.errors import ConfigError, HostAllocationError
 
-__all__ = ["HostPool", "num_host_blocks"]
+__all__ = ["HostPool", "HostSlots", "num_host_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,20 @@ def num_host_blocks(size_bytes: int, bytes_per_offloaded_block: int) -> int:
             f"{bytes_per_offloaded_block} bytes",
         )
     return blocks
+
+
+class HostSlots(Protocol):
+    """Host memory a copy handler writes: ``num_slots`` slots, slot ``s`` at
+    ``address + s * slot_stride``, all inside ``[address, address + nbytes)``."""
+
+    num_slots: int
+    nbytes: int
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def slot_stride(self) -> int: ...
 
 
 def _cuda_status(result: object) -> int:
@@ -91,6 +106,11 @@ class HostPool:
     @property
     def address(self) -> int:
         return self.buffer.data_ptr()
+
+    @property
+    def slot_stride(self) -> int:
+        """Slots lie back to back."""
+        return self.slot_bytes
 
     def memoryview(self) -> memoryview:
         """The pool as a 2-D ``(num_slots, slot_bytes)`` byte view, for secondary tiers."""

@@ -12,9 +12,15 @@ policy, our tiering manager with our tiers, our reuse filter) and translates per
 * ``LookupResult`` by name (ours has vLLM's four answers, ``RETRY`` included);
 * our step hooks: ``step_begin`` (apply finished tier jobs) at the step's first
   lookup/prepare_store (as vLLM's tiering manager polls), ``step_end`` at ``on_schedule_end``;
+* a retry budget: vLLM re-asks a lookup that answered ``RETRY``/``HIT_PENDING`` every step, with
+  no end; once a request has waited ``lookup_retry_s`` for a key, it is answered ``MISS`` (it
+  takes the prefix it has and recomputes the rest), as our own scheduler's budget does;
 * events: medium ``"CPU"``/``"STORAGE"`` and locality to vLLM's ``Medium``/``Locality``;
 * stats: every counter and gauge of our ``stats()`` as one gauge ``kvoffload:manager`` labelled
-  by ``stat``.
+  by ``stat``, with how long lookups that answered ``RETRY``/``HIT_PENDING`` kept the request
+  waiting and how long a step takes (``lookup_wait_s_p50``, ``engine_step_s_p50``, ...:
+  :class:`~kvoffload.integrations.vllm.waits.LookupWaits`); the same as JSON in
+  ``kvoffload_stats_file``, when set, whenever the engine goes idle and at shutdown.
 
 Not thread-safe, like our managers; vLLM enters it from its scheduler thread only (the default
 no-op ``lock``).
@@ -22,6 +28,7 @@ no-op ``lock``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -29,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     LoadStoreSpec,
     Locality,
     LookupResult,
@@ -47,19 +53,22 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.base import LookupResult as KVOLookupResult
 from kvoffload.base import OffloadingManager as KVOManager
+from kvoffload.integrations.vllm.compat import ConfigInfoMapping
 from kvoffload.integrations.vllm.context import kvoffload_context
+from kvoffload.integrations.vllm.waits import LookupWaits
 
 __all__ = ["STATS_METRIC", "KVOffloadManager"]
 
 STATS_METRIC = "kvoffload:manager"
 _LOOKUP = {result: LookupResult[result.name] for result in KVOLookupResult}
+_FINAL = (KVOLookupResult.HIT, KVOLookupResult.MISS)
 
 
 class KVOffloadManager(OffloadingManager):
     """vLLM's view of one kvoffload manager stack (see the module docstring).
 
-    ``close`` is called at ``shutdown`` (our tiering manager's, which closes its tiers), then
-    ``on_shutdown`` (the spec releases vLLM's shared pool there).
+    ``close`` is called at ``shutdown`` (our tiering manager's, which closes its tiers), then,
+    if it succeeded, ``on_shutdown`` (the spec unmaps vLLM's shared pool there).
     """
 
     def __init__(
@@ -68,6 +77,8 @@ class KVOffloadManager(OffloadingManager):
         close: Any = None,
         on_shutdown: Any = None,
         config_info: ConfigInfoMapping | None = None,
+        stats_file: str | None = None,
+        lookup_retry_s: float = 2.0,
     ) -> None:
         self.inner = manager
         self.medium = Medium.CPU
@@ -75,6 +86,13 @@ class KVOffloadManager(OffloadingManager):
         self._on_shutdown = on_shutdown
         self._config_info = dict(config_info or {})
         self._step_begun = False
+        self._busy = False  # this step called lookup
+        self._computed = False  # this step called prepare_store (it computed tokens)
+        self._was_busy = False  # the step before did either
+        self._retry_budget_s = lookup_retry_s
+        self.budget_misses = 0  # lookups answered MISS because the request waited too long
+        self.waits = LookupWaits()
+        self._stats_file = stats_file
 
     def _begin_step(self) -> None:
         if not self._step_begun:
@@ -85,7 +103,16 @@ class KVOffloadManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._begin_step()
-        return _LOOKUP[self.inner.lookup(key, kvoffload_context(req_context))]
+        self._busy = True
+        result = self.inner.lookup(key, kvoffload_context(req_context))
+        waited = self.waits.answered(key, result in _FINAL, req_context)
+        if waited > self._retry_budget_s:
+            # vLLM re-asks every step without end; past our budget the request takes the
+            # prefix it has and recomputes from here (as our own scheduler's retry budget does).
+            self.waits.answered(key, True, req_context)
+            self.budget_misses += 1
+            return LookupResult.MISS
+        return _LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST  # every load is from the host pool (promotions land there)
@@ -104,6 +131,7 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self._begin_step()
+        self._computed = True
         out = self.inner.prepare_store(list(keys), kvoffload_context(req_context))
         if out is None:
             return None
@@ -131,6 +159,11 @@ class KVOffloadManager(OffloadingManager):
         self._begin_step()  # a step without lookups still applies finished tier jobs
         self.inner.step_end()
         self._step_begun = False
+        self.waits.step_ended(self._computed)
+        busy = self._busy or self._computed
+        if self._was_busy and not busy:
+            self.write_stats_file()  # the engine went idle (vLLM may never call shutdown)
+        self._was_busy, self._busy, self._computed = busy, False, False
 
     def has_pending_work(self) -> bool:
         return self.inner.num_background_jobs() > 0
@@ -152,7 +185,21 @@ class KVOffloadManager(OffloadingManager):
         stats = OffloadingConnectorStats()
         for name, value in self.inner.stats().items():
             stats.set_gauge(STATS_METRIC, value, (name,))
+        stats.set_gauge(STATS_METRIC, self.budget_misses, ("retry_budget_misses",))
+        for what, figures in self.waits.summary().items():
+            for figure, value in figures.items():
+                stats.set_gauge(STATS_METRIC, value, (f"{what}_{figure}",))
         return stats
+
+    def write_stats_file(self) -> None:
+        """Write our stats and the lookup-wait summary as JSON to ``stats_file`` (if set): at
+        shutdown and whenever the engine goes idle."""
+        if self._stats_file is None:
+            return
+        stats = {**self.inner.stats(), "retry_budget_misses": self.budget_misses}
+        report = {"stats": stats, **self.waits.summary()}
+        with open(self._stats_file, "w") as f:
+            json.dump(report, f, indent=1)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._config_info]
@@ -161,9 +208,12 @@ class KVOffloadManager(OffloadingManager):
         self.inner.reset()
 
     def shutdown(self) -> None:
-        try:
-            if self._close is not None:
-                self._close()
-        finally:
-            if self._on_shutdown is not None:
-                self._on_shutdown()
+        self.write_stats_file()
+        # on_shutdown (unmapping the pool) only after close succeeded: a tier that failed to
+        # close may still be writing the pool (vLLM's tiering manager keeps it then, too).
+        if self._close is not None:
+            self._close()
+            self._close = None
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None

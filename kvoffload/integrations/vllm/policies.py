@@ -1,4 +1,4 @@
-"""Our eviction policies as vLLM 0.33 ``CachePolicy`` classes for its CPU tier.
+"""Our eviction policies as vLLM ``CachePolicy`` classes for its CPU tier (0.32 and 0.33).
 
 Load one with ``kv_connector_extra_config = {"eviction_policy": "KVOffloadPrefix",
 "cache_policy_module_path": "kvoffload.integrations.vllm.policies", ...}`` (for
@@ -19,6 +19,10 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
   commit, as ``touch`` for the others. Our policies count a use once per request
   (state on our :class:`~kvoffload.base.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
+* vLLM 0.32 (feature-detected) has no ``on_request_access`` and inserts without the request's
+  context: a request's chain then grows at ``on_store_miss``, a declined key is recognised at the
+  ``insert`` that follows it in the same ``prepare_store``, and a use of a key on probation
+  admits it at ``on_request_finished`` (its ``reused_keys``).
 * vLLM has no admission hook: it inserts every absent key it offers. For a policy with
   admission control (``prefix``) the adapter asks ``admit`` in ``on_store_miss``; a declined
   key is still stored by vLLM but held *on probation*, outside our policy, and evicted before
@@ -42,6 +46,7 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from kvoffload.base import ReqContext
 from kvoffload.eviction import EvictionPolicy, create_eviction_policy
+from kvoffload.integrations.vllm.compat import POLICY_HAS_REQUEST_ACCESS
 from kvoffload.integrations.vllm.context import kvoffload_context
 
 __all__ = [
@@ -90,6 +95,9 @@ class KVOffloadCachePolicy(CachePolicy):
         self._commits = type(self._policy).request_finished is not EvictionPolicy.request_finished
         # Stored by vLLM although our policy declined them: evicted first, oldest first.
         self._probation: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        # vLLM 0.32 inserts without the request's context, right after ``on_store_miss`` of the
+        # same ``prepare_store``: the keys that call declined.
+        self._declined_last: set[OffloadKey] = set()
 
     def make_policy(self, capacity: int) -> EvictionPolicy:
         """Our policy for a CPU tier of ``capacity`` chunks (default: the registered
@@ -143,10 +151,15 @@ class KVOffloadCachePolicy(CachePolicy):
             return self._probation.get(key)
         return chunk  # type: ignore[return-value]
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: VllmReqContext) -> None:
-        chain = self._chain(kvoffload_context(req_context))
-        if key in chain.declined:
-            chain.declined.discard(key)
+    def insert(
+        self, key: OffloadKey, chunk: ChunkStatus, req_context: VllmReqContext | None = None
+    ) -> None:
+        if req_context is None:  # vLLM 0.32: the declines of the on_store_miss just before
+            declined = self._declined_last
+        else:
+            declined = self._chain(kvoffload_context(req_context)).declined
+        if key in declined:
+            declined.discard(key)
             self._probation[key] = chunk
         else:
             self._policy.insert(key, chunk)  # type: ignore[arg-type]
@@ -172,12 +185,17 @@ class KVOffloadCachePolicy(CachePolicy):
         ctx = kvoffload_context(req_context)
         misses = list(keys)
         chain = self._chain(ctx)
-        context = chain.keys[-1:] + misses
+        if POLICY_HAS_REQUEST_ACCESS:
+            context = chain.keys[-1:] + misses
+        else:  # vLLM 0.32: no on_request_access, so the chain grows here
+            context = self._observe(misses, ctx)
         if not self._admits:
             self._policy.touch(context, ctx)
             return
         admitted = set(self._policy.admit(misses, context, ctx))
-        chain.declined.update(k for k in misses if k not in admitted)
+        declined = {k for k in misses if k not in admitted}
+        chain.declined.update(declined)
+        self._declined_last = declined
 
     def on_request_finished(
         self,
@@ -188,6 +206,8 @@ class KVOffloadCachePolicy(CachePolicy):
     ) -> None:
         ctx = kvoffload_context(req_context)
         touched = [list(keys) for keys in key_groups]
+        if self._probation and reused_keys:  # vLLM 0.32 tells a request's uses only here
+            self._admit_from_probation(reused_keys)
         if self._commits:
             stored = [[k for k in keys if k in insertion_only_keys] for keys in touched]
             self._policy.request_finished(touched, [keys for keys in stored if keys], ctx)

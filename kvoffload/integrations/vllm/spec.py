@@ -1,4 +1,4 @@
-"""Our scheduler-side stack as a whole vLLM 0.33 offloading spec: :class:`KVOffloadSpec`.
+"""Our offloading stack as a whole vLLM offloading spec (0.32 and 0.33): :class:`KVOffloadSpec`.
 
 ``kv_connector_extra_config``::
 
@@ -10,12 +10,17 @@
      "max_tracker_size": 64000,
      "kvoffload_cascade": "write_through",     # or "on_evict"
      "kvoffload_tiers": [{"kind": "disk", "path": "/mnt/nvme/kv", "size_gib": 200},
-                         {"kind": "redis", "url": "redis://cache:6379/0"}]}
+                         {"kind": "redis", "url": "redis://cache:6379/0"}],
+     "kvoffload_lookup_retry_s": 2.0,          # how long a request waits on RETRY (then MISS)
+     "kvoffload_stats_file": "/tmp/kvoffload-stats.json"}  # optional: stats when idle
 
 What vLLM runs and what is ours:
 
-* **Worker side (vLLM's):** the spec extends vLLM's ``TieringOffloadingSpec`` only for its
-  worker: vLLM's ``CPUOffloadingWorker`` copies GPU <-> the shared-memory CPU pool by chunk id.
+* **Worker side:** on CUDA-alike and XPU platforms vLLM's own (the spec extends vLLM's
+  ``TieringOffloadingSpec`` for it): ``CPUOffloadingWorker`` copies GPU <-> the shared-memory CPU
+  pool by chunk id. On vLLM's CPU platform, where vLLM's refuses to start, ours:
+  :class:`~kvoffload.integrations.vllm.worker.KVOffloadCPUWorker` copies between vLLM's CPU KV
+  cache and the same pool on our copy threads.
 * **Scheduler side (ours):** :class:`~kvoffload.integrations.vllm.manager.KVOffloadManager`
   over our :class:`~kvoffload.managers.CPUOffloadingManager` (slot ids = vLLM chunk ids) with
   our eviction policy (admission control included, which vLLM's ``CachePolicy`` cannot
@@ -24,8 +29,9 @@ What vLLM runs and what is ours:
   answered ``MISS`` to that request from then on: it recomputes), and our
   :class:`~kvoffload.managers.FilterReusedOffloadingManager` (a block is stored once
   ``store_threshold`` distinct *requests* saw it; vLLM's filter counts lookups).
-* **Not ours:** the request scheduling itself is vLLM's ``OffloadingConnectorScheduler``; how
-  long a request waits on ``RETRY`` and what it does with a failed load are vLLM's behaviour.
+* **Not ours:** the request scheduling itself is vLLM's ``OffloadingConnectorScheduler``; what
+  it does with a failed load is vLLM's behaviour. How long a request waits on ``RETRY`` is
+  bounded by our ``kvoffload_lookup_retry_s`` (vLLM re-asks without end).
 
 Bad settings raise :class:`~kvoffload.errors.ConfigError` naming the setting.
 """
@@ -42,8 +48,11 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from kvoffload.base import OffloadingManager as KVOManager
 from kvoffload.errors import ConfigError
 from kvoffload.eviction import available_eviction_policies
+from kvoffload.integrations.vllm.compat import cpu_config_info
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
+from kvoffload.integrations.vllm.pool import unexported_alias
 from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
+from kvoffload.integrations.vllm.worker import CPUPlatformWorker
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
 from kvoffload.tiers.base import SecondaryTier
@@ -51,8 +60,8 @@ from kvoffload.tiers.base import SecondaryTier
 __all__ = ["KVOffloadSpec"]
 
 
-class KVOffloadSpec(TieringOffloadingSpec):
-    """vLLM's worker side, kvoffload's scheduler side (module docstring)."""
+class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
+    """Our scheduler side; vLLM's worker side, ours on vLLM's CPU platform (module docstring)."""
 
     @classmethod
     def build_metric_definitions(
@@ -96,6 +105,14 @@ class KVOffloadSpec(TieringOffloadingSpec):
                     f"{tier.get('kind')!r}; choose from {sorted(TIER_BUILDERS)}",
                 )
         self.tier_configs: list[dict[str, Any]] = tiers
+        stats_file = extra.get("kvoffload_stats_file")
+        if stats_file is not None and not isinstance(stats_file, str):
+            raise ConfigError("kvoffload_stats_file", f"must be a path, got {stats_file!r}")
+        self.stats_file: str | None = stats_file
+        retry_s = extra.get("kvoffload_lookup_retry_s", 2.0)
+        if isinstance(retry_s, bool) or not isinstance(retry_s, int | float) or retry_s < 0:
+            raise ConfigError("kvoffload_lookup_retry_s", f"must be seconds >= 0, got {retry_s!r}")
+        self.lookup_retry_s = float(retry_s)
         if self.num_chunks <= 0:
             raise ConfigError(
                 "cpu_bytes_to_use",
@@ -117,13 +134,12 @@ class KVOffloadSpec(TieringOffloadingSpec):
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
-        pool = region.create_kv_memoryview()
+        vllm_view = region.create_kv_memoryview()
+        pool = unexported_alias(vllm_view)  # our tiers' views never pin vLLM's mapping
+        vllm_view.release()
         events = self.kv_events_config.enable_kv_cache_events
         tiers: list[SecondaryTier] = []
-
-        def release_pool() -> None:
-            pool.release()
-            region.cleanup()
+        release_pool = region.cleanup
 
         try:
             layout = layout_of_spec(self, pool.strides[0])
@@ -150,7 +166,9 @@ class KVOffloadSpec(TieringOffloadingSpec):
             manager,
             close=close,
             on_shutdown=release_pool,
-            config_info=self.cpu_info.as_config_info(),
+            config_info=cpu_config_info(self),
+            stats_file=self.stats_file,
+            lookup_retry_s=self.lookup_retry_s,
         )
 
 

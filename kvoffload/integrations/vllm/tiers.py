@@ -59,6 +59,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvoffload.base import LookupResult as KVOLookupResult
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.context import kvoffload_context
+from kvoffload.integrations.vllm.pool import unexported_alias
 from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ _DISK_OPTION_OF = {"kv_disk_path": "path", "kv_disk_size": "size_gib"}
 
 def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
     """What one chunk of vLLM's CPU pool means, as our :class:`KVLayout` (its fingerprint keeps
-    blocks of another model, dtype, chunk size, KV layout or worker count apart).
+    blocks of another model, dtype, chunk size, KV layout or worker count apart; the model is
+    named by content, not by path).
 
     vLLM's offloading config does not carry heads and head size; they are folded into
     ``block_bytes`` and the per-worker byte count in ``model``, and written as 0.
@@ -113,7 +115,7 @@ def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
     )
     identity = "|".join(
         (
-            f"vllm:{config.model.name}",
+            f"vllm:{_model_identity(config.model)}",
             f"world={config.parallel.world_size}",
             f"replicated={config.replicated_layout}",
             f"canonical={config.canonical_layout}",
@@ -130,6 +132,22 @@ def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
         head_dim=0,
         block_bytes=block_bytes,
     )
+
+
+def _model_identity(offloading_model: Any) -> str:
+    """The served model named by content (:func:`kvoffload.identity.fingerprint_from_vllm`:
+    configuration, dtype, weight files; never the path), from vLLM's ``ModelConfig`` where one is
+    current, else from the spec's ``OffloadingModelConfig`` (its ``name`` is the checkpoint)."""
+    from kvoffload.identity import fingerprint_from_vllm
+
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - older vLLM
+        current = None
+    else:
+        current = get_current_vllm_config_or_none()
+    model_config = getattr(current, "model_config", None) or offloading_model
+    return fingerprint_from_vllm(model_config)
 
 
 class KVOffloadTier(SecondaryTierManager):
@@ -158,7 +176,9 @@ class KVOffloadTier(SecondaryTierManager):
         )
         layout = layout_of_spec(offloading_spec, self.block_size_bytes)
         enable_events = offloading_spec.kv_events_config.enable_kv_cache_events
-        self.tier: SecondaryTier = self.build_tier(primary_kv_view, layout, enable_events, options)
+        # An alias, so that no view our tier derives pins vLLM's mapping at its cleanup.
+        pool = unexported_alias(primary_kv_view)
+        self.tier: SecondaryTier = self.build_tier(pool, layout, enable_events, options)
         self.locality = Locality(self.tier.locality)
         self._events_enabled = enable_events
         self._jobs: dict[int, Collection[OffloadKey]] = {}  # in flight: promotions' keys
