@@ -43,7 +43,7 @@ import torch
 from kvoffload.base import ReqContext
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.diskfiles import file_bytes
 
 
@@ -181,15 +181,14 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
         for batch in batches:
             tier_dir = root / "tier"
             shutil.rmtree(tier_dir, ignore_errors=True)
-            tier = DiskTier(
-                pool,
-                layout(block_bytes),
+            settings = DiskTierSettings(
                 tier_dir,
                 LEDGER_BYTES + (biggest + 1) * fb,
                 num_threads=args.threads,
                 o_direct=args.o_direct,
                 rescan_interval=0,
             )
+            tier = DiskTier(pool, layout(block_bytes), settings)
             for i in range(256):  # steady state: a tier that ran a while has every hash directory
                 (tier.namespace / f"{i:02x}").mkdir(exist_ok=True)
             keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
@@ -253,14 +252,10 @@ def run_scan(args: argparse.Namespace, root: Path) -> None:
     _keep, pool = aligned_pool(256, block_bytes)
     fb = file_bytes(block_bytes)
     tier_dir = root / "scan"
-    tier = DiskTier(
-        pool,
-        layout(block_bytes),
-        tier_dir,
-        LEDGER_BYTES + (n + 1) * fb,
-        num_threads=args.threads,
-        rescan_interval=0,
+    settings = DiskTierSettings(
+        tier_dir, LEDGER_BYTES + (n + 1) * fb, num_threads=args.threads, rescan_interval=0
     )
+    tier = DiskTier(pool, layout(block_bytes), settings)
     ctx = ReqContext("bench")
     start = time.perf_counter()
     for i in range(0, n, 256):
@@ -276,9 +271,7 @@ def run_scan(args: argparse.Namespace, root: Path) -> None:
     print(f"wrote {n} block files in {time.perf_counter() - start:.1f} s")
     times = []
     for _ in range(args.repeats):
-        again = DiskTier(
-            pool, layout(block_bytes), tier_dir, LEDGER_BYTES + (n + 1) * fb, rescan_interval=0
-        )
+        again = DiskTier(pool, layout(block_bytes), settings)
         assert again.stats()["used_blocks"] == n, again.stats()
         times.append(again.scan_seconds)
         again.close()

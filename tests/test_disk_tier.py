@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from tier_cases import (
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.diskfiles import file_bytes
 from kvoffload.tiers.factory import validate_disk_settings
 
@@ -35,7 +36,9 @@ FILE = file_bytes(BLOCK_BYTES)
 
 def make_tier(path: Path, pool: memoryview, blocks: int = 16, **kwargs) -> DiskTier:
     kwargs.setdefault("rescan_interval", 0)
-    return DiskTier(pool, layout(), path, LEDGER_BYTES + blocks * FILE, **kwargs)
+    events = kwargs.pop("enable_events", False)
+    settings = DiskTierSettings(path, LEDGER_BYTES + blocks * FILE, **kwargs)
+    return DiskTier(pool, layout(), settings, enable_events=events)
 
 
 def store(tier: DiskTier, job_id: int, keys: list, slots: list[int]) -> dict:
@@ -114,7 +117,9 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
     """A block written for another model, put where this model's block would be."""
     pool = host_pool(4)
     fill_slot(pool, 0, seed=3)
-    other = DiskTier(pool, layout("other-model"), tmp_path, 1 << 20, rescan_interval=0)
+    other = DiskTier(
+        pool, layout("other-model"), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0)
+    )
     try:
         store(other, 1, [key(5)], [0])
     finally:
@@ -227,7 +232,7 @@ def test_two_tiers_on_one_directory_share_blocks_and_one_bound(tmp_path: Path) -
             b.get_finished_jobs()
             if b.lookup(key(1), CTX) is LookupResult.HIT:
                 break
-            b._stop.wait(0.005)
+            time.sleep(0.005)
         assert b.lookup(key(1), CTX) is LookupResult.HIT
         assert load(b, 2, [key(1)], [3]) == {}
         assert slot_bytes(pool_b, 3) == data
@@ -308,7 +313,7 @@ def test_bad_size_is_a_config_error(tmp_path: Path, size) -> None:
 
 def test_size_below_one_block_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_size"):
-        DiskTier(host_pool(2), layout(), tmp_path, FILE)
+        DiskTier(host_pool(2), layout(), DiskTierSettings(tmp_path, FILE))
 
 
 def test_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
@@ -317,7 +322,7 @@ def test_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_path"):
         validate_disk_settings(path, 1.0)
     with pytest.raises(ConfigError, match="kv_disk_path"):
-        DiskTier(host_pool(2), layout(), path, 1 << 20)
+        DiskTier(host_pool(2), layout(), DiskTierSettings(path, 1 << 20))
 
 
 def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
@@ -327,7 +332,7 @@ def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
 
             subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
             with pytest.raises(ConfigError, match="kv_disk_path"):
-                DiskTier(host_pool(2), layout(), mount / "tier", 1 << 20)
+                DiskTier(host_pool(2), layout(), DiskTierSettings(mount / "tier", 1 << 20))
     else:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -347,7 +352,8 @@ def test_o_direct_round_trip(tmp_path: Path) -> None:
     data = fill_slot(pool, 0, seed=11)
     lay = layout(block_bytes=4096)
     try:
-        tier = DiskTier(pool, lay, tmp_path, 1 << 20, o_direct=True, rescan_interval=0)
+        settings = DiskTierSettings(tmp_path, 1 << 20, o_direct=True, rescan_interval=0)
+        tier = DiskTier(pool, lay, settings)
     except ConfigError as exc:  # a filesystem without O_DIRECT: refused cleanly
         pytest.skip(str(exc))
     try:
@@ -360,7 +366,8 @@ def test_o_direct_round_trip(tmp_path: Path) -> None:
 
 def test_o_direct_needs_aligned_blocks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_o_direct"):
-        DiskTier(_page_aligned_pool(4, 2048), layout(), tmp_path, 1 << 20, o_direct=True)
+        settings = DiskTierSettings(tmp_path, 1 << 20, o_direct=True)
+        DiskTier(_page_aligned_pool(4, 2048), layout(), settings)
 
 
 def test_regression_store_that_evicts_never_finds_the_room_of_its_own_victims_taken(
@@ -431,8 +438,8 @@ def test_blocks_found_on_disk_are_announced_once(tmp_path: Path) -> None:
         assert quiet.take_events() == [] and quiet._events is None
         # Another process's new block, found by the rescan, is announced at the next poll.
         store(quiet, 2, [key(7)], [3])
-        again._dir_mtimes.clear()  # its directory's mtime may not have ticked yet: list it again
-        again._rescan_once()
+        # Its directory's mtime may not have ticked yet: list every directory again.
+        again._rescanner.rescan_once(changed_only=False)
         assert again.get_finished_jobs() == []
         assert [(e.keys, e.removed) for e in again.take_events()] == [([key(7)], False)]
         assert again.stats()["discovered_blocks"] == 1

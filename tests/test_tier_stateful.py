@@ -31,7 +31,7 @@ from kvoffload.base import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.diskfiles import file_bytes
 
 MISS, HIT, HIT_PENDING, RETRY = (
@@ -67,9 +67,8 @@ class DiskTierMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tier-"))
         self.pool = host_pool(POOL_SLOTS)
-        self.tier = DiskTier(
-            self.pool, layout(), self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0
-        )
+        settings = DiskTierSettings(self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
+        self.tier = DiskTier(self.pool, layout(), settings)
         self.ctx = ReqContext("machine")
         self.next_job = 0
         self.free_slots = list(range(POOL_SLOTS))
@@ -204,14 +203,8 @@ class TieringMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tiering-"))
         self.pool = host_pool(HOST_BLOCKS)
         self.host = CPUOffloadingManager(HOST_BLOCKS, "lru", enable_events=True)
-        self.disk = DiskTier(
-            self.pool,
-            layout(),
-            self.dir,
-            LEDGER_BYTES + DISK_BLOCKS * FILE,
-            rescan_interval=0,
-            enable_events=True,
-        )
+        settings = DiskTierSettings(self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
+        self.disk = DiskTier(self.pool, layout(), settings, enable_events=True)
         self.manager = TieringOffloadingManager(self.host, [self.disk])
         self.ctxs = [ReqContext(f"req-{i}") for i in range(3)]
         self.device_pins: list[tuple[ReqContext, list[bytes]]] = []

@@ -1,4 +1,4 @@
-"""The disk tier's files: names, atomic block writes, verified block reads, the shared space ledger.
+"""The disk tier's block files: names, atomic block writes, verified block reads.
 
 Directory layout under the tier's root (one namespace per KV layout, so models never mix)::
 
@@ -11,21 +11,19 @@ A block file appears under its final name only complete: it is written under a t
 and published with :func:`os.link`, which fails when the name exists, so two processes writing the
 same block never replace or mix each other's file (the second drops its copy).
 
-Every function here runs on the tier's I/O threads, never on the scheduler thread.
+The shared byte count is :mod:`~kvoffload.tiers.diskledger`'s; finding files is
+:mod:`~kvoffload.tiers.diskscan`'s. Every function here runs on the tier's I/O threads, never on
+the scheduler thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import mmap
 import os
-import struct
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
@@ -40,15 +38,17 @@ from kvoffload.tiers.blockformat import (
 )
 
 __all__ = [
+    "MAX_KEY_BYTES",
+    "SUFFIX",
+    "TMP_SUFFIX",
     "BlockFiles",
-    "SpaceLedger",
+    "FaultHook",
     "file_bytes",
+    "is_no_space",
 ]
 
 SUFFIX = ".kvb"
-_U64 = struct.Struct("<Q")
-#: Temporary files older than this (seconds) at a scan are leftovers of a killed writer.
-STALE_TMP_SECONDS = 60.0
+TMP_SUFFIX = ".tmp"
 _DISK_BLOCK = 4096
 #: Numbers temporary files, unique within the process (``next`` is atomic): with the pid in the
 #: name, no two writers (threads or tiers) ever share a temporary file.
@@ -65,130 +65,6 @@ MAX_KEY_BYTES = HEADER_ALIGN - header_size(0, 1)
 def file_bytes(block_bytes: int) -> int:
     """Bytes one block file occupies on disk: a 4 KiB header + the payload in whole 4 KiB blocks."""
     return HEADER_ALIGN + -(-block_bytes // _DISK_BLOCK) * _DISK_BLOCK
-
-
-class SpaceLedger:
-    """The bytes of block files in one namespace, shared by every process using it.
-
-    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
-    file, so processes never both take the last free bytes. A writer reserves a file's bytes
-    before writing it and returns them if the write fails; an evictor returns a file's bytes only
-    when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
-
-    Every process using the namespace holds a shared ``flock`` on a second file (``users``) for
-    its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
-    process is using the directory, so it may reset the count from a scan. Locks die with their
-    process (also on SIGKILL), so a killed process never blocks that.
-    """
-
-    def __init__(self, path: Path, capacity: int) -> None:
-        self.capacity = capacity
-        #: The count after the latest change made through this ledger.
-        self.last_seen = 0
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        # flock excludes other processes only: threads sharing the descriptor need this too.
-        self._thread_lock = threading.Lock()
-        self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
-
-    def claim_alone(self) -> bool:
-        """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
-        try:
-            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def share(self) -> None:
-        """Hold the users lock shared from now on (other processes may start)."""
-        fcntl.flock(self._users_fd, fcntl.LOCK_SH)
-
-    def _locked(self) -> _LedgerLock:
-        return _LedgerLock(self._fd, self._thread_lock)
-
-    def read(self) -> int:
-        with self._locked():
-            return self._get()
-
-    def _get(self) -> int:
-        raw = os.pread(self._fd, 8, 0)
-        return _U64.unpack(raw)[0] if len(raw) == 8 else 0
-
-    def _set(self, value: int) -> None:
-        os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
-        self.last_seen = max(0, value)
-
-    def reserve_blocks(self, count: int, block_bytes: int, victims: Sequence[str]) -> int:
-        """Unlink ``victims`` (files of ``block_bytes``), then take the bytes of as many of
-        ``count`` blocks as fit; returns how many. One locked step for a whole job: atomic with
-        respect to every other thread and process."""
-        with self._locked():
-            used = self._get()
-            for path in victims:
-                try:
-                    os.unlink(path)
-                    used -= block_bytes
-                except FileNotFoundError:
-                    pass
-            fit = max(0, min(count, (self.capacity - used) // block_bytes))
-            self._set(used + fit * block_bytes)
-            return fit
-
-    def release(self, nbytes: int) -> int:
-        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
-        with self._locked():
-            used = self._get() - nbytes
-            self._set(used)
-            return max(0, used)
-
-    def remove(self, path: str, nbytes: int) -> int:
-        """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
-        with self._locked():
-            used = self._get()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return used
-            used = max(0, used - nbytes)
-            self._set(used)
-            return used
-
-    def reconcile(self, nbytes: int, alone: bool) -> int:
-        """Set the count to ``nbytes`` (what a scan found) when this process is the only user;
-        otherwise only raise it to that (others' reservations must stay). Returns the count."""
-        with self._locked():
-            used = nbytes if alone else max(nbytes, self._get())
-            self._set(used)
-            return used
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            os.close(self._users_fd)
-            self._fd = self._users_fd = -1
-
-
-class _LedgerLock:
-    """This process's threads (a mutex), then other processes (``flock``)."""
-
-    __slots__ = ("_fd", "_lock")
-
-    def __init__(self, fd: int, lock: threading.Lock) -> None:
-        self._fd = fd
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._lock.release()
 
 
 class BlockFiles:
@@ -217,8 +93,6 @@ class BlockFiles:
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
         self._prefix = f"{namespace}/"  # paths are built as strings: pathlib is slow per block
-        #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
-        self.fresh_temporaries = 0
 
     def path_of(self, key: OffloadKey) -> str:
         name = key.hex()
@@ -248,7 +122,7 @@ class BlockFiles:
         name = key.hex()
         folder = self._prefix + name[:2]
         final = f"{folder}/{name}{SUFFIX}"
-        tmp = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}.tmp"
+        tmp = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}{TMP_SUFFIX}"
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
@@ -319,43 +193,6 @@ class BlockFiles:
             )
         verify_payload(header, payload)
 
-    def scan(self) -> Iterator[tuple[OffloadKey, str, str]]:
-        """Every complete block file of the namespace; stale temporary files are deleted, fresh
-        ones (writes in progress in other processes) counted in :attr:`fresh_temporaries`."""
-        self.fresh_temporaries = 0
-        now = time.time()
-        try:
-            subdirs = list(os.scandir(self.namespace))
-        except FileNotFoundError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            yield from self.scan_dir(sub.path, now)
-
-    def scan_dir(self, path: str, now: float) -> Iterator[tuple[OffloadKey, str, str]]:
-        """``(key, directory, file name)`` of every block file in one hash directory."""
-        try:
-            entries = list(os.scandir(path))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            name = entry.name
-            if name.endswith(SUFFIX):
-                try:
-                    key = bytes.fromhex(name[: -len(SUFFIX)])
-                except ValueError:
-                    continue
-                yield key, path, name
-            elif name.endswith(".tmp"):
-                try:
-                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
-                        os.unlink(entry.path)
-                    else:
-                        self.fresh_temporaries += 1
-                except FileNotFoundError:
-                    pass
-
 
 def _tail(iov: list, offset: int) -> bytes:
     """The bytes of the concatenated buffers ``iov`` from ``offset`` on (short-write recovery)."""
@@ -364,4 +201,5 @@ def _tail(iov: list, offset: int) -> bytes:
 
 
 def is_no_space(exc: OSError) -> bool:
+    """The filesystem (or the user's quota) is full."""
     return exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -87,20 +87,16 @@ def build_secondary_tiers(
     """The secondary tiers ``settings`` ask for, nearest first (empty when none)."""
     tiers: list[SecondaryTier] = []
     if settings.kv_disk_path is not None:
-        from kvoffload.tiers.disk import DiskTier
+        from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
         validate_disk_settings(settings.kv_disk_path, settings.kv_disk_size)
-        tiers.append(
-            DiskTier(
-                pool,
-                layout,
-                settings.kv_disk_path,
-                int(settings.kv_disk_size * _GIB),
-                eviction_policy=settings.kv_disk_eviction_policy or settings.eviction_policy,
-                o_direct=settings.kv_disk_o_direct,
-                enable_events=enable_events,
-            )
+        disk = DiskTierSettings(
+            settings.kv_disk_path,
+            int(settings.kv_disk_size * _GIB),
+            eviction_policy=settings.kv_disk_eviction_policy or settings.eviction_policy,
+            o_direct=settings.kv_disk_o_direct,
         )
+        tiers.append(DiskTier(pool, layout, disk, enable_events=enable_events))
     if settings.kv_remote_url is not None:
         remote = _build_remote_tier(settings, pool, layout, enable_events)
         if remote is not None:

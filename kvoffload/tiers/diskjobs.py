@@ -1,0 +1,209 @@
+"""The disk tier's I/O threads: store and load jobs, block by block, reported once each.
+
+The scheduler thread decides (what to store, which victims go, what to load) and hands a job to
+:class:`DiskJobRunner`; the runner moves the bytes on its threads and queues the job in
+:attr:`DiskJobRunner.done` after its last block, for the scheduler thread's next poll.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import mmap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvoffload.keys import OffloadKey
+from kvoffload.tiers.base import TierJob
+from kvoffload.tiers.blockformat import CorruptBlockError
+from kvoffload.tiers.diskfiles import BlockFiles, is_no_space
+from kvoffload.tiers.diskledger import SpaceLedger
+
+__all__ = ["DiskJobRunner", "RunningJob"]
+
+logger = logging.getLogger(__name__)
+
+#: ``(key, host slot)`` pairs of one job.
+Items = list[tuple[OffloadKey, int]]
+
+
+class RunningJob:
+    """A submitted job until its last block finished (I/O threads update it under ``lock``)."""
+
+    __slots__ = (
+        "failed",
+        "is_store",
+        "job",
+        "lock",
+        "nbytes",
+        "pinned",
+        "remaining",
+        "reserved",
+        "start",
+    )
+
+    def __init__(self, job: TierJob, is_store: bool, remaining: int) -> None:
+        self.job = job
+        self.is_store = is_store
+        self.failed: dict[OffloadKey, str] = {}
+        self.remaining = remaining
+        self.nbytes = 0
+        self.pinned: list[OffloadKey] = []  # a load's keys pinned in the index
+        self.reserved = 0  # a store's net bytes, counted by the tier until the job is reported
+        self.start = time.perf_counter()
+        self.lock = threading.Lock()
+
+
+class DiskJobRunner:
+    """Runs a disk tier's jobs on ``num_threads`` I/O threads.
+
+    A store first unlinks its victims and reserves the bytes of all its blocks in one ledger
+    step, before any block is written (so no block of the job can find the directory full for
+    lack of the room its own victims free); the blocks that fit are then written over the
+    threads, and the blocks that do not (other processes took the room) fail ``"full"``: the job
+    keeps its longest prefix. A load's blocks are split over the threads. Every job lands in
+    :attr:`done` exactly once; :meth:`drain` waits for all of them.
+    """
+
+    def __init__(
+        self, files: BlockFiles, ledger: SpaceLedger, file_bytes: int, num_threads: int
+    ) -> None:
+        self._files = files
+        self._ledger = ledger
+        self._file_bytes = file_bytes
+        self._num_threads = max(1, num_threads)
+        self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvoffload-disk")
+        self._inflight = 0
+        self._idle = threading.Condition()
+        #: Finished jobs, appended by any thread, popped by the scheduler thread.
+        self.done: collections.deque[RunningJob] = collections.deque()
+
+    # ------------------------------------------------------------------ scheduler thread
+
+    def store(self, running: RunningJob, items: Items, victims: list[OffloadKey]) -> None:
+        """Write ``items`` after unlinking ``victims`` (already out of the index)."""
+        self._started()
+        self._pool.submit(self._store_job, running, items, victims)
+
+    def load(self, running: RunningJob, items: Items) -> None:
+        """Read ``items`` (pinned in the index by the caller), verified."""
+        self._started()
+        for chunk in self._chunks(items):
+            self._pool.submit(self._load_blocks, running, chunk)
+
+    def finish(self, running: RunningJob) -> None:
+        """Report a job that needs no I/O at the next poll."""
+        self.done.append(running)
+
+    def drain(self) -> None:
+        """Block until every submitted job is in :attr:`done`."""
+        with self._idle:
+            while self._inflight:
+                self._idle.wait()
+
+    def close(self) -> None:
+        """Finish every job, then stop the threads."""
+        self.drain()
+        self._pool.shutdown(wait=True)
+
+    def _started(self) -> None:
+        with self._idle:
+            self._inflight += 1
+
+    def _chunks(self, items: Items) -> list[Items]:
+        """``items`` split into one run of consecutive blocks per I/O thread."""
+        size = max(1, -(-len(items) // self._num_threads))
+        return [items[i : i + size] for i in range(0, len(items), size)]
+
+    # ------------------------------------------------------------------ I/O threads
+
+    def _store_job(self, running: RunningJob, items: Items, victims: list[OffloadKey]) -> None:
+        """A store's first step: the victims go and every block's bytes are reserved in one
+        ledger step; then the blocks that fit are written over the threads."""
+        path_of = self._files.path_of
+        try:
+            paths = [path_of(k) for k in victims]
+            fit = self._ledger.reserve_blocks(len(items), self._file_bytes, paths)
+        except Exception as exc:  # never lose a job: its blocks fail
+            logger.exception("disk tier: reserving %d blocks failed: %s", len(items), exc)
+            self._chunk_done(running, len(items), dict.fromkeys((k for k, _ in items), "io"), 0)
+            return
+        if fit < len(items):
+            full = dict.fromkeys((k for k, _ in items[fit:]), "full")
+            self._chunk_done(running, len(items) - fit, full, 0)
+        if not fit:
+            return
+        first, *rest = self._chunks(items[:fit])
+        for chunk in rest:
+            self._pool.submit(self._store_blocks, running, chunk)
+        self._store_blocks(running, first)
+
+    def _store_blocks(self, running: RunningJob, items: Items) -> None:
+        """Write blocks whose bytes :meth:`_store_job` reserved; return the unused bytes (failed
+        writes, blocks another process published first) in one ledger step."""
+        write, block_bytes = self._files.write, self._files.block_bytes
+        failed: dict[OffloadKey, str] = {}
+        nbytes = unused = 0
+        for key, slot in items:
+            try:
+                if not write(key, slot):
+                    unused += 1  # another process published it
+                nbytes += block_bytes
+            except OSError as exc:
+                unused += 1
+                failed[key] = "full" if is_no_space(exc) else "io"
+                logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+            except Exception as exc:  # never lose a job: report it failed
+                unused += 1
+                failed[key] = "io"
+                logger.exception("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+        if unused:
+            try:
+                self._ledger.release(unused * self._file_bytes)
+            except Exception:  # the count drifts high (conservative) until a restart reconciles
+                logger.exception(
+                    "disk tier: returning %d bytes to the ledger failed", unused * self._file_bytes
+                )
+        self._chunk_done(running, len(items), failed, nbytes)
+
+    def _load_blocks(self, running: RunningJob, items: Items) -> None:
+        files = self._files
+        read, head_buf = files.read, files.header_buffer()
+        failed: dict[OffloadKey, str] = {}
+        nbytes = 0
+        for key, slot in items:
+            try:
+                read(key, slot, head_buf)
+                nbytes += files.block_bytes
+            except FileNotFoundError:
+                failed[key] = "missing"
+            except CorruptBlockError as exc:
+                failed[key] = exc.cause
+                logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
+                with contextlib.suppress(OSError):
+                    self._ledger.remove(files.path_of(key), self._file_bytes)
+            except OSError as exc:
+                failed[key] = "io"
+                logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)
+            except Exception as exc:
+                failed[key] = "io"
+                logger.exception("disk tier: loading %s failed: %s", key.hex()[:16], exc)
+        if isinstance(head_buf, mmap.mmap):
+            head_buf.close()
+        self._chunk_done(running, len(items), failed, nbytes)
+
+    def _chunk_done(
+        self, running: RunningJob, n: int, failed: dict[OffloadKey, str], nbytes: int
+    ) -> None:
+        with running.lock:
+            running.failed.update(failed)
+            running.nbytes += nbytes
+            running.remaining -= n
+            last = running.remaining == 0
+        if last:
+            self.done.append(running)
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()

@@ -1,0 +1,149 @@
+"""The disk tier's shared space ledger: the bytes of one namespace's block files, counted by every
+process that uses the namespace, under a file lock.
+
+::
+
+    <namespace>/ledger   the count (8 bytes, little-endian), changed only under an exclusive flock
+    <namespace>/users    every user holds a shared flock on it for its lifetime
+
+A writer reserves a file's bytes before it writes the file; an evictor returns them only when its
+own ``unlink`` removed the file. Every function here runs on the tier's I/O threads or at start,
+never on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["SpaceLedger"]
+
+_U64 = struct.Struct("<Q")
+
+
+class SpaceLedger:
+    """The bytes of block files in one namespace, shared by every process using it.
+
+    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
+    file, so processes never both take the last free bytes. A writer reserves a file's bytes
+    before writing it and returns them if the write fails; an evictor returns a file's bytes only
+    when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
+
+    Every process using the namespace holds a shared ``flock`` on a second file (``users``) for
+    its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
+    process is using the directory, so it may reset the count from a scan. Locks die with their
+    process (also on SIGKILL), so a killed process never blocks that.
+    """
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        self.capacity = capacity
+        #: The count after the latest change made through this ledger.
+        self.last_seen = 0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # flock excludes other processes only: threads sharing the descriptor need this too.
+        self._thread_lock = threading.Lock()
+        self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
+
+    def claim_alone(self) -> bool:
+        """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
+        try:
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def share(self) -> None:
+        """Hold the users lock shared from now on (other processes may start)."""
+        fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+
+    def _locked(self) -> _LedgerLock:
+        return _LedgerLock(self._fd, self._thread_lock)
+
+    def read(self) -> int:
+        with self._locked():
+            return self._get()
+
+    def _get(self) -> int:
+        raw = os.pread(self._fd, 8, 0)
+        return _U64.unpack(raw)[0] if len(raw) == 8 else 0
+
+    def _set(self, value: int) -> None:
+        os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+        self.last_seen = max(0, value)
+
+    def reserve_blocks(self, count: int, block_bytes: int, victims: Sequence[str]) -> int:
+        """Unlink ``victims`` (files of ``block_bytes``), then take the bytes of as many of
+        ``count`` blocks as fit; returns how many. One locked step for a whole job: atomic with
+        respect to every other thread and process."""
+        with self._locked():
+            used = self._get()
+            for path in victims:
+                try:
+                    os.unlink(path)
+                    used -= block_bytes
+                except FileNotFoundError:
+                    pass
+            fit = max(0, min(count, (self.capacity - used) // block_bytes))
+            self._set(used + fit * block_bytes)
+            return fit
+
+    def release(self, nbytes: int) -> int:
+        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
+        with self._locked():
+            used = self._get() - nbytes
+            self._set(used)
+            return max(0, used)
+
+    def remove(self, path: str, nbytes: int) -> int:
+        """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
+        with self._locked():
+            used = self._get()
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return used
+            used = max(0, used - nbytes)
+            self._set(used)
+            return used
+
+    def reconcile(self, nbytes: int, alone: bool) -> int:
+        """Set the count to ``nbytes`` (what a scan found) when this process is the only user;
+        otherwise only raise it to that (others' reservations must stay). Returns the count."""
+        with self._locked():
+            used = nbytes if alone else max(nbytes, self._get())
+            self._set(used)
+            return used
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            os.close(self._users_fd)
+            self._fd = self._users_fd = -1
+
+
+class _LedgerLock:
+    """This process's threads (a mutex), then other processes (``flock``)."""
+
+    __slots__ = ("_fd", "_lock")
+
+    def __init__(self, fd: int, lock: threading.Lock) -> None:
+        self._fd = fd
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
