@@ -172,6 +172,7 @@ class DiskTierMachine(RuleBasedStateMachine):
                         assert self.tier.lookup(k, self.ctx) is MISS  # dropped
                         self.damaged.discard(k)
             self.free_slots.extend(slots)  # the tier no longer touches them (invariant 3)
+        self.tier.check_ledger()  # the shared count equals the files, whatever happened
 
     @invariant()
     def pinned_blocks_stay(self) -> None:

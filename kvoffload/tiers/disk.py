@@ -44,7 +44,7 @@ from kvoffload.tiers.diskdir import check_o_direct, prepare_namespace
 from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
 from kvoffload.tiers.diskledger import SpaceLedger
-from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner
+from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, count_files
 
 __all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
 
@@ -144,7 +144,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._dir_used = 0
         self._dir_submitted = 0
         self._closed = False
-        self._scanner = NamespaceScanner(self.namespace)
+        self._scanner = NamespaceScanner(self.namespace, self._ledger, fb)
         self.scan_seconds = self._warm_start()
         self._rescanner = Rescanner(self._scanner, settings.rescan_interval)
 
@@ -368,6 +368,19 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             out[f"failed_load_{cause}"] = counters[f"failed_load_{cause}"]
             out[f"failed_store_{cause}"] = counters[f"failed_store_{cause}"]
         return out
+
+    def check_ledger(self) -> None:
+        """Raise ``AssertionError`` unless the shared ledger counts exactly the namespace's files
+        (one block file's bytes per block file and per write in progress). For tests: drains
+        this tier's jobs first; other processes on the directory must be idle."""
+        self.drain_jobs()
+        count, on_disk = self._ledger.snapshot(
+            lambda: count_files(self.namespace) * self.file_bytes
+        )
+        if count != on_disk:
+            raise AssertionError(
+                f"the ledger counts {count} bytes, the namespace's files take {on_disk}"
+            )
 
     def close(self) -> None:
         if self._closed:

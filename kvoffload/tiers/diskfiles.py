@@ -43,6 +43,7 @@ __all__ = [
     "TMP_SUFFIX",
     "BlockFiles",
     "FaultHook",
+    "TemporaryRemovedError",
     "file_bytes",
     "is_no_space",
 ]
@@ -60,6 +61,11 @@ FaultHook = Callable[[str, OffloadKey], None]
 
 #: Keys up to this many bytes fit the one-page header every block file has.
 MAX_KEY_BYTES = HEADER_ALIGN - header_size(0, 1)
+
+
+class TemporaryRemovedError(FileNotFoundError):
+    """A write's temporary file vanished before it was published: a scan found it older than
+    the stale age and removed it, returning its reservation to the ledger (the writer must not)."""
 
 
 def file_bytes(block_bytes: int) -> int:
@@ -111,7 +117,9 @@ class BlockFiles:
         """Write slot ``slot`` as the block of ``key``; True if this call published the file,
         False if the file already existed (written by someone else: equal bytes by construction).
 
-        Raises ``OSError`` on I/O errors (the temporary file is removed).
+        Raises ``OSError`` on I/O errors (the temporary file is removed):
+        :class:`TemporaryRemovedError` when a scan took the temporary file for a killed writer's
+        and removed it (with its reservation).
         """
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"keys of {len(key)} bytes do not fit a block header")
@@ -143,6 +151,8 @@ class BlockFiles:
                 return True
             except FileExistsError:
                 return False
+            except FileNotFoundError as exc:
+                raise TemporaryRemovedError(exc.errno, f"{tmp} was removed while written") from exc
         finally:
             if head_buf is not None:
                 head_buf.close()

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import TierJob
 from kvoffload.tiers.blockformat import CorruptBlockError
-from kvoffload.tiers.diskfiles import BlockFiles, is_no_space
+from kvoffload.tiers.diskfiles import BlockFiles, TemporaryRemovedError, is_no_space
 from kvoffload.tiers.diskledger import SpaceLedger
 
 __all__ = ["DiskJobRunner", "RunningJob"]
@@ -63,8 +63,10 @@ class DiskJobRunner:
     step, before any block is written (so no block of the job can find the directory full for
     lack of the room its own victims free); the blocks that fit are then written over the
     threads, and the blocks that do not (other processes took the room) fail ``"full"``: the job
-    keeps its longest prefix. A load's blocks are split over the threads. Every job lands in
-    :attr:`done` exactly once; :meth:`drain` waits for all of them.
+    keeps its longest prefix. Stores take their ledger steps in the order they were submitted, so
+    a victim's file is gone before a later store writes the same key again. A load's blocks are
+    split over the threads. Every job lands in :attr:`done` exactly once; :meth:`drain` waits for
+    all of them.
     """
 
     def __init__(
@@ -77,6 +79,11 @@ class DiskJobRunner:
         self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvoffload-disk")
         self._inflight = 0
         self._idle = threading.Condition()
+        # Store tickets: the scheduler thread numbers stores; a store's ledger step waits until
+        # every earlier store's step is done (its turn).
+        self._tickets = 0
+        self._turn = 0
+        self._turns = threading.Condition()
         #: Finished jobs, appended by any thread, popped by the scheduler thread.
         self.done: collections.deque[RunningJob] = collections.deque()
 
@@ -85,7 +92,8 @@ class DiskJobRunner:
     def store(self, running: RunningJob, items: Items, victims: list[OffloadKey]) -> None:
         """Write ``items`` after unlinking ``victims`` (already out of the index)."""
         self._started()
-        self._pool.submit(self._store_job, running, items, victims)
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        self._pool.submit(self._store_job, running, items, victims, ticket)
 
     def load(self, running: RunningJob, items: Items) -> None:
         """Read ``items`` (pinned in the index by the caller), verified."""
@@ -119,17 +127,28 @@ class DiskJobRunner:
 
     # ------------------------------------------------------------------ I/O threads
 
-    def _store_job(self, running: RunningJob, items: Items, victims: list[OffloadKey]) -> None:
-        """A store's first step: the victims go and every block's bytes are reserved in one
-        ledger step; then the blocks that fit are written over the threads."""
+    def _store_job(
+        self, running: RunningJob, items: Items, victims: list[OffloadKey], ticket: int
+    ) -> None:
+        """A store's first step, in its turn: the victims go and every block's bytes are
+        reserved in one ledger step; then the blocks that fit are written over the threads.
+        (Earlier stores' steps were queued first, so they are running or done: no deadlock.)"""
         path_of = self._files.path_of
+        with self._turns:
+            while self._turn != ticket:
+                self._turns.wait()
         try:
-            paths = [path_of(k) for k in victims]
-            fit = self._ledger.reserve_blocks(len(items), self._file_bytes, paths)
-        except Exception as exc:  # never lose a job: its blocks fail
+            fit = self._ledger.reserve_blocks(
+                len(items), self._file_bytes, [path_of(k) for k in victims]
+            )
+        except Exception as exc:  # never lose a job: its blocks fail (the ledger keeps the victims)
             logger.exception("disk tier: reserving %d blocks failed: %s", len(items), exc)
             self._chunk_done(running, len(items), dict.fromkeys((k for k, _ in items), "io"), 0)
             return
+        finally:
+            with self._turns:
+                self._turn += 1
+                self._turns.notify_all()
         if fit < len(items):
             full = dict.fromkeys((k for k, _ in items[fit:]), "full")
             self._chunk_done(running, len(items) - fit, full, 0)
@@ -151,6 +170,9 @@ class DiskJobRunner:
                 if not write(key, slot):
                     unused += 1  # another process published it
                 nbytes += block_bytes
+            except TemporaryRemovedError as exc:  # the scan that removed it returned its bytes
+                failed[key] = "io"
+                logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
             except OSError as exc:
                 unused += 1
                 failed[key] = "full" if is_no_space(exc) else "io"

@@ -14,13 +14,16 @@ never on the scheduler thread.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["SpaceLedger"]
+
+logger = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
 
@@ -37,16 +40,30 @@ class SpaceLedger:
     its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
     process is using the directory, so it may reset the count from a scan. Locks die with their
     process (also on SIGKILL), so a killed process never blocks that.
+
+    Invariant: with no write in flight, the count (:meth:`read`) equals the bytes of the
+    namespace's block files, whatever failed. A step that fails after it unlinked files remembers
+    the bytes it freed and settles them at the next step; victims a failed step did not reach are
+    unlinked by the next one.
+
+    ``capacity`` is the configured bound; :attr:`limit` is what reservations may reach: the bound,
+    or less after the filesystem filled first (:meth:`refit`).
     """
 
     def __init__(self, path: Path, capacity: int) -> None:
         self.capacity = capacity
+        #: The bound reservations respect now (read by the scheduler thread without the lock).
+        self.limit = capacity
         #: The count after the latest change made through this ledger.
         self.last_seen = 0
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         # flock excludes other processes only: threads sharing the descriptor need this too.
         self._thread_lock = threading.Lock()
         self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
+        # Guarded by _thread_lock: victims (path, bytes) a step has yet to unlink, and the bytes
+        # by which the count file is off after a failed write (added at the next step).
+        self._owed: list[tuple[str, int]] = []
+        self._unsettled = 0
 
     def claim_alone(self) -> bool:
         """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
@@ -64,58 +81,88 @@ class SpaceLedger:
         return _LedgerLock(self._fd, self._thread_lock)
 
     def read(self) -> int:
+        """The count."""
         with self._locked():
-            return self._get()
+            return self._get() + self._unsettled
+
+    def snapshot(self, measure: Callable[[], int]) -> tuple[int, int]:
+        """``(count, measure())`` with the ledger locked: no process changes files meanwhile."""
+        with self._locked():
+            return self._get() + self._unsettled, measure()
 
     def _get(self) -> int:
         raw = os.pread(self._fd, 8, 0)
         return _U64.unpack(raw)[0] if len(raw) == 8 else 0
 
-    def _set(self, value: int) -> None:
-        os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+    def _begin(self) -> tuple[int, int]:
+        """A step's start (ledger locked): ``(file value, true count)``, owed victims unlinked."""
+        base = self._get()  # raises before anything changed: the victims stay owed
+        return base, base + self._unsettled - self._unlink_owed()
+
+    def _unlink_owed(self) -> int:
+        """Unlink the owed victims; returns the bytes of the files this call removed."""
+        owed, self._owed = self._owed, []
+        freed = 0
+        for path, nbytes in owed:
+            try:
+                os.unlink(path)
+                freed += nbytes
+            except FileNotFoundError:
+                pass  # another process removed (and counted) it
+            except OSError as exc:  # it stays on disk, counted: the count stays true
+                logger.warning("disk tier: cannot remove evicted block file %s: %s", path, exc)
+        return freed
+
+    def _commit(self, base: int, value: int, on_failure: int) -> None:
+        """Write the count ``value``; if that fails, remember that the true count is
+        ``on_failure`` (the step's file changes without its reservation) and re-raise."""
+        try:
+            os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+        except BaseException:
+            self._unsettled = on_failure - base
+            raise
+        self._unsettled = 0
         self.last_seen = max(0, value)
 
     def reserve_blocks(self, count: int, block_bytes: int, victims: Sequence[str]) -> int:
         """Unlink ``victims`` (files of ``block_bytes``), then take the bytes of as many of
         ``count`` blocks as fit; returns how many. One locked step for a whole job: atomic with
         respect to every other thread and process."""
+        with self._thread_lock:
+            self._owed.extend((path, block_bytes) for path in victims)
         with self._locked():
-            used = self._get()
-            for path in victims:
-                try:
-                    os.unlink(path)
-                    used -= block_bytes
-                except FileNotFoundError:
-                    pass
-            fit = max(0, min(count, (self.capacity - used) // block_bytes))
-            self._set(used + fit * block_bytes)
+            base, used = self._begin()
+            fit = max(0, min(count, (self.limit - used) // block_bytes))
+            self._commit(base, used + fit * block_bytes, used)
             return fit
 
     def release(self, nbytes: int) -> int:
         """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
         with self._locked():
-            used = self._get() - nbytes
-            self._set(used)
+            base, used = self._begin()
+            used -= nbytes
+            self._commit(base, used, used)
             return max(0, used)
 
     def remove(self, path: str, nbytes: int) -> int:
         """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
         with self._locked():
-            used = self._get()
+            base, used = self._begin()
             try:
                 os.unlink(path)
+                used -= nbytes
             except FileNotFoundError:
-                return used
-            used = max(0, used - nbytes)
-            self._set(used)
-            return used
+                pass
+            self._commit(base, used, used)
+            return max(0, used)
 
     def reconcile(self, nbytes: int, alone: bool) -> int:
         """Set the count to ``nbytes`` (what a scan found) when this process is the only user;
         otherwise only raise it to that (others' reservations must stay). Returns the count."""
         with self._locked():
-            used = nbytes if alone else max(nbytes, self._get())
-            self._set(used)
+            base, used = self._begin()
+            used = nbytes if alone else max(nbytes, used)
+            self._commit(base, used, used)
             return used
 
     def close(self) -> None:

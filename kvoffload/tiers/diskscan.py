@@ -3,14 +3,15 @@
 The warm start walks every hash directory once; the background rescan (:class:`Rescanner`) walks
 only those whose mtime changed since they were last listed, and hands the names it had not seen
 to the scheduler thread. The walk reads directory entries only, never a file. Temporary files
-older than :data:`STALE_TMP_SECONDS` are leftovers of a killed writer and are deleted; younger
-ones are writes in progress in other processes (counted in
-:attr:`NamespaceScanner.fresh_temporaries`).
+older than :data:`STALE_TMP_SECONDS` are leftovers of a killed writer and are deleted, their
+reservations returned to the ledger; younger ones are writes in progress in other processes
+(counted in :attr:`NamespaceScanner.fresh_temporaries`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -20,8 +21,9 @@ from pathlib import Path
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.diskfiles import SUFFIX, TMP_SUFFIX
+from kvoffload.tiers.diskledger import SpaceLedger
 
-__all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner"]
+__all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner", "count_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,10 @@ class NamespaceScanner:
     """Walks one namespace, remembering each hash directory's mtime and block-file names between
     walks. Used by one thread at a time (the warm start, then the rescan thread)."""
 
-    def __init__(self, namespace: Path) -> None:
+    def __init__(self, namespace: Path, ledger: SpaceLedger, file_bytes: int) -> None:
         self.namespace = namespace
+        self._ledger = ledger
+        self._file_bytes = file_bytes
         self._mtimes: dict[str, float] = {}
         self._names: dict[str, set[str]] = {}
         #: Temporary files younger than :data:`STALE_TMP_SECONDS` that the last walk saw.
@@ -88,12 +92,28 @@ class NamespaceScanner:
                 yield OffloadKey(key), name
             elif name.endswith(TMP_SUFFIX):
                 try:
-                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
-                        os.unlink(entry.path)
-                    else:
+                    st = entry.stat(follow_symlinks=False)
+                    if now - st.st_mtime <= STALE_TMP_SECONDS:
                         self.fresh_temporaries += 1
+                    elif st.st_nlink > 1:  # a published block's second name: counted as the block
+                        os.unlink(entry.path)
+                    else:  # a killed writer's: its reservation goes with it
+                        self._ledger.remove(entry.path, self._file_bytes)
                 except FileNotFoundError:
                     pass
+
+
+def count_files(namespace: Path) -> int:
+    """Block files and temporary files in the namespace's hash directories, each file once (a
+    block being published has two names for an instant); no side effects."""
+    inodes: set[int] = set()
+    for sub in os.scandir(namespace):
+        if sub.is_dir(follow_symlinks=False):
+            for entry in os.scandir(sub.path):
+                if entry.name.endswith((SUFFIX, TMP_SUFFIX)):
+                    with contextlib.suppress(FileNotFoundError):
+                        inodes.add(entry.inode())
+    return len(inodes)
 
 
 class Rescanner:
