@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_p
 from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.diskdir import check_o_direct, prepare_namespace
+from kvoffload.tiers.diskdir import check_o_direct, free_bytes, prepare_namespace
 from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
 from kvoffload.tiers.diskledger import SpaceLedger
@@ -48,12 +49,15 @@ from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, count_files
 
 __all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
 
+logger = logging.getLogger(__name__)
+
 _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 #: The ledger file's share of the bound.
 LEDGER_BYTES = 4096
 _DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
 _CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
 _COUNTERS = (
+    "filesystem_full_stores",
     "stored_blocks",
     "loaded_blocks",
     "evicted_blocks",
@@ -146,7 +150,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._closed = False
         self._scanner = NamespaceScanner(self.namespace, self._ledger, fb)
         self.scan_seconds = self._warm_start()
-        self._rescanner = Rescanner(self._scanner, settings.rescan_interval)
+        self._warn_if_filesystem_smaller()
+        self._rescanner = Rescanner(
+            self._scanner, settings.rescan_interval, self._refit_filesystem_when_idle
+        )
 
     # ------------------------------------------------------------------ start-up
 
@@ -172,6 +179,29 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._dir_used = self._ledger.reconcile(on_disk, alone)
         self._ledger.share()
         return time.perf_counter() - start
+
+    def _warn_if_filesystem_smaller(self) -> None:
+        """Warn once at start when the filesystem cannot hold the bound (the tier then holds
+        what fits: a write that finds it full lowers the tier's limit, see ``diskjobs``)."""
+        holds = self._dir_used + free_bytes(self.namespace)
+        if self._ledger.capacity > holds:
+            logger.warning(
+                "kv_disk_size: %.4g GiB is more than the filesystem of %r can hold for the disk "
+                "tier (%.4g GiB: %.4g GiB free + %.4g GiB of its files): the tier holds what "
+                "fits and evicts when the filesystem is full",
+                self.capacity_bytes / 2**30,
+                str(self.root),
+                holds / 2**30,
+                (holds - self._dir_used) / 2**30,
+                self._dir_used / 2**30,
+            )
+
+    def _refit_filesystem_when_idle(self) -> None:
+        """After the filesystem filled, raise the limit again as space comes back (rescan
+        thread; only while no job is in flight, so no write of ours is half counted)."""
+        ledger = self._ledger
+        if ledger.limit < ledger.capacity and self._runner.idle:
+            ledger.refit(lambda: free_bytes(self.namespace), self.file_bytes)
 
     def _index_ready(self, keys: list[OffloadKey]) -> list[OffloadKey]:
         """Index ``keys`` found on disk as ready blocks, up to the capacity; returns the keys
@@ -238,7 +268,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         policy, fb = self._policy, self.file_bytes
         need_local = len(policy) + count - self.capacity_blocks
         need_dir = -(
-            -(self._dir_used + self._dir_submitted + count * fb - self._ledger.capacity) // fb
+            -(self._dir_used + self._dir_submitted + count * fb - self._ledger.limit) // fb
         )
         need = max(0, need_local, need_dir)
         if not need:
@@ -312,6 +342,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
                 stored.append(key)
         counters["stored_blocks"] += len(stored)
         counters["failed_store_blocks"] += len(failed)
+        counters["filesystem_full_stores"] += running.filesystem_full
         for cause in failed.values():
             counters[f"failed_store_{cause}"] += 1
         if stored and self._events is not None:
@@ -355,7 +386,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         used = len(self._policy)
         out = {
             "capacity_bytes": self.capacity_bytes,
-            "capacity_blocks": self.capacity_blocks,
+            "capacity_blocks": min(self.capacity_blocks, self._ledger.limit // self.file_bytes),
             "used_blocks": used,
             "used_bytes": used * self.file_bytes + LEDGER_BYTES,
             "dir_used_bytes": self._dir_used + LEDGER_BYTES,

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import KVLayout
 
-__all__ = ["check_o_direct", "prepare_namespace"]
+__all__ = ["check_o_direct", "free_bytes", "prepare_namespace"]
 
 #: The directory under the tier's root that holds one namespace per KV layout.
 FORMAT_DIR = "kvoffload-v1"
@@ -36,6 +36,12 @@ def prepare_namespace(root: Path, layout: KVLayout) -> Path:
     except OSError as exc:
         raise ConfigError("kv_disk_path", f"{str(root)!r} is not writable: {exc}") from exc
     return namespace
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer can still put on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def check_o_direct(namespace: Path, pool: memoryview, block_bytes: int) -> None:

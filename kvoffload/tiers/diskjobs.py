@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import TierJob
 from kvoffload.tiers.blockformat import CorruptBlockError
+from kvoffload.tiers.diskdir import free_bytes
 from kvoffload.tiers.diskfiles import BlockFiles, TemporaryRemovedError, is_no_space
 from kvoffload.tiers.diskledger import SpaceLedger
 
@@ -34,6 +35,7 @@ class RunningJob:
 
     __slots__ = (
         "failed",
+        "filesystem_full",
         "is_store",
         "job",
         "lock",
@@ -52,6 +54,7 @@ class RunningJob:
         self.nbytes = 0
         self.pinned: list[OffloadKey] = []  # a load's keys pinned in the index
         self.reserved = 0  # a store's net bytes, counted by the tier until the job is reported
+        self.filesystem_full = False  # a store's write met ENOSPC / EDQUOT
         self.start = time.perf_counter()
         self.lock = threading.Lock()
 
@@ -64,9 +67,11 @@ class DiskJobRunner:
     lack of the room its own victims free); the blocks that fit are then written over the
     threads, and the blocks that do not (other processes took the room) fail ``"full"``: the job
     keeps its longest prefix. Stores take their ledger steps in the order they were submitted, so
-    a victim's file is gone before a later store writes the same key again. A load's blocks are
-    split over the threads. Every job lands in :attr:`done` exactly once; :meth:`drain` waits for
-    all of them.
+    a victim's file is gone before a later store writes the same key again. A write that finds
+    the filesystem full (before the tier's bound) fails ``"full"`` and lowers the ledger's limit
+    to what the filesystem holds (:meth:`SpaceLedger.refit`), so later stores evict instead;
+    that is logged once per runner, not per block. A load's blocks are split over the threads.
+    Every job lands in :attr:`done` exactly once; :meth:`drain` waits for all of them.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class DiskJobRunner:
         self._tickets = 0
         self._turn = 0
         self._turns = threading.Condition()
+        self._full_logged = False
         #: Finished jobs, appended by any thread, popped by the scheduler thread.
         self.done: collections.deque[RunningJob] = collections.deque()
 
@@ -115,6 +121,11 @@ class DiskJobRunner:
         """Finish every job, then stop the threads."""
         self.drain()
         self._pool.shutdown(wait=True)
+
+    @property
+    def idle(self) -> bool:
+        """No job is in flight (advisory: read without the lock)."""
+        return not self._inflight
 
     def _started(self) -> None:
         with self._idle:
@@ -165,22 +176,27 @@ class DiskJobRunner:
         write, block_bytes = self._files.write, self._files.block_bytes
         failed: dict[OffloadKey, str] = {}
         nbytes = unused = 0
+        error: BaseException | None = None  # the first, logged once for the chunk
+        no_space = False
         for key, slot in items:
             try:
                 if not write(key, slot):
                     unused += 1  # another process published it
                 nbytes += block_bytes
             except TemporaryRemovedError as exc:  # the scan that removed it returned its bytes
-                failed[key] = "io"
-                logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+                failed[key], error = "io", error or exc
             except OSError as exc:
                 unused += 1
-                failed[key] = "full" if is_no_space(exc) else "io"
-                logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+                if is_no_space(exc):
+                    failed[key] = "full"
+                    no_space = running.filesystem_full = True
+                else:
+                    failed[key], error = "io", error or exc
             except Exception as exc:  # never lose a job: report it failed
                 unused += 1
-                failed[key] = "io"
-                logger.exception("disk tier: storing %s failed: %s", key.hex()[:16], exc)
+                failed[key], error = "io", error or exc
+        if error is not None:
+            logger.warning("disk tier: storing %d blocks failed: %s", len(failed), error)
         if unused:
             try:
                 self._ledger.release(unused * self._file_bytes)
@@ -188,7 +204,29 @@ class DiskJobRunner:
                 logger.exception(
                     "disk tier: returning %d bytes to the ledger failed", unused * self._file_bytes
                 )
+        if no_space:
+            self._fit_filesystem()
         self._chunk_done(running, len(items), failed, nbytes)
+
+    def _fit_filesystem(self) -> None:
+        """A write met a full filesystem: lower the ledger's limit to what it holds."""
+        fb, namespace = self._file_bytes, self._files.namespace
+        try:
+            limit = self._ledger.refit(lambda: free_bytes(namespace), fb)
+        except Exception:
+            logger.exception("disk tier: measuring the full filesystem of %s failed", namespace)
+            return
+        log = logger.debug if self._full_logged else logger.warning
+        self._full_logged = True
+        log(
+            "disk tier: the filesystem of %s is full before the tier's bound: the tier now holds "
+            "at most %d blocks (%.1f MiB; bound %d blocks) and evicts to make room "
+            "(logged once; it grows back when space is freed)",
+            namespace,
+            limit // fb,
+            limit / 2**20,
+            self._ledger.capacity // fb,
+        )
 
     def _load_blocks(self, running: RunningJob, items: Items) -> None:
         files = self._files

@@ -165,6 +165,16 @@ class SpaceLedger:
             self._commit(base, used, used)
             return used
 
+    def refit(self, free_bytes: Callable[[], int], block_bytes: int) -> int:
+        """Set :attr:`limit` to what the filesystem holds: the count plus ``free_bytes()`` (the
+        filesystem's free space, read under the lock), in whole blocks of ``block_bytes``, at
+        most :attr:`capacity`. Called when a write met a full filesystem (it lowers the limit)
+        and while idle after that (it raises it again as space comes back). Returns the limit."""
+        with self._locked():
+            holds = self._get() + self._unsettled + free_bytes()
+            self.limit = min(self.capacity, holds // block_bytes * block_bytes)
+            return self.limit
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

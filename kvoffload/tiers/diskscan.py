@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
@@ -119,10 +119,14 @@ def count_files(namespace: Path) -> int:
 class Rescanner:
     """Learns of block files other processes wrote: every ``interval`` seconds (0: never) a daemon
     thread walks the directories whose mtime changed and queues the keys it had not seen in
-    :attr:`discovered`, for the scheduler thread to index at its next poll."""
+    :attr:`discovered`, for the scheduler thread to index at its next poll; then it calls
+    ``on_tick`` (the tier's other periodic upkeep)."""
 
-    def __init__(self, scanner: NamespaceScanner, interval: float) -> None:
+    def __init__(
+        self, scanner: NamespaceScanner, interval: float, on_tick: Callable[[], None]
+    ) -> None:
         self.scanner = scanner
+        self._on_tick = on_tick
         #: Lists of new keys, appended by the rescan thread, popped by the scheduler thread.
         self.discovered: collections.deque[list[OffloadKey]] = collections.deque()
         self._stop = threading.Event()
@@ -143,6 +147,7 @@ class Rescanner:
         while not self._stop.wait(interval):
             try:
                 self.rescan_once()
+                self._on_tick()
             except Exception:  # never let a transient filesystem error kill discovery
                 logger.exception("disk tier: rescan failed")
 
