@@ -53,6 +53,12 @@ SETTINGS = settings(
 )
 
 
+def small_disk_tier(path: Path, pool: memoryview, enable_events: bool = False) -> DiskTier:
+    """A disk tier of ``DISK_BLOCKS`` blocks on real files, without the rescan thread."""
+    settings = DiskTierSettings(path, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
+    return DiskTier(pool, layout(), settings, enable_events=enable_events)
+
+
 def content(k: bytes) -> bytes:
     """The one right payload of block ``k`` (so stale or mixed bytes are always noticed)."""
     return (k * (BLOCK_BYTES // len(k) + 1))[:BLOCK_BYTES]
@@ -67,8 +73,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tier-"))
         self.pool = host_pool(POOL_SLOTS)
-        settings = DiskTierSettings(self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
-        self.tier = DiskTier(self.pool, layout(), settings)
+        self.tier = small_disk_tier(self.dir, self.pool)
         self.ctx = ReqContext("machine")
         self.next_job = 0
         self.free_slots = list(range(POOL_SLOTS))
@@ -212,8 +217,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tiering-"))
         self.pool = host_pool(HOST_BLOCKS)
         self.host = CPUOffloadingManager(HOST_BLOCKS, "lru", enable_events=True)
-        settings = DiskTierSettings(self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
-        self.disk = DiskTier(self.pool, layout(), settings, enable_events=True)
+        self.disk = small_disk_tier(self.dir, self.pool, enable_events=True)
         self.manager = TieringOffloadingManager(
             self.host, [self.disk], self.CASCADE, self.EVICT_HEADROOM
         )
