@@ -147,8 +147,8 @@ def test_enospc_from_a_fault_hook_is_logged_once(
 def test_engine_keeps_offloading_new_prefixes_after_the_filesystem_filled(
     tmp_path: Path,
 ) -> None:
-    """The issue's repro, scaled down: a first pass over 8 prefixes fills a 160 KiB tmpfs under
-    a 1.6 MiB bound; a second pass over 3 new prefixes must still reach the disk: a restarted
+    """The issue's repro, scaled down: a first pass over 8 prefixes fills the 160 KiB left on a
+    2 MiB tmpfs, under a 1.6 MiB bound; a second pass over 3 new prefixes must still reach the disk: a restarted
     engine (empty device and host) serves their next requests from disk. Before the fix the
     second pass stored 0 blocks, and the restarted engine recomputed them. Outputs equal a run
     without offloading."""
@@ -156,7 +156,7 @@ def test_engine_keeps_offloading_new_prefixes_after_the_filesystem_filled(
     second = cycling_rounds(num_prefixes=3, prefix_blocks=6, num_rounds=2, seed=1)
     sampling = greedy(max_tokens=4)
     want = reference_outputs([p for r in first + second for p in r], sampling)
-    with small_tmpfs(tmp_path / "small", "160k") as mount:
+    with small_tmpfs(tmp_path / "small", "2m", free_kib=160) as mount:
         with disk_engine(mount) as engine:
             got = one_at_a_time(engine, first[0], sampling)
             filled = engine.stats()

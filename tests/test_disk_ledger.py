@@ -47,10 +47,10 @@ def test_a_victims_late_unlink_never_deletes_its_keys_new_file(
     victim = tier._files.path_of(key(1))
     reserve = SpaceLedger.reserve_blocks
 
-    def held_back(self: SpaceLedger, count: int, block_bytes: int, victims: list) -> int:
+    def held_back(self: SpaceLedger, count: int, block_bytes: int, victims: list, *more):
         if victim in victims:
             rewritten.wait(1.0)
-        return reserve(self, count, block_bytes, victims)
+        return reserve(self, count, block_bytes, victims, *more)
 
     try:
         data = fill_slot(pool, 0, seed=1)
@@ -58,8 +58,8 @@ def test_a_victims_late_unlink_never_deletes_its_keys_new_file(
         wait_jobs(tier)
         write = tier._files.write
 
-        def write_and_tell(k: bytes, slot: int) -> bool:
-            published = write(k, slot)
+        def write_and_tell(k: bytes, slot: int, spare: str | None = None) -> bool:
+            published = write(k, slot, spare)
             if k == key(1):
                 rewritten.set()
             return published
@@ -139,7 +139,7 @@ def test_stale_temporaries_removed_by_a_scan_return_their_reservations(tmp_path:
         wait_jobs(tier)
         hash_dir = tier.namespace / "ab"
         hash_dir.mkdir(exist_ok=True)
-        assert tier._ledger.reserve_blocks(2, FILE, []) == 2  # the killed writer's
+        assert tier._ledger.reserve_blocks(2, FILE, []) == (2, [])  # the killed writer's
         leftovers = [hash_dir / f".{key(50 + i).hex()}.999999.{i}.tmp" for i in range(2)]
         for path in leftovers:
             path.write_bytes(b"half a block")

@@ -72,8 +72,10 @@ def dir_bytes(root: Path) -> int:
 
 
 @contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A size-limited tmpfs at ``path`` (root only; skips otherwise)."""
+def small_tmpfs(path: Path, size: str, free_kib: int | None = None) -> Iterator[Path]:
+    """A size-limited tmpfs at ``path`` (root only; skips otherwise). ``free_kib``: another
+    program's file takes all but that much (a filesystem fuller than a tier's bound, which a
+    bound above the whole filesystem's size cannot model: it is refused)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     path.mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,11 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
+        if free_kib is not None:
+            st = os.statvfs(path)
+            (path / "other-program.bin").write_bytes(
+                bytes(st.f_bavail * st.f_frsize - free_kib * 1024)
+            )
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)

@@ -6,8 +6,8 @@ See ``docs/disk-tier.md``. In short:
   never exceed ``capacity_bytes``. The byte count is shared by every process on the directory
   (:class:`~kvoffload.tiers.diskledger.SpaceLedger`); a writer reserves before it writes and
   evicts its own index's blocks (by the eviction policy) when the directory is full.
-* **Crash-safe.** A file appears under its final name only complete (temporary name, then
-  ``link``); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
+* **Crash-safe.** A file appears under its final name only complete (written under another
+  name, then published by a rename or ``link`` that never replaces a file); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
   checksum of the payload. A bad file fails its load (cause counted) and is deleted.
 * **Warm restart.** The index is rebuilt from the file names at start (no file is read); with
   events on, the blocks found are announced once (``BlockStored``, medium ``STORAGE``), as are
@@ -46,6 +46,7 @@ from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
 from kvoffload.tiers.diskledger import SpaceLedger
 from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, count_files
+from kvoffload.tiers.diskspares import SparePool, remove_all
 
 __all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
 
@@ -56,6 +57,8 @@ _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HI
 LEDGER_BYTES = 4096
 _DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
 _CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
+#: Empty files kept ready for writes (made while idle; see ``diskspares``).
+SPARE_FILES = 64
 _COUNTERS = (
     "filesystem_full_stores",
     "stored_blocks",
@@ -141,7 +144,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             else policy
         )
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._runner = DiskJobRunner(self._files, self._ledger, fb, settings.num_threads)
+        self._spares = SparePool(
+            self.namespace, min(SPARE_FILES, self.capacity_blocks), settings.o_direct
+        )
+        self._runner = DiskJobRunner(
+            self._files, self._ledger, fb, settings.num_threads, self._spares
+        )
         self._counters: dict[str, int] = collections.defaultdict(int)
         # The ledger's count (every process's files) as the scheduler thread saw it at the last
         # poll, and the bytes of stores submitted since.
@@ -163,6 +171,8 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         start = time.perf_counter()
         fb = self.file_bytes
         alone = self._ledger.claim_alone()
+        if alone:
+            remove_all(self.namespace)  # spare files of processes that are gone
         found = [(key, path) for key, path, _ in self._scanner.walk()]
         room = self.capacity_blocks - len(self._policy)
         on_disk = len(found) * fb
@@ -419,4 +429,5 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._closed = True
         self._rescanner.close()
         self._runner.close()
+        self._spares.close()
         self._ledger.close()

@@ -7,9 +7,10 @@ Directory layout under the tier's root (one namespace per KV layout, so models n
     <root>/kvoffload-v1/<fingerprint hex>/<aa>/.<key hex>.<pid>.<n>.tmp   a write in progress
 
 ``<aa>`` is the first byte of the key's hash, so no directory holds more than ~1/256 of the files.
-A block file appears under its final name only complete: it is written under a temporary name
-and published with :func:`os.link`, which fails when the name exists, so two processes writing the
-same block never replace or mix each other's file (the second drops its copy).
+A block file appears under its final name only complete: it is written into a spare file and
+published by ``renameat2(RENAME_NOREPLACE)`` (:mod:`~kvoffload.tiers.diskspares`), or under a
+temporary name published with :func:`os.link`; both fail when the name exists, so two processes
+writing the same block never replace or mix each other's file (the second drops its copy).
 
 The shared byte count is :mod:`~kvoffload.tiers.diskledger`'s; finding files is
 :mod:`~kvoffload.tiers.diskscan`'s. Every function here runs on the tier's I/O threads, never on
@@ -36,6 +37,7 @@ from kvoffload.tiers.blockformat import (
     payload_checksum,
     verify_payload,
 )
+from kvoffload.tiers.diskspares import publish
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -113,13 +115,15 @@ class BlockFiles:
         aligned with O_DIRECT; the caller closes it then)."""
         return mmap.mmap(-1, HEADER_ALIGN) if self.o_direct else bytearray(HEADER_ALIGN)
 
-    def write(self, key: OffloadKey, slot: int) -> bool:
+    def write(self, key: OffloadKey, slot: int, spare: str | None = None) -> bool:
         """Write slot ``slot`` as the block of ``key``; True if this call published the file,
         False if the file already existed (written by someone else: equal bytes by construction).
 
-        Raises ``OSError`` on I/O errors (the temporary file is removed):
-        :class:`TemporaryRemovedError` when a scan took the temporary file for a killed writer's
-        and removed it (with its reservation).
+        ``spare``: a file made ahead (:mod:`~kvoffload.tiers.diskspares`) to write into and
+        publish by rename; without one (or if it vanished) a temporary file is created and
+        published by ``link``. Either way the written file is gone afterwards unless published.
+        Raises ``OSError`` on I/O errors: :class:`TemporaryRemovedError` when a scan took the
+        file for a killed writer's and removed it (with its reservation).
         """
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"keys of {len(key)} bytes do not fit a block header")
@@ -130,7 +134,33 @@ class BlockFiles:
         name = key.hex()
         folder = self._prefix + name[:2]
         final = f"{folder}/{name}{SUFFIX}"
-        tmp = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}{TMP_SUFFIX}"
+        fd = self._open_spare(spare) if spare is not None else -1
+        if fd < 0:
+            spare = None
+            path = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}{TMP_SUFFIX}"
+            fd = self._open_new(path, folder)
+        else:
+            path = spare  # type: ignore[assignment]
+        published = False
+        try:
+            self._write_all(fd, header, payload, truncate=spare is not None)
+            published = self._publish(path, final, folder, by_rename=spare is not None)
+            return published
+        finally:
+            if not (published and spare is not None):  # a renamed spare has no old name left
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _open_spare(self, spare: str) -> int:
+        """The spare opened for writing, or -1 if it is gone."""
+        try:
+            return os.open(spare, os.O_WRONLY | self._flags)
+        except FileNotFoundError:
+            return -1
+
+    def _write_all(self, fd: int, header: bytes, payload: memoryview, truncate: bool) -> None:
+        """Header and payload at offset 0 (``truncate``: cut what a recycled file had beyond
+        them); closes ``fd``."""
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
@@ -138,26 +168,32 @@ class BlockFiles:
             head_buf[:] = header
             iov = [head_buf, payload]
         try:
-            fd = self._open_new(tmp, folder)
-            try:
-                total = len(header) + len(payload)
-                written = os.pwritev(fd, iov, 0)
-                while written < total:  # rare short write: finish it
-                    written += os.pwrite(fd, _tail(iov, written), written)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, final)
-                return True
-            except FileExistsError:
-                return False
-            except FileNotFoundError as exc:
-                raise TemporaryRemovedError(exc.errno, f"{tmp} was removed while written") from exc
+            total = len(header) + len(payload)
+            written = os.pwritev(fd, iov, 0)
+            while written < total:  # rare short write: finish it
+                written += os.pwrite(fd, _tail(iov, written), written)
+            if truncate:
+                os.ftruncate(fd, total)
         finally:
+            os.close(fd)
             if head_buf is not None:
                 head_buf.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+
+    def _publish(self, path: str, final: str, folder: str, by_rename: bool) -> bool:
+        """``path`` under its block's name; False if that name exists (``path`` is left)."""
+        try:
+            try:
+                (publish if by_rename else os.link)(path, final)
+            except FileNotFoundError:
+                if not by_rename or os.path.isdir(folder):
+                    raise
+                os.makedirs(folder, exist_ok=True)  # its hash directory is not there yet
+                publish(path, final)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError as exc:
+            raise TemporaryRemovedError(exc.errno, f"{path} was removed while written") from exc
 
     def _open_new(self, tmp: str, folder: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags

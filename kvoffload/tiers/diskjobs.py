@@ -13,7 +13,8 @@ import logging
 import mmap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import TierJob
@@ -21,6 +22,7 @@ from kvoffload.tiers.blockformat import CorruptBlockError
 from kvoffload.tiers.diskdir import free_bytes
 from kvoffload.tiers.diskfiles import BlockFiles, TemporaryRemovedError, is_no_space
 from kvoffload.tiers.diskledger import SpaceLedger
+from kvoffload.tiers.diskspares import SparePool
 
 __all__ = ["DiskJobRunner", "RunningJob"]
 
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 #: ``(key, host slot)`` pairs of one job.
 Items = list[tuple[OffloadKey, int]]
+#: ``(key, host slot, spare file or None)`` of a store's blocks that fit.
+Writes = list[tuple[OffloadKey, int, str | None]]
+_T = TypeVar("_T")
 
 
 class RunningJob:
@@ -72,18 +77,30 @@ class DiskJobRunner:
     to what the filesystem holds (:meth:`SpaceLedger.refit`), so later stores evict instead;
     that is logged once per runner, not per block. A load's blocks are split over the threads.
     Every job lands in :attr:`done` exactly once; :meth:`drain` waits for all of them.
+
+    With ``spares``, writes go into files made ahead (``diskspares``): the victims' own files,
+    recycled by the ledger step while this process is alone on the directory, then empty files
+    the pool made while idle; the pool is refilled whenever the runner falls idle.
     """
 
     def __init__(
-        self, files: BlockFiles, ledger: SpaceLedger, file_bytes: int, num_threads: int
+        self,
+        files: BlockFiles,
+        ledger: SpaceLedger,
+        file_bytes: int,
+        num_threads: int,
+        spares: SparePool | None = None,
     ) -> None:
         self._files = files
+        self._spares = spares
+        self._closing = False
         self._ledger = ledger
         self._file_bytes = file_bytes
         self._num_threads = max(1, num_threads)
         self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvoffload-disk")
         self._inflight = 0
         self._idle = threading.Condition()
+        self._refill: Future[None] | None = None  # the spare pool's refill in progress
         # Store tickets: the scheduler thread numbers stores; a store's ledger step waits until
         # every earlier store's step is done (its turn).
         self._tickets = 0
@@ -112,13 +129,18 @@ class DiskJobRunner:
         self.done.append(running)
 
     def drain(self) -> None:
-        """Block until every submitted job is in :attr:`done`."""
+        """Block until every submitted job is in :attr:`done` (and the spare files it left to
+        make are made: what follows a drain does not depend on thread timing)."""
         with self._idle:
             while self._inflight:
                 self._idle.wait()
+            refill = self._refill
+        if refill is not None and refill.exception() is not None:  # waits for it
+            logger.error("disk tier: making spare files failed", exc_info=refill.exception())
 
     def close(self) -> None:
         """Finish every job, then stop the threads."""
+        self._closing = True  # no more refills
         self.drain()
         self._pool.shutdown(wait=True)
 
@@ -131,7 +153,7 @@ class DiskJobRunner:
         with self._idle:
             self._inflight += 1
 
-    def _chunks(self, items: Items) -> list[Items]:
+    def _chunks(self, items: list[_T]) -> list[list[_T]]:
         """``items`` split into one run of consecutive blocks per I/O thread."""
         size = max(1, -(-len(items) // self._num_threads))
         return [items[i : i + size] for i in range(0, len(items), size)]
@@ -144,13 +166,16 @@ class DiskJobRunner:
         """A store's first step, in its turn: the victims go and every block's bytes are
         reserved in one ledger step; then the blocks that fit are written over the threads.
         (Earlier stores' steps were queued first, so they are running or done: no deadlock.)"""
-        path_of = self._files.path_of
+        path_of, spares = self._files.path_of, self._spares
         with self._turns:
             while self._turn != ticket:
                 self._turns.wait()
         try:
-            fit = self._ledger.reserve_blocks(
-                len(items), self._file_bytes, [path_of(k) for k in victims]
+            fit, recycled = self._ledger.reserve_blocks(
+                len(items),
+                self._file_bytes,
+                [path_of(k) for k in victims],
+                spares.new_name if spares is not None else None,
             )
         except Exception as exc:  # never lose a job: its blocks fail (the ledger keeps the victims)
             logger.exception("disk tier: reserving %d blocks failed: %s", len(items), exc)
@@ -165,12 +190,16 @@ class DiskJobRunner:
             self._chunk_done(running, len(items) - fit, full, 0)
         if not fit:
             return
-        first, *rest = self._chunks(items[:fit])
+        files = recycled + [
+            spares.take() if spares is not None else None for _ in range(fit - len(recycled))
+        ]
+        writes = [(key, slot, spare) for (key, slot), spare in zip(items, files, strict=False)]
+        first, *rest = self._chunks(writes)
         for chunk in rest:
             self._pool.submit(self._store_blocks, running, chunk)
         self._store_blocks(running, first)
 
-    def _store_blocks(self, running: RunningJob, items: Items) -> None:
+    def _store_blocks(self, running: RunningJob, items: Writes) -> None:
         """Write blocks whose bytes :meth:`_store_job` reserved; return the unused bytes (failed
         writes, blocks another process published first) in one ledger step."""
         write, block_bytes = self._files.write, self._files.block_bytes
@@ -178,9 +207,9 @@ class DiskJobRunner:
         nbytes = unused = 0
         error: BaseException | None = None  # the first, logged once for the chunk
         no_space = False
-        for key, slot in items:
+        for key, slot, spare in items:
             try:
-                if not write(key, slot):
+                if not write(key, slot, spare):
                     unused += 1  # another process published it
                 nbytes += block_bytes
             except TemporaryRemovedError as exc:  # the scan that removed it returned its bytes
@@ -264,6 +293,14 @@ class DiskJobRunner:
             last = running.remaining == 0
         if last:
             self.done.append(running)
+            spares = self._spares
             with self._idle:
                 self._inflight -= 1
+                # Submitted before drain() can return, so close() never meets a shut executor;
+                # the refill stops as soon as a job (or close) comes.
+                if not self._inflight and spares is not None and spares.needs_refill():
+                    self._refill = self._pool.submit(spares.refill, self._busy)
                 self._idle.notify_all()
+
+    def _busy(self) -> bool:
+        return bool(self._inflight) or self._closing

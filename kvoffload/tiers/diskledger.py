@@ -41,6 +41,9 @@ class SpaceLedger:
     process is using the directory, so it may reset the count from a scan. Locks die with their
     process (also on SIGKILL), so a killed process never blocks that.
 
+    Every user also holds an OFD read lock on the ``users`` file, so a process can ask at any
+    time whether it is alone (:meth:`alone`) without giving up its own lock.
+
     Invariant: with no write in flight, the count (:meth:`read`) equals the bytes of the
     namespace's block files, whatever failed. A step that fails after it unlinked files remembers
     the bytes it freed and settles them at the next step; victims a failed step did not reach are
@@ -64,6 +67,17 @@ class SpaceLedger:
         # by which the count file is off after a failed write (added at the next step).
         self._owed: list[tuple[str, int]] = []
         self._unsettled = 0
+        self._ofd_lock = _ofd_lock(self._users_fd, fcntl.F_RDLCK, fcntl.F_OFD_SETLK)
+
+    def alone(self) -> bool:
+        """No other process uses the namespace now (False where OFD locks do not work). One
+        ``fcntl`` call; a process that starts later finds this one."""
+        if not self._ofd_lock:
+            return False
+        try:
+            return _ofd_lock(self._users_fd, fcntl.F_WRLCK, fcntl.F_OFD_GETLK, query=True)
+        except OSError:
+            return False
 
     def claim_alone(self) -> bool:
         """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
@@ -124,17 +138,56 @@ class SpaceLedger:
         self._unsettled = 0
         self.last_seen = max(0, value)
 
-    def reserve_blocks(self, count: int, block_bytes: int, victims: Sequence[str]) -> int:
-        """Unlink ``victims`` (files of ``block_bytes``), then take the bytes of as many of
-        ``count`` blocks as fit; returns how many. One locked step for a whole job: atomic with
-        respect to every other thread and process."""
+    def reserve_blocks(
+        self,
+        count: int,
+        block_bytes: int,
+        victims: Sequence[str],
+        spare_name: Callable[[], str] | None = None,
+    ) -> tuple[int, list[str]]:
+        """Remove ``victims`` (files of ``block_bytes``), then take the bytes of as many of
+        ``count`` blocks as fit. One locked step for a whole job: atomic with respect to every
+        other thread and process. Returns ``(fit, recycled)``.
+
+        With ``spare_name`` (a new spare path per call), victims are recycled: renamed to
+        spares and, if this process is :meth:`alone`, kept, their bytes counted for the job's
+        first blocks (``recycled``, at most ``fit``, to write into); otherwise, and for those
+        beyond ``fit``, unlinked as usual."""
         with self._thread_lock:
             self._owed.extend((path, block_bytes) for path in victims)
         with self._locked():
-            base, used = self._begin()
-            fit = max(0, min(count, (self.limit - used) // block_bytes))
-            self._commit(base, used + fit * block_bytes, used)
-            return fit
+            base = self._get()  # raises before anything changed: the victims stay owed
+            recycled = self._recycle_owed(spare_name) if spare_name is not None else []
+            used = base + self._unsettled - self._unlink_owed()
+            fit = max(0, min(count, len(recycled) + (self.limit - used) // block_bytes))
+            for path in recycled[fit:]:
+                used -= _unlink(path, block_bytes)
+            del recycled[fit:]
+            try:
+                self._commit(base, used + (fit - len(recycled)) * block_bytes, used)
+            except BaseException:
+                for path in recycled:
+                    self._unsettled -= _unlink(path, block_bytes)
+                raise
+            return fit, recycled
+
+    def _recycle_owed(self, spare_name: Callable[[], str]) -> list[str]:
+        """Rename the owed victims to spares; keep them if alone, else owe their unlinks."""
+        renamed: list[tuple[str, int]] = []
+        owed, self._owed = self._owed, []
+        for path, nbytes in owed:
+            spare = spare_name()
+            try:
+                os.rename(path, spare)
+                renamed.append((spare, nbytes))
+            except FileNotFoundError:
+                pass  # another process removed (and counted) it
+            except OSError:
+                self._owed.append((path, nbytes))  # unlinked (or logged) as usual
+        if renamed and not self.alone():
+            self._owed.extend(renamed)  # a reader may hold one: unlink, never overwrite
+            return []
+        return [spare for spare, _ in renamed]
 
     def release(self, nbytes: int) -> int:
         """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
@@ -180,6 +233,33 @@ class SpaceLedger:
             os.close(self._fd)
             os.close(self._users_fd)
             self._fd = self._users_fd = -1
+
+
+def _unlink(path: str, nbytes: int) -> int:
+    """``nbytes`` if this call removed ``path``, else 0."""
+    try:
+        os.unlink(path)
+        return nbytes
+    except FileNotFoundError:
+        return 0
+
+
+#: ``struct flock`` on Linux x86-64 / aarch64: type, whence, start, length, pid, padding.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _ofd_lock(fd: int, kind: int, command: int, query: bool = False) -> bool:
+    """An OFD lock ``command`` for byte 0 of ``fd``. Setting: True if taken (False where OFD
+    locks do not work). ``query``: True if no other open file description holds a lock that
+    conflicts with ``kind``."""
+    arg = _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0)
+    if query:
+        return _FLOCK.unpack(fcntl.fcntl(fd, command, arg))[0] == fcntl.F_UNLCK
+    try:
+        fcntl.fcntl(fd, command, arg)
+        return True
+    except OSError:
+        return False
 
 
 class _LedgerLock:

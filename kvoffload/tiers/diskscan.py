@@ -22,6 +22,7 @@ from pathlib import Path
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.diskfiles import SUFFIX, TMP_SUFFIX
 from kvoffload.tiers.diskledger import SpaceLedger
+from kvoffload.tiers.diskspares import SPARE_SUFFIX
 
 __all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner", "count_files"]
 
@@ -101,17 +102,26 @@ class NamespaceScanner:
                         self._ledger.remove(entry.path, self._file_bytes)
                 except FileNotFoundError:
                     pass
+            elif name.endswith(SPARE_SUFFIX):  # empty ones hold no reservation: left to owners
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_size and now - st.st_mtime > STALE_TMP_SECONDS:
+                        self._ledger.remove(entry.path, self._file_bytes)
+                except FileNotFoundError:
+                    pass
 
 
 def count_files(namespace: Path) -> int:
-    """Block files and temporary files in the namespace's hash directories, each file once (a
-    block being published has two names for an instant); no side effects."""
+    """Files that hold a reservation: block files, temporary files and spares with bytes in
+    them, each file once (a block being published has two names for an instant)."""
     inodes: set[int] = set()
     for sub in os.scandir(namespace):
         if sub.is_dir(follow_symlinks=False):
             for entry in os.scandir(sub.path):
-                if entry.name.endswith((SUFFIX, TMP_SUFFIX)):
-                    with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.name.endswith((SUFFIX, TMP_SUFFIX)) or (
+                        entry.name.endswith(SPARE_SUFFIX) and entry.stat().st_size
+                    ):
                         inodes.add(entry.inode())
     return len(inodes)
 
