@@ -21,10 +21,10 @@ from engine_cases import (
 from test_engine_disk import disk_engine, one_at_a_time
 from tier_cases import (
     BLOCK_BYTES,
+    disk_tier,
     fill_slot,
     host_pool,
     key,
-    layout,
     slot_bytes,
     small_tmpfs,
     wait_jobs,
@@ -32,17 +32,12 @@ from tier_cases import (
 
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.diskfiles import file_bytes
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)
 HIT = LookupResult.HIT
-
-
-def make_tier(path: Path, pool: memoryview, blocks: int, **kwargs) -> DiskTier:
-    kwargs.setdefault("rescan_interval", 0)
-    return DiskTier(pool, layout(), DiskTierSettings(path, LEDGER_BYTES + blocks * FILE, **kwargs))
 
 
 def full_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -78,7 +73,7 @@ def test_a_filesystem_full_before_the_bound_lowers_the_limit_and_keeps_storing(
     per block (29 lines). One I/O thread: the limit is measured once the whole job is done."""
     with small_tmpfs(tmp_path / "small", "256k") as mount:
         pool = host_pool(16)
-        tier = make_tier(mount, pool, blocks=60, num_threads=1)
+        tier = disk_tier(mount, pool, blocks=60, num_threads=1)
         try:
             with caplog.at_level(logging.WARNING, logger="kvoffload"):
                 failed = store_batches(tier, pool, 1000, 6)
@@ -108,7 +103,7 @@ def test_the_limit_grows_back_when_space_is_freed(tmp_path: Path) -> None:
         filler = mount / "other-program.bin"
         filler.write_bytes(bytes(384 * 1024))
         pool = host_pool(16)
-        tier = make_tier(mount / "tier", pool, blocks=40)
+        tier = disk_tier(mount / "tier", pool, blocks=40)
         try:
             store_batches(tier, pool, 2000, 2)
             lowered = tier.stats()["capacity_blocks"]
@@ -132,7 +127,7 @@ def test_enospc_from_a_fault_hook_is_logged_once(
             raise OSError(errno.ENOSPC, "No space left on device")
 
     pool = host_pool(16)
-    tier = make_tier(tmp_path, pool, blocks=60, fault_hook=no_space)
+    tier = disk_tier(tmp_path, pool, blocks=60, fault_hook=no_space)
     try:
         with caplog.at_level(logging.WARNING, logger="kvoffload"):
             failed = store_batches(tier, pool, 0, 3)

@@ -11,22 +11,25 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tier_cases import BLOCK_BYTES, fill_slot, host_pool, key, layout, slot_bytes, wait_jobs
+from tier_cases import (
+    BLOCK_BYTES,
+    disk_tier,
+    fill_slot,
+    host_pool,
+    key,
+    slot_bytes,
+    wait_jobs,
+)
 
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.diskfiles import file_bytes
 from kvoffload.tiers.diskledger import SpaceLedger
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-
-
-def make_tier(path: Path, pool: memoryview, blocks: int, **kwargs) -> DiskTier:
-    kwargs.setdefault("rescan_interval", 0)
-    return DiskTier(pool, layout(), DiskTierSettings(path, LEDGER_BYTES + blocks * FILE, **kwargs))
 
 
 def block_files(root: Path) -> set[bytes]:
@@ -42,7 +45,7 @@ def test_a_victims_late_unlink_never_deletes_its_keys_new_file(
     load of key 1 failed "missing". Now stores take their ledger steps in submission order, so
     job 3 waits for job 2's step and writes a new file after the unlink."""
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=3, num_threads=2)
+    tier = disk_tier(tmp_path, pool, blocks=3, num_threads=2)
     rewritten = threading.Event()
     victim = tier._files.path_of(key(1))
     reserve = SpaceLedger.reserve_blocks
@@ -108,7 +111,7 @@ def test_a_failed_ledger_step_loses_no_capacity(tmp_path: Path, flags: int) -> N
     found the directory full, 2 blocks of 2 lost. Now the next step unlinks the victims it owes
     and settles the bytes a failed step freed: the ledger equals the files again."""
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=2)
+    tier = disk_tier(tmp_path, pool, blocks=2)
     try:
         tier.submit_store(TierJob(1, [key(1), key(2)], [0, 1]))
         wait_jobs(tier)
@@ -133,7 +136,7 @@ def test_stale_temporaries_removed_by_a_scan_return_their_reservations(tmp_path:
     removes. A block file's second name (its writer died between link and unlink) is only
     unlinked: its bytes belong to the block."""
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=4)
+    tier = disk_tier(tmp_path, pool, blocks=4)
     try:
         tier.submit_store(TierJob(1, [key(1)], [0]))
         wait_jobs(tier)
@@ -162,7 +165,7 @@ def test_stale_temporaries_removed_by_a_scan_return_their_reservations(tmp_path:
 def test_check_ledger_notices_drift(tmp_path: Path) -> None:
     """The check the tests rely on fails when the ledger and the files disagree."""
     pool = host_pool(4)
-    tier = make_tier(tmp_path, pool, blocks=4)
+    tier = disk_tier(tmp_path, pool, blocks=4)
     try:
         tier.submit_store(TierJob(1, [key(1)], [0]))
         wait_jobs(tier)

@@ -7,19 +7,22 @@ import os
 from pathlib import Path
 
 import pytest
-from tier_cases import BLOCK_BYTES, fill_slot, host_pool, key, layout, slot_bytes, wait_jobs
+from tier_cases import (
+    BLOCK_BYTES,
+    disk_tier,
+    fill_slot,
+    host_pool,
+    key,
+    slot_bytes,
+    wait_jobs,
+)
 
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.diskfiles import file_bytes
 from kvoffload.tiers.diskspares import SPARE_DIR, SPARE_SUFFIX, _Renamer
 
 FILE = file_bytes(BLOCK_BYTES)
-
-
-def make_tier(path: Path, pool: memoryview, blocks: int, **kwargs) -> DiskTier:
-    kwargs.setdefault("rescan_interval", 0)
-    return DiskTier(pool, layout(), DiskTierSettings(path, LEDGER_BYTES + blocks * FILE, **kwargs))
 
 
 def spares(tier: DiskTier) -> list[Path]:
@@ -39,7 +42,7 @@ def test_spare_files_made_while_idle_take_the_next_writes(tmp_path: Path) -> Non
     """After a store the idle tier makes empty spare files (up to its target, here its 8-block
     capacity); the next store writes into them and publishes them under the blocks' names."""
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=8)
+    tier = disk_tier(tmp_path, pool, blocks=8)
     try:
         store(tier, 1, [key(0)], [0])
         made = spares(tier)
@@ -64,7 +67,7 @@ def test_a_victims_file_is_recycled_when_no_other_process_uses_the_directory(
     """Alone on the directory, a store that evicts writes into its victims' files (renamed away
     first): no unlink, no new file."""
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=4)
+    tier = disk_tier(tmp_path, pool, blocks=4)
     try:
         store(tier, 1, [key(i) for i in range(4)], [0, 1, 2, 3])
         victim = inode(tier, key(0))
@@ -84,8 +87,8 @@ def test_a_victim_another_process_may_read_is_unlinked_never_overwritten(tmp_pat
     """With another user on the directory (a second tier: its own lock), the evicted file is
     unlinked as before: a reader that opened it keeps reading its bytes intact."""
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=4)
-    other = make_tier(tmp_path, host_pool(2), blocks=4)
+    tier = disk_tier(tmp_path, pool, blocks=4)
+    other = disk_tier(tmp_path, host_pool(2), blocks=4)
     try:
         old = fill_slot(pool, 0, seed=7)
         store(tier, 1, [key(i) for i in range(4)], [0, 1, 2, 3])
@@ -112,7 +115,7 @@ def test_a_killed_writers_spares_are_cleaned(tmp_path: Path) -> None:
     it and returns its reservation. Empty spares of processes that are gone are removed by the
     next process that starts alone on the directory."""
     pool = host_pool(4)
-    tier = make_tier(tmp_path, pool, blocks=4)
+    tier = disk_tier(tmp_path, pool, blocks=4)
     try:
         directory = tier.namespace / SPARE_DIR
         assert tier._ledger.reserve_blocks(1, FILE, []) == (1, [])  # the killed writer's
@@ -127,7 +130,7 @@ def test_a_killed_writers_spares_are_cleaned(tmp_path: Path) -> None:
         tier.check_ledger()
     finally:
         tier.close()
-    again = make_tier(tmp_path, pool, blocks=4)
+    again = disk_tier(tmp_path, pool, blocks=4)
     try:
         assert not empty.exists()
     finally:

@@ -14,6 +14,8 @@ import pytest
 
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, SecondaryTier, TierJobResult
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.diskfiles import file_bytes
 
 BLOCK_BYTES = 2048
 
@@ -25,6 +27,16 @@ def layout(model: str = "test-model", block_bytes: int = BLOCK_BYTES) -> KVLayou
 def host_pool(num_slots: int, block_bytes: int = BLOCK_BYTES) -> memoryview:
     """A host pool: ``num_slots`` rows of ``block_bytes`` bytes (a 2-D byte view)."""
     return memoryview(bytearray(num_slots * block_bytes)).cast("B", (num_slots, block_bytes))
+
+
+def disk_tier(
+    path: Path, pool: memoryview, blocks: int = 16, enable_events: bool = False, **settings
+) -> DiskTier:
+    """A disk tier bounded to ``blocks`` block files of :func:`layout` on real files, without
+    the rescan thread unless ``rescan_interval`` says otherwise."""
+    settings.setdefault("rescan_interval", 0)
+    bound = LEDGER_BYTES + blocks * file_bytes(BLOCK_BYTES)
+    return DiskTier(pool, layout(), DiskTierSettings(path, bound, **settings), enable_events)
 
 
 def slot_bytes(pool: memoryview, slot: int) -> bytes:
