@@ -20,10 +20,18 @@ default both sides read what they just wrote, from the page cache (no device I/O
 ``--cold`` first ``fsync``s and evicts every file of both sides from the page cache
 (``posix_fadvise(DONTNEED)``, no root needed), so both read from the device.
 
+The tier is in steady state: its hash directories exist and it has made its spare files while
+idle (an untimed store, drained, before the timed one). ``--full`` starts it at its bound, so
+every timed store evicts as many blocks as it writes (and recycles the victims' files: the
+benchmark is the directory's only user). ``--background-writer`` keeps another process writing
+(64 MiB at a time, ``fsync``ed) to the same filesystem during every measurement, as other jobs
+do on a shared machine: file creation is what suffers most then.
+
 Also ``--scan-blocks N``: time a warm restart (index rebuild) over N block files.
 
 Usage: PYTHONPATH=. python benchmarks/disk_bandwidth.py [--dir DIR] [--block-kib 512]
-       [--batches 16,64,256] [--repeats 7] [--threads 4] [--o-direct] [--cold]
+       [--batches 16,64,256] [--repeats 7] [--threads 4] [--o-direct] [--cold] [--full]
+       [--background-writer]
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ import contextlib
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -43,7 +54,7 @@ import torch
 from kvoffload.base import ReqContext
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.diskfiles import file_bytes
 
 
@@ -61,6 +72,14 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--cold", action="store_true", help="evict both sides' files from the page cache first"
+    )
+    p.add_argument(
+        "--full", action="store_true", help="the tier starts at its bound: each store evicts"
+    )
+    p.add_argument(
+        "--background-writer",
+        action="store_true",
+        help="another process keeps writing to the filesystem meanwhile (contention)",
     )
     p.add_argument(
         "--scan-blocks", type=int, default=0, help="only time a warm restart over N files"
@@ -169,59 +188,89 @@ def rotated(names: list[str], k: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def fresh_tier(args: argparse.Namespace, root: Path, pool: memoryview, batch: int) -> DiskTier:
+    """A tier in steady state: every hash directory made, spare files made while idle (one
+    untimed store, drained), and with ``--full`` at its bound (``batch`` blocks of others, so
+    the timed store evicts as many as it writes). Untimed."""
+    block_bytes = pool.shape[1]
+    tier_dir = root / "tier"
+    shutil.rmtree(tier_dir, ignore_errors=True)
+    room = batch if args.full else 2 * batch + 1
+    settings = DiskTierSettings(
+        tier_dir,
+        LEDGER_BYTES + room * file_bytes(block_bytes),
+        num_threads=args.threads,
+        o_direct=args.o_direct,
+        rescan_interval=0,
+    )
+    tier = DiskTier(pool, layout(block_bytes), settings)
+    for i in range(256):
+        (tier.namespace / f"{i:02x}").mkdir(exist_ok=True)
+    others = [make_offload_key(os.urandom(32)) for _ in range(batch if args.full else 1)]
+    for k in range(0, len(others), len(pool) // 2):
+        part = others[k : k + len(pool) // 2]
+        tier_store(tier, -1 - k, part)  # drained: the tier refills its spare files after it
+    return tier
+
+
+def one_repeat(
+    args: argparse.Namespace, root: Path, pool: memoryview, batch: int, rep: int
+) -> dict[str, float]:
+    """Seconds of each side for one batch: the writes, then the reads, in rotated order."""
+    biggest = len(pool) // 2
+    fb = file_bytes(pool.shape[1])
+    tier = fresh_tier(args, root, pool, batch)
+    keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
+    raw_path = root / "raw.bin"
+    writes = {
+        "store": partial(tier_store, tier, 2 * rep, keys),
+        "raw_write": partial(raw_write, raw_path, pool, batch, fb),
+    }
+    reads = {
+        "load": partial(tier_load, tier, 2 * rep + 1, keys, biggest),
+        "raw_read": partial(raw_read, raw_path, fb),
+        "raw_readv": partial(raw_readv, raw_path, pool, biggest, batch, fb),
+    }
+    seconds = {}
+    try:
+        for name in rotated(list(writes), rep):
+            seconds[name] = writes[name]()
+        for name in rotated(list(reads), rep):
+            if args.cold:
+                evict([raw_path, *tier.namespace.rglob("*.kvb")])
+            seconds[name] = reads[name]()
+    finally:
+        tier.close()
+    return seconds
+
+
 def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
     block_bytes = args.block_kib * 1024
     batches = [int(b) for b in args.batches.split(",")]
-    biggest = max(batches)
-    _keep, pool = aligned_pool(2 * biggest, block_bytes)
+    _keep, pool = aligned_pool(2 * max(batches), block_bytes)
     fb = file_bytes(block_bytes)
     results: dict[int, dict[str, list[float]]] = {b: {} for b in batches}
-    serial = 0
-    for rep in range(args.repeats):
-        for batch in batches:
-            tier_dir = root / "tier"
-            shutil.rmtree(tier_dir, ignore_errors=True)
-            tier = DiskTier(
-                pool,
-                layout(block_bytes),
-                tier_dir,
-                LEDGER_BYTES + (biggest + 1) * fb,
-                num_threads=args.threads,
-                o_direct=args.o_direct,
-                rescan_interval=0,
-            )
-            for i in range(256):  # steady state: a tier that ran a while has every hash directory
-                (tier.namespace / f"{i:02x}").mkdir(exist_ok=True)
-            keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
-            raw_path = root / "raw.bin"
-            writes = {
-                "store": partial(tier_store, tier, serial, keys),
-                "raw_write": partial(raw_write, raw_path, pool, batch, fb),
-            }
-            reads = {
-                "load": partial(tier_load, tier, serial + 1, keys, biggest),
-                "raw_read": partial(raw_read, raw_path, fb),
-                "raw_readv": partial(raw_readv, raw_path, pool, biggest, batch, fb),
-            }
-            seconds = {}
-            for name in rotated(list(writes), rep):
-                seconds[name] = writes[name]()
-            for name in rotated(list(reads), rep):
-                if args.cold:
-                    evict([raw_path, *tier_dir.rglob("*.kvb")])
-                seconds[name] = reads[name]()
-            tier.close()
-            serial += 2
-            payload, files = batch * block_bytes, batch * fb
-            sizes = {"store": payload, "raw_write": files, "load": payload}
-            sizes |= {"raw_read": files, "raw_readv": payload}
-            r = results[batch]
-            for name, secs in seconds.items():
-                r.setdefault(name, []).append(sizes[name] / secs / 1e9)
-        print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
+    with background_writer(root, args.background_writer):
+        for rep in range(args.repeats):
+            for batch in batches:
+                seconds = one_repeat(args, root, pool, batch, rep)
+                payload, files = batch * block_bytes, batch * fb
+                sizes = {"store": payload, "raw_write": files, "load": payload}
+                sizes |= {"raw_read": files, "raw_readv": payload}
+                for name, secs in seconds.items():
+                    results[batch].setdefault(name, []).append(sizes[name] / secs / 1e9)
+            print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
+    print_table(args, results, fb)
+
+
+def print_table(
+    args: argparse.Namespace, results: dict[int, dict[str, list[float]]], fb: int
+) -> None:
     print(
         f"\nblock {args.block_kib} KiB payload ({fb} bytes per file), {args.threads} I/O threads, "
-        f"o_direct={args.o_direct}, page cache {'cold' if args.cold else 'warm'}; "
+        f"o_direct={args.o_direct}, page cache {'cold' if args.cold else 'warm'}, "
+        f"tier {'full (each store evicts)' if args.full else 'not full'}, "
+        f"{'a background writer' if args.background_writer else 'no background writer'}; "
         f"GB/s median [min-max] of {args.repeats} interleaved repeats"
     )
     print(
@@ -229,8 +278,7 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
         f"{'load':>22} | {'raw os.read':>22} | {'ratio':>5} | {'raw readv->slots':>22} | "
         f"{'ratio':>5}"
     )
-    for batch in batches:
-        r = results[batch]
+    for batch, r in results.items():
 
         def cell(name: str, r: dict[str, list[float]] = r) -> str:
             v = r[name]
@@ -246,6 +294,31 @@ def run_bandwidth(args: argparse.Namespace, root: Path) -> None:
         )
 
 
+@contextlib.contextmanager
+def background_writer(root: Path, on: bool) -> Iterator[None]:
+    """With ``on``: another process keeps writing to the same filesystem (64 MiB at a time,
+    each ``fsync``ed, into one file it rewrites) while the body runs: the contention other jobs
+    put on a shared machine's disk, made the same for every repeat and both sides."""
+    if not on:
+        yield
+        return
+    code = (
+        "import os, sys\n"
+        "buf = os.urandom(1 << 20)\n"
+        "while True:\n"
+        "    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)\n"
+        "    for _ in range(64): os.write(fd, buf)\n"
+        "    os.fsync(fd); os.close(fd)\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code, str(root / "background.bin")])
+    try:
+        time.sleep(0.5)  # under way before the first measurement
+        yield
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 def run_scan(args: argparse.Namespace, root: Path) -> None:
     """Write N small block files, then time fresh tiers indexing them (warm restart)."""
     block_bytes = 4096
@@ -253,14 +326,10 @@ def run_scan(args: argparse.Namespace, root: Path) -> None:
     _keep, pool = aligned_pool(256, block_bytes)
     fb = file_bytes(block_bytes)
     tier_dir = root / "scan"
-    tier = DiskTier(
-        pool,
-        layout(block_bytes),
-        tier_dir,
-        LEDGER_BYTES + (n + 1) * fb,
-        num_threads=args.threads,
-        rescan_interval=0,
+    settings = DiskTierSettings(
+        tier_dir, LEDGER_BYTES + (n + 1) * fb, num_threads=args.threads, rescan_interval=0
     )
+    tier = DiskTier(pool, layout(block_bytes), settings)
     ctx = ReqContext("bench")
     start = time.perf_counter()
     for i in range(0, n, 256):
@@ -276,9 +345,7 @@ def run_scan(args: argparse.Namespace, root: Path) -> None:
     print(f"wrote {n} block files in {time.perf_counter() - start:.1f} s")
     times = []
     for _ in range(args.repeats):
-        again = DiskTier(
-            pool, layout(block_bytes), tier_dir, LEDGER_BYTES + (n + 1) * fb, rescan_interval=0
-        )
+        again = DiskTier(pool, layout(block_bytes), settings)
         assert again.stats()["used_blocks"] == n, again.stats()
         times.append(again.scan_seconds)
         again.close()
@@ -298,7 +365,7 @@ def main() -> None:
         else:
             run_bandwidth(args, root)
     finally:
-        for name in ("tier", "scan", "raw.bin"):
+        for name in ("tier", "scan", "raw.bin", "background.bin"):
             path = root / name
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

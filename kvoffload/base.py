@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 from kvoffload.keys import OffloadKey
 
 __all__ = [
+    "EventQueueMixin",
     "LoadStoreSpec",
     "LookupResult",
     "OffloadingEvent",
@@ -115,6 +116,24 @@ class OffloadingEvent:
     medium: str
     removed: bool
     locality: str | None = None
+
+
+class EventQueueMixin:
+    """``take_events`` for a manager or tier that gathers its events in ``self._events``.
+
+    ``_events`` is a list, or ``None`` when events are off: then nothing is gathered and every
+    take is empty. The owner appends :class:`OffloadingEvent` s; a take hands over the list and
+    starts a new one (no copy), so each event is taken exactly once.
+    """
+
+    _events: list[OffloadingEvent] | None
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
 
 class OffloadingManager(ABC):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
 from tier_cases import (
     BLOCK_BYTES,
     dir_bytes,
+    disk_tier,
     fill_slot,
     host_pool,
     key,
@@ -25,17 +27,12 @@ from tier_cases import (
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.diskfiles import file_bytes
 from kvoffload.tiers.factory import validate_disk_settings
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)
-
-
-def make_tier(path: Path, pool: memoryview, blocks: int = 16, **kwargs) -> DiskTier:
-    kwargs.setdefault("rescan_interval", 0)
-    return DiskTier(pool, layout(), path, LEDGER_BYTES + blocks * FILE, **kwargs)
 
 
 def store(tier: DiskTier, job_id: int, keys: list, slots: list[int]) -> dict:
@@ -55,7 +52,7 @@ def load(tier: DiskTier, job_id: int, keys: list, slots: list[int]) -> dict:
 def test_store_then_load_returns_the_exact_bytes(tmp_path: Path) -> None:
     pool = host_pool(8)
     data = [fill_slot(pool, s, seed=s) for s in range(4)]
-    with_tier = make_tier(tmp_path, pool)
+    with_tier = disk_tier(tmp_path, pool)
     try:
         assert with_tier.lookup(key(0), CTX) is LookupResult.MISS
         with_tier.submit_store(TierJob(1, [key(i) for i in range(4)], [0, 1, 2, 3]))
@@ -94,7 +91,7 @@ def _corrupt_header(path: Path) -> None:
 def test_bad_file_fails_its_load_is_counted_and_dropped(tmp_path: Path, damage, cause) -> None:
     pool = host_pool(4)
     fill_slot(pool, 0, seed=1)
-    tier = make_tier(tmp_path, pool)
+    tier = disk_tier(tmp_path, pool)
     try:
         assert store(tier, 1, [key(7)], [0]) == {}
         path = tier_file(tmp_path, key(7))
@@ -114,12 +111,14 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
     """A block written for another model, put where this model's block would be."""
     pool = host_pool(4)
     fill_slot(pool, 0, seed=3)
-    other = DiskTier(pool, layout("other-model"), tmp_path, 1 << 20, rescan_interval=0)
+    other = DiskTier(
+        pool, layout("other-model"), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0)
+    )
     try:
         store(other, 1, [key(5)], [0])
     finally:
         other.close()
-    tier = make_tier(tmp_path, pool)
+    tier = disk_tier(tmp_path, pool)
     try:
         assert tier.lookup(key(5), CTX) is LookupResult.MISS  # another namespace
         foreign = tier_file(
@@ -129,7 +128,7 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
         mine.parent.mkdir(parents=True, exist_ok=True)
         os.link(foreign, mine)
         tier.close()
-        tier = make_tier(tmp_path, pool)  # warm restart indexes the planted file by name
+        tier = disk_tier(tmp_path, pool)  # warm restart indexes the planted file by name
         assert tier.lookup(key(5), CTX) is LookupResult.HIT
         assert load(tier, 2, [key(5)], [1]) == {key(5): "layout"}
         assert tier.stats()["failed_load_layout"] == 1
@@ -140,7 +139,7 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
 
 def test_missing_file_is_a_failed_load(tmp_path: Path) -> None:
     pool = host_pool(4)
-    tier = make_tier(tmp_path, pool)
+    tier = disk_tier(tmp_path, pool)
     try:
         store(tier, 1, [key(1)], [0])
         tier_file(tmp_path, key(1)).unlink()  # another process evicted it
@@ -152,7 +151,7 @@ def test_missing_file_is_a_failed_load(tmp_path: Path) -> None:
 
 def test_bound_is_never_exceeded_and_eviction_follows_the_policy(tmp_path: Path) -> None:
     pool = host_pool(4)
-    tier = make_tier(tmp_path, pool, blocks=3)
+    tier = disk_tier(tmp_path, pool, blocks=3)
     try:
         for i in range(6):
             fill_slot(pool, 0, seed=i)
@@ -168,7 +167,7 @@ def test_bound_is_never_exceeded_and_eviction_follows_the_policy(tmp_path: Path)
 
 def test_blocks_being_loaded_are_not_evicted(tmp_path: Path) -> None:
     pool = host_pool(4)
-    tier = make_tier(tmp_path, pool, blocks=1)
+    tier = disk_tier(tmp_path, pool, blocks=1)
     try:
         store(tier, 1, [key(1)], [0])
         tier.submit_load(TierJob(2, [key(1)], [1]))
@@ -185,14 +184,14 @@ def test_blocks_being_loaded_are_not_evicted(tmp_path: Path) -> None:
 def test_warm_restart_indexes_the_directory(tmp_path: Path) -> None:
     pool = host_pool(8)
     data = {i: fill_slot(pool, i, seed=100 + i) for i in range(5)}
-    tier = make_tier(tmp_path, pool)
+    tier = disk_tier(tmp_path, pool)
     store(tier, 1, [key(i) for i in range(5)], list(range(5)))
     tier.close()
     (tmp_path / "kvoffload-v1" / layout().fingerprint().hex() / "ab").mkdir(exist_ok=True)
     stale = tmp_path / "kvoffload-v1" / layout().fingerprint().hex() / "ab" / ".x.1.1.tmp"
     stale.write_bytes(b"half a block")
     os.utime(stale, (1, 1))  # a leftover of a writer killed long ago
-    again = make_tier(tmp_path, pool)
+    again = disk_tier(tmp_path, pool)
     try:
         assert again.stats()["scanned_blocks"] == 5
         assert not stale.exists()
@@ -205,10 +204,10 @@ def test_warm_restart_indexes_the_directory(tmp_path: Path) -> None:
 
 def test_a_smaller_bound_at_restart_trims_the_directory(tmp_path: Path) -> None:
     pool = host_pool(8)
-    tier = make_tier(tmp_path, pool, blocks=8)
+    tier = disk_tier(tmp_path, pool, blocks=8)
     store(tier, 1, [key(i) for i in range(6)], list(range(6)))
     tier.close()
-    small = make_tier(tmp_path, pool, blocks=2)
+    small = disk_tier(tmp_path, pool, blocks=2)
     try:
         assert small.stats()["used_blocks"] == 2
         assert dir_bytes(tmp_path) <= small.capacity_bytes
@@ -218,8 +217,8 @@ def test_a_smaller_bound_at_restart_trims_the_directory(tmp_path: Path) -> None:
 
 def test_two_tiers_on_one_directory_share_blocks_and_one_bound(tmp_path: Path) -> None:
     pool_a, pool_b = host_pool(8), host_pool(8)
-    a = make_tier(tmp_path, pool_a, blocks=4, rescan_interval=0.01)
-    b = make_tier(tmp_path, pool_b, blocks=4, rescan_interval=0.01)
+    a = disk_tier(tmp_path, pool_a, blocks=4, rescan_interval=0.01)
+    b = disk_tier(tmp_path, pool_b, blocks=4, rescan_interval=0.01)
     try:
         data = fill_slot(pool_a, 0, seed=9)
         store(a, 1, [key(1)], [0])
@@ -227,7 +226,7 @@ def test_two_tiers_on_one_directory_share_blocks_and_one_bound(tmp_path: Path) -
             b.get_finished_jobs()
             if b.lookup(key(1), CTX) is LookupResult.HIT:
                 break
-            b._stop.wait(0.005)
+            time.sleep(0.005)
         assert b.lookup(key(1), CTX) is LookupResult.HIT
         assert load(b, 2, [key(1)], [3]) == {}
         assert slot_bytes(pool_b, 3) == data
@@ -249,8 +248,8 @@ def test_same_block_written_by_two_tiers_at_once_is_one_intact_file(tmp_path: Pa
     pool_a, pool_b = host_pool(2), host_pool(2)
     data = fill_slot(pool_a, 0, seed=5)
     pool_b.cast("B")[:BLOCK_BYTES] = data
-    a = make_tier(tmp_path, pool_a)
-    b = make_tier(tmp_path, pool_b)
+    a = disk_tier(tmp_path, pool_a)
+    b = disk_tier(tmp_path, pool_b)
     try:
         a.submit_store(TierJob(1, [key(1)], [0]))
         b.submit_store(TierJob(1, [key(1)], [0]))
@@ -272,7 +271,7 @@ def test_no_space_from_the_os_fails_stores_cleanly(tmp_path: Path) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
     pool = host_pool(4)
-    tier = make_tier(tmp_path, pool, fault_hook=no_space)
+    tier = disk_tier(tmp_path, pool, fault_hook=no_space)
     try:
         failed = store(tier, 1, [key(1), key(2), key(3)], [0, 1, 2])
         assert failed == {key(2): "full"}
@@ -288,7 +287,7 @@ def test_a_really_full_filesystem_fails_stores_cleanly(tmp_path: Path) -> None:
     """A 64 KiB tmpfs under a 1 MiB bound: the OS runs out first (skips unless root)."""
     with small_tmpfs(tmp_path / "small", "64k") as mount:
         pool = host_pool(40)
-        tier = make_tier(mount, pool, blocks=40)
+        tier = disk_tier(mount, pool, blocks=40)
         try:
             failed = store(tier, 1, [key(i) for i in range(40)], list(range(40)))
             assert failed and set(failed.values()) == {"full"}
@@ -308,7 +307,7 @@ def test_bad_size_is_a_config_error(tmp_path: Path, size) -> None:
 
 def test_size_below_one_block_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_size"):
-        DiskTier(host_pool(2), layout(), tmp_path, FILE)
+        DiskTier(host_pool(2), layout(), DiskTierSettings(tmp_path, FILE))
 
 
 def test_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
@@ -317,7 +316,7 @@ def test_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_path"):
         validate_disk_settings(path, 1.0)
     with pytest.raises(ConfigError, match="kv_disk_path"):
-        DiskTier(host_pool(2), layout(), path, 1 << 20)
+        DiskTier(host_pool(2), layout(), DiskTierSettings(path, 1 << 20))
 
 
 def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
@@ -327,7 +326,7 @@ def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
 
             subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
             with pytest.raises(ConfigError, match="kv_disk_path"):
-                DiskTier(host_pool(2), layout(), mount / "tier", 1 << 20)
+                DiskTier(host_pool(2), layout(), DiskTierSettings(mount / "tier", 1 << 20))
     else:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -347,7 +346,8 @@ def test_o_direct_round_trip(tmp_path: Path) -> None:
     data = fill_slot(pool, 0, seed=11)
     lay = layout(block_bytes=4096)
     try:
-        tier = DiskTier(pool, lay, tmp_path, 1 << 20, o_direct=True, rescan_interval=0)
+        settings = DiskTierSettings(tmp_path, 1 << 20, o_direct=True, rescan_interval=0)
+        tier = DiskTier(pool, lay, settings)
     except ConfigError as exc:  # a filesystem without O_DIRECT: refused cleanly
         pytest.skip(str(exc))
     try:
@@ -360,7 +360,8 @@ def test_o_direct_round_trip(tmp_path: Path) -> None:
 
 def test_o_direct_needs_aligned_blocks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_disk_o_direct"):
-        DiskTier(_page_aligned_pool(4, 2048), layout(), tmp_path, 1 << 20, o_direct=True)
+        settings = DiskTierSettings(tmp_path, 1 << 20, o_direct=True)
+        DiskTier(_page_aligned_pool(4, 2048), layout(), settings)
 
 
 def test_regression_store_that_evicts_never_finds_the_room_of_its_own_victims_taken(
@@ -381,7 +382,7 @@ def test_regression_store_that_evicts_never_finds_the_room_of_its_own_victims_ta
 
     pool = host_pool(16)
     data = {i: fill_slot(pool, 8 + i, seed=40 + i) for i in range(8)}
-    tier = make_tier(tmp_path, pool, blocks=8, num_threads=4, fault_hook=check)
+    tier = disk_tier(tmp_path, pool, blocks=8, num_threads=4, fault_hook=check)
     try:
         assert store(tier, 1, victims, list(range(8))) == {}
         new = [key(i) for i in range(10, 18)]
@@ -399,8 +400,8 @@ def test_store_that_does_not_fit_keeps_its_longest_prefix(tmp_path: Path) -> Non
     """Room taken by another process's blocks the index does not know of: the job's first
     blocks are stored, the rest fail ``"full"``, and the ledger holds exactly the files."""
     pool = host_pool(8)
-    other = make_tier(tmp_path, pool, blocks=4)
-    tier = make_tier(tmp_path, pool, blocks=4)
+    other = disk_tier(tmp_path, pool, blocks=4)
+    tier = disk_tier(tmp_path, pool, blocks=4)
     try:
         assert store(other, 1, [key(100), key(101)], [0, 1]) == {}
         failed = store(tier, 1, [key(i) for i in range(4)], [0, 1, 2, 3])
@@ -418,11 +419,11 @@ def test_blocks_found_on_disk_are_announced_once(tmp_path: Path) -> None:
     """A warm start (and the rescan) announce the blocks they index as stored, once, so an
     event consumer learns what a restarted engine holds; later events are as usual."""
     pool = host_pool(8)
-    first = make_tier(tmp_path, pool)
+    first = disk_tier(tmp_path, pool)
     store(first, 1, [key(i) for i in range(3)], [0, 1, 2])
     first.close()
-    again = make_tier(tmp_path, pool, enable_events=True)
-    quiet = make_tier(tmp_path, pool)  # events off: nothing is kept
+    again = disk_tier(tmp_path, pool, enable_events=True)
+    quiet = disk_tier(tmp_path, pool)  # events off: nothing is kept
     try:
         (event,) = again.take_events()
         assert (event.medium, event.removed, event.locality) == ("STORAGE", False, "LOCAL")
@@ -431,8 +432,8 @@ def test_blocks_found_on_disk_are_announced_once(tmp_path: Path) -> None:
         assert quiet.take_events() == [] and quiet._events is None
         # Another process's new block, found by the rescan, is announced at the next poll.
         store(quiet, 2, [key(7)], [3])
-        again._dir_mtimes.clear()  # its directory's mtime may not have ticked yet: list it again
-        again._rescan_once()
+        # Its directory's mtime may not have ticked yet: list every directory again.
+        again._rescanner.rescan_once(changed_only=False)
         assert again.get_finished_jobs() == []
         assert [(e.keys, e.removed) for e in again.take_events()] == [([key(7)], False)]
         assert again.stats()["discovered_blocks"] == 1

@@ -235,8 +235,9 @@ def test_full_disk_fault_hook_keeps_serving(tmp_path: Path, reference) -> None:
 
 
 def test_full_filesystem_keeps_serving(tmp_path: Path, reference) -> None:
-    """A 160 KiB tmpfs behind a 1.6 MiB bound: the OS says ENOSPC (skips unless root)."""
-    with small_tmpfs(tmp_path / "small", "160k") as mount:
+    """160 KiB free on a 2 MiB tmpfs behind a 1.6 MiB bound: the OS says ENOSPC (skips unless
+    root)."""
+    with small_tmpfs(tmp_path / "small", "2m", free_kib=160) as mount:
         with disk_engine(mount) as engine:
             outputs = [o for r in run_rounds(engine, ROUNDS, SAMPLING) for o in r]
             stats = engine.stats()

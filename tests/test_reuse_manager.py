@@ -18,7 +18,7 @@ from kvoffload import (
     ReqContext,
     TieringOffloadingManager,
 )
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
@@ -206,7 +206,7 @@ def test_the_already_held_probe_promotes_nothing(tmp_path: Path) -> None:
     pool = host_pool(4)
     host = CPUOffloadingManager(4, "lru")
     tiering = TieringOffloadingManager(
-        host, [DiskTier(pool, layout(), tmp_path, 1 << 20, rescan_interval=0)]
+        host, [DiskTier(pool, layout(), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))]
     )
     m = FilterReusedOffloadingManager(tiering, store_threshold=2)
     try:

@@ -16,7 +16,7 @@ from kvoffload.keys import make_offload_key
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOutput
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
 BLOCK = 4
 HASHER = BlockHasher(BLOCK)
@@ -29,7 +29,7 @@ def request(req_id: str) -> FakeRequest:
 
 def setup(tmp_path: Path, retry_seconds: float = 60.0, min_retries: int = 4):
     pool = host_pool(16)
-    disk = DiskTier(pool, layout(), tmp_path, 1 << 20, rescan_interval=0)
+    disk = DiskTier(pool, layout(), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))
     keys = [make_offload_key(h) for h in request("x").block_hashes[:5]]
     disk.submit_store(TierJob(10_000, keys, list(range(5))))
     assert all(r.success for r in wait_jobs(disk))

@@ -16,7 +16,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -31,7 +31,7 @@ from kvoffload.base import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.diskfiles import file_bytes
 
 MISS, HIT, HIT_PENDING, RETRY = (
@@ -53,6 +53,12 @@ SETTINGS = settings(
 )
 
 
+def small_disk_tier(path: Path, pool: memoryview, enable_events: bool = False) -> DiskTier:
+    """A disk tier of ``DISK_BLOCKS`` blocks on real files, without the rescan thread."""
+    settings = DiskTierSettings(path, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
+    return DiskTier(pool, layout(), settings, enable_events=enable_events)
+
+
 def content(k: bytes) -> bytes:
     """The one right payload of block ``k`` (so stale or mixed bytes are always noticed)."""
     return (k * (BLOCK_BYTES // len(k) + 1))[:BLOCK_BYTES]
@@ -67,9 +73,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tier-"))
         self.pool = host_pool(POOL_SLOTS)
-        self.tier = DiskTier(
-            self.pool, layout(), self.dir, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0
-        )
+        self.tier = small_disk_tier(self.dir, self.pool)
         self.ctx = ReqContext("machine")
         self.next_job = 0
         self.free_slots = list(range(POOL_SLOTS))
@@ -173,6 +177,7 @@ class DiskTierMachine(RuleBasedStateMachine):
                         assert self.tier.lookup(k, self.ctx) is MISS  # dropped
                         self.damaged.discard(k)
             self.free_slots.extend(slots)  # the tier no longer touches them (invariant 3)
+        self.tier.check_ledger()  # the shared count equals the files, whatever happened
 
     @invariant()
     def pinned_blocks_stay(self) -> None:
@@ -201,6 +206,10 @@ def _request(name: str) -> ReqContext:
     return ReqContext(name, {"kv_store_tiers": []} if name.startswith("req-3") else {})
 
 
+# An explicit seed: with ``derandomize`` alone the examples follow a digest of the machine's
+# source, so any edit to the class reshuffled them, and only about 1 seed in 13 reaches every
+# path the coverage checks below require (seed 7 does, for both cascade modes).
+@seed(7)
 class TieringMachine(RuleBasedStateMachine):
     """The connector's and the worker's part, played by the machine."""
 
@@ -212,14 +221,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tiering-"))
         self.pool = host_pool(HOST_BLOCKS)
         self.host = CPUOffloadingManager(HOST_BLOCKS, "lru", enable_events=True)
-        self.disk = DiskTier(
-            self.pool,
-            layout(),
-            self.dir,
-            LEDGER_BYTES + DISK_BLOCKS * FILE,
-            rescan_interval=0,
-            enable_events=True,
-        )
+        self.disk = small_disk_tier(self.dir, self.pool, enable_events=True)
         self.manager = TieringOffloadingManager(
             self.host, [self.disk], self.CASCADE, self.EVICT_HEADROOM
         )

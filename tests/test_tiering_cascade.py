@@ -12,7 +12,7 @@ from tier_cases import host_pool, key, layout
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
 HOST_BLOCKS = 8
 
@@ -24,8 +24,8 @@ class SecondDisk(DiskTier):
 def _manager(tmp_path: Path, cascade: str) -> TieringOffloadingManager:
     pool = host_pool(HOST_BLOCKS)
     tiers = [
-        DiskTier(pool, layout(), tmp_path / "d1", 1 << 20, rescan_interval=0),
-        SecondDisk(pool, layout(), tmp_path / "d2", 1 << 20, rescan_interval=0),
+        DiskTier(pool, layout(), DiskTierSettings(tmp_path / "d1", 1 << 20, rescan_interval=0)),
+        SecondDisk(pool, layout(), DiskTierSettings(tmp_path / "d2", 1 << 20, rescan_interval=0)),
     ]
     host = CPUOffloadingManager(HOST_BLOCKS, "lru")
     # on_evict cascades once fewer than half the host's slots are free.

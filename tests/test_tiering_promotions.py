@@ -10,7 +10,7 @@ from tier_cases import host_pool, key, layout
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
 HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 
@@ -29,7 +29,7 @@ def test_a_promotion_protects_its_requests_host_hits(tmp_path: Path) -> None:
     evicting x0, x1 but never A's own hits h0, h1; the device store then takes h1, the oldest
     block left (A looks it up again next step). Nothing is refused."""
     host = CPUOffloadingManager(4, "lru")
-    disk = DiskTier(host_pool(4), layout(), tmp_path, 1 << 20, rescan_interval=0)
+    disk = DiskTier(host_pool(4), layout(), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))
     manager = TieringOffloadingManager(host, [disk])
     try:
         h0, h1, k0, k1, x0, x1, y0 = (key(i) for i in range(7))
@@ -58,7 +58,8 @@ def test_a_promotion_protects_its_requests_host_hits(tmp_path: Path) -> None:
 
 def _tiering(tmp_path: Path, host_blocks: int = 4) -> TieringOffloadingManager:
     host = CPUOffloadingManager(host_blocks, "lru")
-    disk = DiskTier(host_pool(host_blocks), layout(), tmp_path, 1 << 20, rescan_interval=0)
+    settings = DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0)
+    disk = DiskTier(host_pool(host_blocks), layout(), settings)
     return TieringOffloadingManager(host, [disk])
 
 

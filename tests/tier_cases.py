@@ -14,6 +14,8 @@ import pytest
 
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, SecondaryTier, TierJobResult
+from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.diskfiles import file_bytes
 
 BLOCK_BYTES = 2048
 
@@ -25,6 +27,16 @@ def layout(model: str = "test-model", block_bytes: int = BLOCK_BYTES) -> KVLayou
 def host_pool(num_slots: int, block_bytes: int = BLOCK_BYTES) -> memoryview:
     """A host pool: ``num_slots`` rows of ``block_bytes`` bytes (a 2-D byte view)."""
     return memoryview(bytearray(num_slots * block_bytes)).cast("B", (num_slots, block_bytes))
+
+
+def disk_tier(
+    path: Path, pool: memoryview, blocks: int = 16, enable_events: bool = False, **settings
+) -> DiskTier:
+    """A disk tier bounded to ``blocks`` block files of :func:`layout` on real files, without
+    the rescan thread unless ``rescan_interval`` says otherwise."""
+    settings.setdefault("rescan_interval", 0)
+    bound = LEDGER_BYTES + blocks * file_bytes(BLOCK_BYTES)
+    return DiskTier(pool, layout(), DiskTierSettings(path, bound, **settings), enable_events)
 
 
 def slot_bytes(pool: memoryview, slot: int) -> bytes:
@@ -72,8 +84,10 @@ def dir_bytes(root: Path) -> int:
 
 
 @contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A size-limited tmpfs at ``path`` (root only; skips otherwise)."""
+def small_tmpfs(path: Path, size: str, free_kib: int | None = None) -> Iterator[Path]:
+    """A size-limited tmpfs at ``path`` (root only; skips otherwise). ``free_kib``: another
+    program's file takes all but that much (a filesystem fuller than a tier's bound, which a
+    bound above the whole filesystem's size cannot model: it is refused)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     path.mkdir(parents=True, exist_ok=True)
@@ -85,6 +99,11 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
+        if free_kib is not None:
+            st = os.statvfs(path)
+            (path / "other-program.bin").write_bytes(
+                bytes(st.f_bavail * st.f_frsize - free_kib * 1024)
+            )
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)

@@ -7,6 +7,7 @@ from itertools import filterfalse
 from operator import attrgetter
 
 from kvoffload.base import (
+    EventQueueMixin,
     LookupResult,
     OffloadingEvent,
     OffloadingManager,
@@ -29,7 +30,7 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 _slot_of = attrgetter("slot")
 
 
-class CPUOffloadingManager(OffloadingManager):
+class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
     """Bookkeeping of ``num_blocks`` host slots, each holding one offloaded block.
 
     Slots: never-used ids are handed out in ascending order first (a bump pointer), then freed
@@ -250,13 +251,6 @@ class CPUOffloadingManager(OffloadingManager):
             uses = take_uses(ctx, self)
             if uses is not None:
                 self._commit(uses.touched, uses.stored, ctx)
-
-    def take_events(self) -> list[OffloadingEvent]:
-        events = self._events
-        if not events:
-            return []
-        self._events = []
-        return events
 
     def reset(self) -> None:
         get = self._get

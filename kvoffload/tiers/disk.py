@@ -4,10 +4,10 @@ See ``docs/disk-tier.md``. In short:
 
 * **Bounded.** The namespace's block files (header + payload, in whole 4 KiB blocks) and its ledger
   never exceed ``capacity_bytes``. The byte count is shared by every process on the directory
-  (:class:`~kvoffload.tiers.diskfiles.SpaceLedger`); a writer reserves before it writes and evicts
-  its own index's blocks (by the eviction policy) when the directory is full.
-* **Crash-safe.** A file appears under its final name only complete (temporary name, then
-  ``link``); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
+  (:class:`~kvoffload.tiers.diskledger.SpaceLedger`); a writer reserves before it writes and
+  evicts its own index's blocks (by the eviction policy) when the directory is full.
+* **Crash-safe.** A file appears under its final name only complete (written under another
+  name, then published by a rename or ``link`` that never replaces a file); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
   checksum of the payload. A bad file fails its load (cause counted) and is deleted.
 * **Warm restart.** The index is rebuilt from the file names at start (no file is read); with
   events on, the blocks found are announced once (``BlockStored``, medium ``STORAGE``), as are
@@ -19,8 +19,9 @@ See ``docs/disk-tier.md``. In short:
   a file keeps reading it intact after an unlink (POSIX), and one that opens too late gets
   ``ENOENT``: a failed load, a recompute, never wrong bytes.
 
-Scheduler-thread methods touch only the in-memory index; all file I/O runs on a thread pool and
-moves payloads with ``os.preadv``/``os.pwritev`` straight to and from the host pool.
+This module is the scheduler-thread side: the in-memory index and the decisions. The modules
+beside it do the rest: ``diskjobs`` (the I/O threads), ``diskfiles`` (one block file),
+``diskledger`` (the shared byte count), ``diskscan`` (finding files), ``diskdir`` (the directory).
 """
 
 from __future__ import annotations
@@ -28,30 +29,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import mmap
 import os
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.base import LookupResult, OffloadingEvent, ReqContext
+from kvoffload.base import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
 from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.blockformat import CorruptBlockError
-from kvoffload.tiers.diskfiles import (
-    BlockFiles,
-    FaultHook,
-    SpaceLedger,
-    file_bytes,
-    is_no_space,
-)
+from kvoffload.tiers.diskdir import check_o_direct, free_bytes, prepare_namespace
+from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
+from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
+from kvoffload.tiers.diskledger import SpaceLedger
+from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, count_files
+from kvoffload.tiers.diskspares import SparePool, remove_all
 
-__all__ = ["DiskTier"]
+__all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +57,48 @@ _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HI
 LEDGER_BYTES = 4096
 _DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
 _CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
+#: Empty files kept ready for writes (made while idle; see ``diskspares``).
+SPARE_FILES = 64
+_COUNTERS = (
+    "filesystem_full_stores",
+    "stored_blocks",
+    "loaded_blocks",
+    "evicted_blocks",
+    "failed_load_blocks",
+    "failed_store_blocks",
+    "rejected_stores",
+    "scanned_blocks",
+    "discovered_blocks",
+)
 
 
-class _Running:
-    """A submitted job until its last block finished (touched by I/O threads under ``lock``)."""
+@dataclass(frozen=True, slots=True)
+class DiskTierSettings:
+    """How a :class:`DiskTier` is built.
 
-    __slots__ = (
-        "failed",
-        "is_store",
-        "job",
-        "lock",
-        "nbytes",
-        "pinned",
-        "remaining",
-        "reserved",
-        "start",
-    )
+    ``path``: the directory (created if missing); ``capacity_bytes``: the bound on disk, ledger
+    included; ``eviction_policy``: a registry name or a policy; ``num_threads``: I/O threads;
+    ``o_direct``: bypass the page cache (needs 4 KiB aligned pool and block size and a
+    filesystem that supports it); ``rescan_interval``: seconds between looks for other
+    processes' new files (0: never); ``fault_hook``: injects OS errors (tests).
+    """
 
-    def __init__(self, job: TierJob, is_store: bool, remaining: int) -> None:
-        self.job = job
-        self.is_store = is_store
-        self.failed: dict[OffloadKey, str] = {}
-        self.remaining = remaining
-        self.nbytes = 0
-        self.pinned: list[OffloadKey] = []  # a load's keys pinned in the index
-        self.reserved = 0  # a store's net bytes, counted in DiskTier._dir_submitted until reported
-        self.start = time.perf_counter()
-        self.lock = threading.Lock()
+    path: str | os.PathLike[str]
+    capacity_bytes: int
+    eviction_policy: str | EvictionPolicy = "lru"
+    num_threads: int = 4
+    o_direct: bool = False
+    rescan_interval: float = 2.0
+    fault_hook: FaultHook | None = None
 
 
-class DiskTier(SecondaryTier):
+class DiskTier(EventQueueMixin, SecondaryTier):
     """A :class:`SecondaryTier` on a local or shared filesystem (see the module docstring).
 
-    ``capacity_bytes`` bounds the namespace on disk; ``eviction_policy`` is a registry name;
-    ``num_threads`` I/O threads; ``o_direct`` bypasses the page cache (needs 4 KiB aligned pool
-    and block size and a filesystem that supports it); ``rescan_interval`` (s, 0 = never) is how
-    often other processes' new files are looked for; ``fault_hook`` injects OS errors (tests).
-    Bad settings raise :class:`ConfigError` naming ``kv_disk_path`` / ``kv_disk_size``.
+    Bad settings raise :class:`ConfigError` naming ``kv_disk_path`` / ``kv_disk_size`` /
+    ``kv_disk_o_direct``. Index invariants: a key is ``PENDING`` while a store of this tier
+    writes it, ready (``ref_cnt`` 0) or pinned by loads (``ref_cnt`` > 0) otherwise; the index
+    never holds more than ``capacity_blocks`` keys.
     """
 
     name = "disk"
@@ -106,17 +108,13 @@ class DiskTier(SecondaryTier):
         self,
         pool: memoryview,
         layout: KVLayout,
-        path: str | os.PathLike[str],
-        capacity_bytes: int,
-        eviction_policy: str | EvictionPolicy = "lru",
-        num_threads: int = 4,
-        o_direct: bool = False,
-        rescan_interval: float = 2.0,
+        settings: DiskTierSettings,
         enable_events: bool = False,
-        fault_hook: FaultHook | None = None,
     ) -> None:
         super().__init__(pool, layout)
+        self.settings = settings
         self.file_bytes = fb = file_bytes(layout.block_bytes)
+        capacity_bytes = settings.capacity_bytes
         if not capacity_bytes >= LEDGER_BYTES + fb:  # also rejects NaN
             raise ConfigError(
                 "kv_disk_size",
@@ -125,89 +123,114 @@ class DiskTier(SecondaryTier):
             )
         self.capacity_bytes = int(capacity_bytes)
         self.capacity_blocks = (self.capacity_bytes - LEDGER_BYTES) // fb
-        self.root = Path(path)
-        self.namespace = _prepare_directory(self.root, layout)
+        self.root = Path(settings.path)
+        self.namespace = prepare_namespace(self.root, layout)
         flat = pool.cast("B") if pool.ndim != 1 else pool
-        if o_direct:
-            _check_o_direct(self.namespace, flat, layout.block_bytes)
+        if settings.o_direct:
+            check_o_direct(self.namespace, flat, layout.block_bytes)
         self._files = BlockFiles(
-            self.namespace, layout.fingerprint(), flat, layout.block_bytes, o_direct, fault_hook
+            self.namespace,
+            layout.fingerprint(),
+            flat,
+            layout.block_bytes,
+            settings.o_direct,
+            settings.fault_hook,
         )
         self._ledger = SpaceLedger(self.namespace / "ledger", self.capacity_bytes - LEDGER_BYTES)
+        policy = settings.eviction_policy
         self._policy = (
-            create_eviction_policy(eviction_policy, self.capacity_blocks)
-            if isinstance(eviction_policy, str)
-            else eviction_policy
+            create_eviction_policy(policy, self.capacity_blocks)
+            if isinstance(policy, str)
+            else policy
         )
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._done: collections.deque[_Running] = collections.deque()
-        self._discovered: collections.deque[list[OffloadKey]] = collections.deque()
-        self._inflight = 0
-        self._idle = threading.Condition()
-        self._pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="kvoffload-disk")
-        self._num_threads = max(1, num_threads)
-        self._closed = False
+        self._spares = SparePool(
+            self.namespace, min(SPARE_FILES, self.capacity_blocks), settings.o_direct
+        )
+        self._runner = DiskJobRunner(
+            self._files, self._ledger, fb, settings.num_threads, self._spares
+        )
         self._counters: dict[str, int] = collections.defaultdict(int)
         # The ledger's count (every process's files) as the scheduler thread saw it at the last
         # poll, and the bytes of stores submitted since.
         self._dir_used = 0
         self._dir_submitted = 0
+        self._closed = False
+        self._scanner = NamespaceScanner(self.namespace, self._ledger, fb)
         self.scan_seconds = self._warm_start()
-        self._stop = threading.Event()
-        self._rescanner: threading.Thread | None = None
-        if rescan_interval > 0:
-            self._rescanner = threading.Thread(
-                target=self._rescan_loop,
-                args=(rescan_interval,),
-                name="kvoffload-disk-rescan",
-                daemon=True,
-            )
-            self._rescanner.start()
+        self._warn_if_filesystem_smaller()
+        self._rescanner = Rescanner(
+            self._scanner, settings.rescan_interval, self._refit_filesystem_when_idle
+        )
 
     # ------------------------------------------------------------------ start-up
 
     def _warm_start(self) -> float:
-        """Index every block file of the namespace; reconcile the ledger. Returns seconds taken."""
+        """Index the namespace's block files (up to the capacity); reconcile the ledger.
+        Returns the seconds taken."""
         start = time.perf_counter()
-        policy, fb, cap = self._policy, self.file_bytes, self.capacity_blocks
-        get, insert, new_block = policy.get, policy.insert, OffloadedBlock.__new__
+        fb = self.file_bytes
         alone = self._ledger.claim_alone()
-        self._dir_mtimes: dict[str, float] = {}
-        self._seen: dict[str, set[str]] = {}
-        extra: list[str] = []
+        if alone:
+            remove_all(self.namespace)  # spare files of processes that are gone
+        found = [(key, path) for key, path, _ in self._scanner.walk()]
+        room = self.capacity_blocks - len(self._policy)
+        on_disk = len(found) * fb
+        self._counters["scanned_blocks"] = len(self._index_ready([k for k, _ in found[:room]]))
+        if alone:
+            # Files beyond the bound (the directory was used with a larger size) are removed
+            # when no other process uses the directory.
+            for _, path in found[room:]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    on_disk -= fb
+        # Writes in progress elsewhere hold reservations: keep them counted.
+        on_disk += self._scanner.fresh_temporaries * fb
+        self._dir_used = self._ledger.reconcile(on_disk, alone)
+        self._ledger.share()
+        return time.perf_counter() - start
+
+    def _warn_if_filesystem_smaller(self) -> None:
+        """Warn once at start when the filesystem cannot hold the bound (the tier then holds
+        what fits: a write that finds it full lowers the tier's limit, see ``diskjobs``)."""
+        holds = self._dir_used + free_bytes(self.namespace)
+        if self._ledger.capacity > holds:
+            logger.warning(
+                "kv_disk_size: %.4g GiB is more than the filesystem of %r can hold for the disk "
+                "tier (%.4g GiB: %.4g GiB free + %.4g GiB of its files): the tier holds what "
+                "fits and evicts when the filesystem is full",
+                self.capacity_bytes / 2**30,
+                str(self.root),
+                holds / 2**30,
+                (holds - self._dir_used) / 2**30,
+                self._dir_used / 2**30,
+            )
+
+    def _refit_filesystem_when_idle(self) -> None:
+        """After the filesystem filled, raise the limit again as space comes back (rescan
+        thread; only while no job is in flight, so no write of ours is half counted)."""
+        ledger = self._ledger
+        if ledger.limit < ledger.capacity and self._runner.idle:
+            ledger.refit(lambda: free_bytes(self.namespace), self.file_bytes)
+
+    def _index_ready(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """Index ``keys`` found on disk as ready blocks, up to the capacity; returns the keys
+        indexed, announced once (``BlockStored``) like the blocks this tier stores, so an event
+        consumer's index matches the tier's after a restart too."""
+        policy, insert, cap = self._policy, self._policy.insert, self.capacity_blocks
+        new_block = OffloadedBlock.__new__
         indexed: list[OffloadKey] = []
-        on_disk = 0
-        names: set[str] = set()
-        current = None
-        for key, sub, name in self._files.scan():
-            if sub is not current:
-                current, names = sub, self._seen.setdefault(sub, set())
-            names.add(name)
-            on_disk += fb
-            if len(policy) < cap and get(key) is None:
+        for key in keys:
+            if len(policy) >= cap:
+                break
+            if policy.get(key) is None:
                 block = new_block(OffloadedBlock)
                 block.slot, block.ref_cnt = -1, 0
                 insert(key, block)
                 indexed.append(key)
-            elif alone:
-                extra.append(os.path.join(sub, name))
-        for sub in self._seen:
-            with contextlib.suppress(FileNotFoundError):
-                self._dir_mtimes[sub] = os.stat(sub).st_mtime
-        # Files beyond the bound (the directory was used with a larger size) are removed, when
-        # no other process uses the directory.
-        for path in extra:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                on_disk -= fb
-        # Writes in progress elsewhere hold reservations: keep them counted.
-        on_disk += self._files.fresh_temporaries * fb
-        on_disk = self._ledger.reconcile(on_disk, alone)
-        self._ledger.share()
-        self._dir_used = on_disk
-        self._counters["scanned_blocks"] = len(policy)
-        self._announce(indexed)
-        return time.perf_counter() - start
+        if indexed and self._events is not None:
+            self._events.append(OffloadingEvent(indexed, self.medium, False, self.locality))
+        return indexed
 
     # ------------------------------------------------------------------ scheduler-thread API
 
@@ -221,52 +244,58 @@ class DiskTier(SecondaryTier):
         self._policy.touch(keys, ctx)
 
     def submit_store(self, job: TierJob, ctx: ReqContext | None = None) -> None:
-        policy, fb = self._policy, self.file_bytes
-        todo: list[tuple[OffloadKey, int]] = []
+        policy = self._policy
+        todo: Items = []
         seen: set[OffloadKey] = set()
         for key, slot in zip(job.keys, job.slots, strict=True):
             if key not in seen and policy.get(key) is None:
                 todo.append((key, slot))
             seen.add(key)
-        running = _Running(job, True, len(todo))
+        running = RunningJob(job, True, len(todo))
         if not todo:
-            self._finish(running)
+            self._runner.finish(running)
             return
-        # Room: the local index and the shared directory (as last seen) must both take the keys.
-        need_local = len(policy) + len(todo) - self.capacity_blocks
-        new_bytes = len(todo) * fb
-        need_dir = -(
-            -(self._dir_used + self._dir_submitted + new_bytes - self._ledger.capacity) // fb
-        )
-        need = max(0, need_local, need_dir)
-        victims: list[OffloadKey] = []
-        if need:
-            evicted = policy.evict(min(need, len(policy)), seen)
-            if evicted is None:
-                for key, _ in todo:
-                    running.failed[key] = "full"
-                running.remaining = 0
-                self._counters["rejected_stores"] += 1
-                self._finish(running)
-                return
-            victims = [key for key, _ in evicted]
-            self._counters["evicted_blocks"] += len(victims)
-            if self._events is not None:
-                self._events.append(OffloadingEvent(victims, self.medium, True, self.locality))
+        victims = self._make_room(len(todo), seen)
+        if victims is None:
+            for key, _ in todo:
+                running.failed[key] = "full"
+            running.remaining = 0
+            self._counters["rejected_stores"] += 1
+            self._runner.finish(running)
+            return
         for key, _ in todo:
             block = OffloadedBlock.__new__(OffloadedBlock)
             block.slot, block.ref_cnt = -1, PENDING
             policy.insert(key, block)
-        running.reserved = new_bytes - len(victims) * fb
+        running.reserved = (len(todo) - len(victims)) * self.file_bytes
         self._dir_submitted += running.reserved
-        with self._idle:
-            self._inflight += 1
-        self._pool.submit(self._store_job, running, todo, victims)
+        self._runner.store(running, todo, victims)
+
+    def _make_room(self, count: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """Evict what ``count`` new blocks need: room in the local index and in the shared
+        directory (as last seen). Returns the victims (out of the index), or ``None`` when the
+        policy cannot free that much (pinned or pending blocks)."""
+        policy, fb = self._policy, self.file_bytes
+        need_local = len(policy) + count - self.capacity_blocks
+        need_dir = -(
+            -(self._dir_used + self._dir_submitted + count * fb - self._ledger.limit) // fb
+        )
+        need = max(0, need_local, need_dir)
+        if not need:
+            return []
+        evicted = policy.evict(min(need, len(policy)), protected)
+        if evicted is None:
+            return None
+        victims = [key for key, _ in evicted]
+        self._counters["evicted_blocks"] += len(victims)
+        if self._events is not None:
+            self._events.append(OffloadingEvent(victims, self.medium, True, self.locality))
+        return victims
 
     def submit_load(self, job: TierJob, ctx: ReqContext | None = None) -> None:
         get = self._policy.get
-        todo: list[tuple[OffloadKey, int]] = []
-        running = _Running(job, False, 0)
+        todo: Items = []
+        running = RunningJob(job, False, 0)
         for key, slot in zip(job.keys, job.slots, strict=True):
             block = get(key)
             if block is None or block.ref_cnt < 0:
@@ -277,111 +306,79 @@ class DiskTier(SecondaryTier):
         running.remaining = len(todo)
         running.pinned = [key for key, _ in todo]
         if not todo:
-            self._finish(running)
+            self._runner.finish(running)
             return
-        with self._idle:
-            self._inflight += 1
-        for chunk in self._chunks(todo):
-            self._pool.submit(self._load_blocks, running, chunk)
-
-    def _chunks(
-        self, items: list[tuple[OffloadKey, int]]
-    ) -> list[list[tuple[OffloadKey, int]]]:
-        """``items`` split into one run of consecutive blocks per I/O thread."""
-        n = len(items)
-        size = max(1, -(-n // self._num_threads))
-        return [items[i : i + size] for i in range(0, n, size)]
+        self._runner.load(running, todo)
 
     def get_finished_jobs(self) -> list[TierJobResult]:
-        while self._discovered:
-            self._index_discovered(self._discovered.popleft())
+        discovered = self._rescanner.discovered
+        while discovered:
+            self._counters["discovered_blocks"] += len(self._index_ready(discovered.popleft()))
         results: list[TierJobResult] = []
-        done = self._done
+        done = self._runner.done
         while done:
             running = done.popleft()
-            results.append(self._apply(running))
+            self._dir_submitted -= running.reserved
+            if running.is_store:
+                self._apply_store(running)
+            else:
+                self._apply_load(running)
+            job = running.job
+            results.append(
+                TierJobResult(
+                    job.job_id,
+                    running.is_store,
+                    dict(running.failed),
+                    running.nbytes,
+                    time.perf_counter() - running.start,
+                )
+            )
         if results:
             self._dir_used = self._ledger.last_seen
         return results
 
-    def _apply(self, running: _Running) -> TierJobResult:
-        """Update the index for a finished job (scheduler thread) and build its result."""
+    def _apply_store(self, running: RunningJob) -> None:
+        """A finished store: its written keys become readable, its failed ones leave."""
         policy, counters, failed = self._policy, self._counters, running.failed
-        job = running.job
+        stored: list[OffloadKey] = []
+        for key in dict.fromkeys(running.job.keys):
+            block = policy.get(key)
+            if block is None or block.ref_cnt != PENDING:
+                continue  # skipped (already held) or not ours
+            if key in failed:
+                policy.remove(key)
+            else:
+                block.ref_cnt = 0
+                stored.append(key)
+        counters["stored_blocks"] += len(stored)
+        counters["failed_store_blocks"] += len(failed)
+        counters["filesystem_full_stores"] += running.filesystem_full
+        for cause in failed.values():
+            counters[f"failed_store_{cause}"] += 1
+        if stored and self._events is not None:
+            self._events.append(OffloadingEvent(stored, self.medium, False, self.locality))
+
+    def _apply_load(self, running: RunningJob) -> None:
+        """A finished load: its keys are unpinned; bad or vanished files leave the index."""
+        policy, counters, failed = self._policy, self._counters, running.failed
+        for key in running.pinned:
+            block = policy.get(key)
+            if block is not None and block.ref_cnt > 0:
+                block.ref_cnt -= 1
+        counters["loaded_blocks"] += len(running.job.keys) - len(failed)
+        counters["failed_load_blocks"] += len(failed)
         dropped: list[OffloadKey] = []
-        self._dir_submitted -= running.reserved
-        if running.is_store:
-            stored: list[OffloadKey] = []
-            for key in dict.fromkeys(job.keys):
-                block = policy.get(key)
-                if block is None or block.ref_cnt != PENDING:
-                    continue  # skipped (already held) or not ours
-                if key in failed:
-                    policy.remove(key)
-                else:
-                    block.ref_cnt = 0
-                    stored.append(key)
-            counters["stored_blocks"] += len(stored)
-            counters["failed_store_blocks"] += len(failed)
-            for cause in failed.values():
-                counters[f"failed_store_{cause}"] += 1
-            if stored and self._events is not None:
-                self._events.append(OffloadingEvent(stored, self.medium, False, self.locality))
-        else:
-            for key in running.pinned:
-                block = policy.get(key)
-                if block is not None and block.ref_cnt > 0:
-                    block.ref_cnt -= 1
-            counters["loaded_blocks"] += len(job.keys) - len(failed)
-            counters["failed_load_blocks"] += len(failed)
-            for key, cause in failed.items():
-                counters[f"failed_load_{cause}"] += 1
-                block = policy.get(key)
-                if block is not None and cause in _DROP_CAUSES and block.ref_cnt == 0:
-                    policy.remove(key)
-                    dropped.append(key)
-            if dropped and self._events is not None:
-                self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
-        return TierJobResult(
-            job.job_id,
-            running.is_store,
-            dict(failed),
-            running.nbytes,
-            time.perf_counter() - running.start,
-        )
-
-    def _index_discovered(self, keys: list[OffloadKey]) -> None:
-        policy = self._policy
-        indexed: list[OffloadKey] = []
-        for key in keys:
-            if len(policy) >= self.capacity_blocks:
-                break
-            if policy.get(key) is None:
-                block = OffloadedBlock.__new__(OffloadedBlock)
-                block.slot, block.ref_cnt = -1, 0
-                policy.insert(key, block)
-                indexed.append(key)
-        self._counters["discovered_blocks"] += len(indexed)
-        self._announce(indexed)
-
-    def _announce(self, keys: list[OffloadKey]) -> None:
-        """One stored event for blocks that entered the index from files (the warm-start scan,
-        the rescan): every block in the index is announced once, like the ones this tier
-        stored, so an event consumer's index matches the tier's after a restart too."""
-        if keys and self._events is not None:
-            self._events.append(OffloadingEvent(keys, self.medium, False, self.locality))
+        for key, cause in failed.items():
+            counters[f"failed_load_{cause}"] += 1
+            block = policy.get(key)
+            if block is not None and cause in _DROP_CAUSES and block.ref_cnt == 0:
+                policy.remove(key)
+                dropped.append(key)
+        if dropped and self._events is not None:
+            self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
 
     def drain_jobs(self) -> None:
-        with self._idle:
-            while self._inflight:
-                self._idle.wait()
-
-    def take_events(self) -> list[OffloadingEvent]:
-        events = self._events
-        if not events:
-            return []
-        self._events = []
-        return events
+        self._runner.drain()
 
     def reset(self) -> None:
         """Drop every block of this tier's index and delete its files (pinned loads finish first)."""
@@ -396,208 +393,41 @@ class DiskTier(SecondaryTier):
             self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
 
     def stats(self) -> dict[str, int]:
+        used = len(self._policy)
         out = {
             "capacity_bytes": self.capacity_bytes,
-            "capacity_blocks": self.capacity_blocks,
-            "used_blocks": len(self._policy),
-            "used_bytes": len(self._policy) * self.file_bytes + LEDGER_BYTES,
+            "capacity_blocks": min(self.capacity_blocks, self._ledger.limit // self.file_bytes),
+            "used_blocks": used,
+            "used_bytes": used * self.file_bytes + LEDGER_BYTES,
             "dir_used_bytes": self._dir_used + LEDGER_BYTES,
             "scan_ms": int(self.scan_seconds * 1000),
         }
-        for name in (
-            "stored_blocks",
-            "loaded_blocks",
-            "evicted_blocks",
-            "failed_load_blocks",
-            "failed_store_blocks",
-            "rejected_stores",
-            "scanned_blocks",
-            "discovered_blocks",
-        ):
-            out[name] = self._counters[name]
+        counters = self._counters
+        for name in _COUNTERS:
+            out[name] = counters[name]
         for cause in _CAUSES:
-            out[f"failed_load_{cause}"] = self._counters[f"failed_load_{cause}"]
-            out[f"failed_store_{cause}"] = self._counters[f"failed_store_{cause}"]
+            out[f"failed_load_{cause}"] = counters[f"failed_load_{cause}"]
+            out[f"failed_store_{cause}"] = counters[f"failed_store_{cause}"]
         return out
+
+    def check_ledger(self) -> None:
+        """Raise ``AssertionError`` unless the shared ledger counts exactly the namespace's files
+        (one block file's bytes per block file and per write in progress). For tests: drains
+        this tier's jobs first; other processes on the directory must be idle."""
+        self.drain_jobs()
+        count, on_disk = self._ledger.snapshot(
+            lambda: count_files(self.namespace) * self.file_bytes
+        )
+        if count != on_disk:
+            raise AssertionError(
+                f"the ledger counts {count} bytes, the namespace's files take {on_disk}"
+            )
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self.drain_jobs()
-        self._pool.shutdown(wait=True)
-        if self._rescanner is not None:
-            self._rescanner.join()
+        self._rescanner.close()
+        self._runner.close()
+        self._spares.close()
         self._ledger.close()
-
-    # ------------------------------------------------------------------ I/O threads
-
-    def _store_job(
-        self, running: _Running, items: list[tuple[OffloadKey, int]], victims: list[OffloadKey]
-    ) -> None:
-        """A store's first step: unlink its victims and reserve the bytes of all its blocks in
-        one ledger step, before any block is written (so no block of the job can find the
-        directory full for lack of its own victims' room); then write the blocks that fit over
-        the I/O threads. Blocks that do not fit (other processes took the room) fail ``"full"``;
-        the job keeps the longest prefix."""
-        fb = self.file_bytes
-        path_of = self._files.path_of
-        try:
-            fit = self._ledger.reserve_blocks(len(items), fb, [path_of(k) for k in victims])
-        except Exception as exc:  # never lose a job: its blocks fail
-            logger.exception("disk tier: reserving %d blocks failed: %s", len(items), exc)
-            self._chunk_done(running, len(items), dict.fromkeys((k for k, _ in items), "io"), 0)
-            return
-        if fit < len(items):
-            full = dict.fromkeys((k for k, _ in items[fit:]), "full")
-            self._chunk_done(running, len(items) - fit, full, 0)
-        if not fit:
-            return
-        first, *rest = self._chunks(items[:fit])
-        for chunk in rest:
-            self._pool.submit(self._store_blocks, running, chunk)
-        self._store_blocks(running, first)
-
-    def _store_blocks(self, running: _Running, items: list[tuple[OffloadKey, int]]) -> None:
-        """Write blocks whose bytes :meth:`_store_job` reserved; return the unused bytes (failed
-        writes, blocks another process published first) in one ledger step."""
-        write, fb = self._files.write, self.file_bytes
-        failed: dict[OffloadKey, str] = {}
-        nbytes = unused = 0
-        for key, slot in items:
-            try:
-                if not write(key, slot):
-                    unused += 1  # another process published it
-                nbytes += self.layout.block_bytes
-            except OSError as exc:
-                unused += 1
-                failed[key] = "full" if is_no_space(exc) else "io"
-                logger.warning("disk tier: storing %s failed: %s", key.hex()[:16], exc)
-            except Exception as exc:  # never lose a job: report it failed
-                unused += 1
-                failed[key] = "io"
-                logger.exception("disk tier: storing %s failed: %s", key.hex()[:16], exc)
-        if unused:
-            try:
-                self._ledger.release(unused * fb)
-            except Exception:  # the count drifts high (conservative) until a restart reconciles
-                logger.exception("disk tier: returning %d bytes to the ledger failed", unused * fb)
-        self._chunk_done(running, len(items), failed, nbytes)
-
-    def _load_blocks(self, running: _Running, items: list[tuple[OffloadKey, int]]) -> None:
-        files = self._files
-        read, head_buf = files.read, files.header_buffer()
-        failed: dict[OffloadKey, str] = {}
-        nbytes = 0
-        for key, slot in items:
-            try:
-                read(key, slot, head_buf)
-                nbytes += self.layout.block_bytes
-            except FileNotFoundError:
-                failed[key] = "missing"
-            except CorruptBlockError as exc:
-                failed[key] = exc.cause
-                logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
-                with contextlib.suppress(OSError):
-                    self._ledger.remove(files.path_of(key), self.file_bytes)
-            except OSError as exc:
-                failed[key] = "io"
-                logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)
-            except Exception as exc:
-                failed[key] = "io"
-                logger.exception("disk tier: loading %s failed: %s", key.hex()[:16], exc)
-        if isinstance(head_buf, mmap.mmap):
-            head_buf.close()
-        self._chunk_done(running, len(items), failed, nbytes)
-
-    def _chunk_done(
-        self, running: _Running, n: int, failed: dict[OffloadKey, str], nbytes: int
-    ) -> None:
-        with running.lock:
-            running.failed.update(failed)
-            running.nbytes += nbytes
-            running.remaining -= n
-            last = running.remaining == 0
-        if last:
-            self._finish(running, dispatched=True)
-
-    def _finish(self, running: _Running, dispatched: bool = False) -> None:
-        self._done.append(running)
-        if dispatched:
-            with self._idle:
-                self._inflight -= 1
-                self._idle.notify_all()
-
-    def _rescan_loop(self, interval: float) -> None:
-        """Find block files other processes wrote: rescan hash directories whose mtime changed."""
-        while not self._stop.wait(interval):
-            try:
-                self._rescan_once()
-            except Exception:  # never let a transient filesystem error kill discovery
-                logger.exception("disk tier: rescan failed")
-
-    def _rescan_once(self) -> None:
-        now = time.time()
-        found: list[OffloadKey] = []
-        try:
-            subdirs = list(os.scandir(self.namespace))
-        except FileNotFoundError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            mtime = sub.stat().st_mtime
-            if self._dir_mtimes.get(sub.path) == mtime:
-                continue
-            self._dir_mtimes[sub.path] = mtime
-            seen = self._seen.setdefault(sub.path, set())
-            names = set()
-            for key, _, name in self._files.scan_dir(sub.path, now):
-                names.add(name)
-                if name not in seen:
-                    found.append(key)
-            self._seen[sub.path] = names
-        if found:
-            self._discovered.append(found)
-
-
-def _prepare_directory(root: Path, layout: KVLayout) -> Path:
-    """Create (if needed) and check the namespace directory for ``layout`` under ``root``."""
-    if root.exists() and not root.is_dir():
-        raise ConfigError("kv_disk_path", f"{str(root)!r} exists and is not a directory")
-    namespace = root / "kvoffload-v1" / layout.fingerprint().hex()
-    try:
-        namespace.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError("kv_disk_path", f"cannot create {str(namespace)!r}: {exc}") from exc
-    probe = namespace / f".probe.{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError("kv_disk_path", f"{str(root)!r} is not writable: {exc}") from exc
-    return namespace
-
-
-def _check_o_direct(namespace: Path, pool: memoryview, block_bytes: int) -> None:
-    import ctypes
-
-    address = ctypes.addressof(ctypes.c_char.from_buffer(pool)) if not pool.readonly else 0
-    if block_bytes % 4096 or address % 4096:
-        raise ConfigError(
-            "kv_disk_o_direct",
-            f"O_DIRECT needs 4 KiB aligned blocks and pool (block {block_bytes} bytes, "
-            f"pool at {address:#x})",
-        )
-    probe = namespace / f".odirect.{os.getpid()}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
-        os.close(fd)
-    except OSError as exc:
-        raise ConfigError(
-            "kv_disk_o_direct", f"the filesystem of {str(namespace)!r} refuses O_DIRECT: {exc}"
-        ) from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            probe.unlink()

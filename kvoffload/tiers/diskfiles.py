@@ -1,4 +1,4 @@
-"""The disk tier's files: names, atomic block writes, verified block reads, the shared space ledger.
+"""The disk tier's block files: names, atomic block writes, verified block reads.
 
 Directory layout under the tier's root (one namespace per KV layout, so models never mix)::
 
@@ -7,25 +7,24 @@ Directory layout under the tier's root (one namespace per KV layout, so models n
     <root>/kvoffload-v1/<fingerprint hex>/<aa>/.<key hex>.<pid>.<n>.tmp   a write in progress
 
 ``<aa>`` is the first byte of the key's hash, so no directory holds more than ~1/256 of the files.
-A block file appears under its final name only complete: it is written under a temporary name
-and published with :func:`os.link`, which fails when the name exists, so two processes writing the
-same block never replace or mix each other's file (the second drops its copy).
+A block file appears under its final name only complete: it is written into a spare file and
+published by ``renameat2(RENAME_NOREPLACE)`` (:mod:`~kvoffload.tiers.diskspares`), or under a
+temporary name published with :func:`os.link`; both fail when the name exists, so two processes
+writing the same block never replace or mix each other's file (the second drops its copy).
 
-Every function here runs on the tier's I/O threads, never on the scheduler thread.
+The shared byte count is :mod:`~kvoffload.tiers.diskledger`'s; finding files is
+:mod:`~kvoffload.tiers.diskscan`'s. Every function here runs on the tier's I/O threads, never on
+the scheduler thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import mmap
 import os
-import struct
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
@@ -38,17 +37,21 @@ from kvoffload.tiers.blockformat import (
     payload_checksum,
     verify_payload,
 )
+from kvoffload.tiers.diskspares import publish
 
 __all__ = [
+    "MAX_KEY_BYTES",
+    "SUFFIX",
+    "TMP_SUFFIX",
     "BlockFiles",
-    "SpaceLedger",
+    "FaultHook",
+    "TemporaryRemovedError",
     "file_bytes",
+    "is_no_space",
 ]
 
 SUFFIX = ".kvb"
-_U64 = struct.Struct("<Q")
-#: Temporary files older than this (seconds) at a scan are leftovers of a killed writer.
-STALE_TMP_SECONDS = 60.0
+TMP_SUFFIX = ".tmp"
 _DISK_BLOCK = 4096
 #: Numbers temporary files, unique within the process (``next`` is atomic): with the pid in the
 #: name, no two writers (threads or tiers) ever share a temporary file.
@@ -62,133 +65,14 @@ FaultHook = Callable[[str, OffloadKey], None]
 MAX_KEY_BYTES = HEADER_ALIGN - header_size(0, 1)
 
 
+class TemporaryRemovedError(FileNotFoundError):
+    """A write's temporary file vanished before it was published: a scan found it older than
+    the stale age and removed it, returning its reservation to the ledger (the writer must not)."""
+
+
 def file_bytes(block_bytes: int) -> int:
     """Bytes one block file occupies on disk: a 4 KiB header + the payload in whole 4 KiB blocks."""
     return HEADER_ALIGN + -(-block_bytes // _DISK_BLOCK) * _DISK_BLOCK
-
-
-class SpaceLedger:
-    """The bytes of block files in one namespace, shared by every process using it.
-
-    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
-    file, so processes never both take the last free bytes. A writer reserves a file's bytes
-    before writing it and returns them if the write fails; an evictor returns a file's bytes only
-    when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
-
-    Every process using the namespace holds a shared ``flock`` on a second file (``users``) for
-    its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
-    process is using the directory, so it may reset the count from a scan. Locks die with their
-    process (also on SIGKILL), so a killed process never blocks that.
-    """
-
-    def __init__(self, path: Path, capacity: int) -> None:
-        self.capacity = capacity
-        #: The count after the latest change made through this ledger.
-        self.last_seen = 0
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        # flock excludes other processes only: threads sharing the descriptor need this too.
-        self._thread_lock = threading.Lock()
-        self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
-
-    def claim_alone(self) -> bool:
-        """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
-        try:
-            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def share(self) -> None:
-        """Hold the users lock shared from now on (other processes may start)."""
-        fcntl.flock(self._users_fd, fcntl.LOCK_SH)
-
-    def _locked(self) -> _LedgerLock:
-        return _LedgerLock(self._fd, self._thread_lock)
-
-    def read(self) -> int:
-        with self._locked():
-            return self._get()
-
-    def _get(self) -> int:
-        raw = os.pread(self._fd, 8, 0)
-        return _U64.unpack(raw)[0] if len(raw) == 8 else 0
-
-    def _set(self, value: int) -> None:
-        os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
-        self.last_seen = max(0, value)
-
-    def reserve_blocks(self, count: int, block_bytes: int, victims: Sequence[str]) -> int:
-        """Unlink ``victims`` (files of ``block_bytes``), then take the bytes of as many of
-        ``count`` blocks as fit; returns how many. One locked step for a whole job: atomic with
-        respect to every other thread and process."""
-        with self._locked():
-            used = self._get()
-            for path in victims:
-                try:
-                    os.unlink(path)
-                    used -= block_bytes
-                except FileNotFoundError:
-                    pass
-            fit = max(0, min(count, (self.capacity - used) // block_bytes))
-            self._set(used + fit * block_bytes)
-            return fit
-
-    def release(self, nbytes: int) -> int:
-        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
-        with self._locked():
-            used = self._get() - nbytes
-            self._set(used)
-            return max(0, used)
-
-    def remove(self, path: str, nbytes: int) -> int:
-        """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
-        with self._locked():
-            used = self._get()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return used
-            used = max(0, used - nbytes)
-            self._set(used)
-            return used
-
-    def reconcile(self, nbytes: int, alone: bool) -> int:
-        """Set the count to ``nbytes`` (what a scan found) when this process is the only user;
-        otherwise only raise it to that (others' reservations must stay). Returns the count."""
-        with self._locked():
-            used = nbytes if alone else max(nbytes, self._get())
-            self._set(used)
-            return used
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            os.close(self._users_fd)
-            self._fd = self._users_fd = -1
-
-
-class _LedgerLock:
-    """This process's threads (a mutex), then other processes (``flock``)."""
-
-    __slots__ = ("_fd", "_lock")
-
-    def __init__(self, fd: int, lock: threading.Lock) -> None:
-        self._fd = fd
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._lock.release()
 
 
 class BlockFiles:
@@ -217,8 +101,6 @@ class BlockFiles:
         self.fault_hook = fault_hook
         self._flags = getattr(os, "O_DIRECT", 0) if o_direct else 0
         self._prefix = f"{namespace}/"  # paths are built as strings: pathlib is slow per block
-        #: Temporary files younger than :data:`STALE_TMP_SECONDS` seen by the last scan.
-        self.fresh_temporaries = 0
 
     def path_of(self, key: OffloadKey) -> str:
         name = key.hex()
@@ -233,11 +115,15 @@ class BlockFiles:
         aligned with O_DIRECT; the caller closes it then)."""
         return mmap.mmap(-1, HEADER_ALIGN) if self.o_direct else bytearray(HEADER_ALIGN)
 
-    def write(self, key: OffloadKey, slot: int) -> bool:
+    def write(self, key: OffloadKey, slot: int, spare: str | None = None) -> bool:
         """Write slot ``slot`` as the block of ``key``; True if this call published the file,
         False if the file already existed (written by someone else: equal bytes by construction).
 
-        Raises ``OSError`` on I/O errors (the temporary file is removed).
+        ``spare``: a file made ahead (:mod:`~kvoffload.tiers.diskspares`) to write into and
+        publish by rename; without one (or if it vanished) a temporary file is created and
+        published by ``link``. Either way the written file is gone afterwards unless published.
+        Raises ``OSError`` on I/O errors: :class:`TemporaryRemovedError` when a scan took the
+        file for a killed writer's and removed it (with its reservation).
         """
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"keys of {len(key)} bytes do not fit a block header")
@@ -248,7 +134,33 @@ class BlockFiles:
         name = key.hex()
         folder = self._prefix + name[:2]
         final = f"{folder}/{name}{SUFFIX}"
-        tmp = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}.tmp"
+        fd = self._open_spare(spare) if spare is not None else -1
+        if fd < 0:
+            spare = None
+            path = f"{folder}/.{name}.{os.getpid()}.{next(_TMP_IDS)}{TMP_SUFFIX}"
+            fd = self._open_new(path, folder)
+        else:
+            path = spare  # type: ignore[assignment]
+        published = False
+        try:
+            self._write_all(fd, header, payload, truncate=spare is not None)
+            published = self._publish(path, final, folder, by_rename=spare is not None)
+            return published
+        finally:
+            if not (published and spare is not None):  # a renamed spare has no old name left
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _open_spare(self, spare: str) -> int:
+        """The spare opened for writing, or -1 if it is gone."""
+        try:
+            return os.open(spare, os.O_WRONLY | self._flags)
+        except FileNotFoundError:
+            return -1
+
+    def _write_all(self, fd: int, header: bytes, payload: memoryview, truncate: bool) -> None:
+        """Header and payload at offset 0 (``truncate``: cut what a recycled file had beyond
+        them); closes ``fd``."""
         iov: list[memoryview | bytes | mmap.mmap] = [header, payload]
         head_buf = None
         if self.o_direct:
@@ -256,24 +168,32 @@ class BlockFiles:
             head_buf[:] = header
             iov = [head_buf, payload]
         try:
-            fd = self._open_new(tmp, folder)
-            try:
-                total = len(header) + len(payload)
-                written = os.pwritev(fd, iov, 0)
-                while written < total:  # rare short write: finish it
-                    written += os.pwrite(fd, _tail(iov, written), written)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, final)
-                return True
-            except FileExistsError:
-                return False
+            total = len(header) + len(payload)
+            written = os.pwritev(fd, iov, 0)
+            while written < total:  # rare short write: finish it
+                written += os.pwrite(fd, _tail(iov, written), written)
+            if truncate:
+                os.ftruncate(fd, total)
         finally:
+            os.close(fd)
             if head_buf is not None:
                 head_buf.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+
+    def _publish(self, path: str, final: str, folder: str, by_rename: bool) -> bool:
+        """``path`` under its block's name; False if that name exists (``path`` is left)."""
+        try:
+            try:
+                (publish if by_rename else os.link)(path, final)
+            except FileNotFoundError:
+                if not by_rename or os.path.isdir(folder):
+                    raise
+                os.makedirs(folder, exist_ok=True)  # its hash directory is not there yet
+                publish(path, final)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError as exc:
+            raise TemporaryRemovedError(exc.errno, f"{path} was removed while written") from exc
 
     def _open_new(self, tmp: str, folder: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
@@ -319,43 +239,6 @@ class BlockFiles:
             )
         verify_payload(header, payload)
 
-    def scan(self) -> Iterator[tuple[OffloadKey, str, str]]:
-        """Every complete block file of the namespace; stale temporary files are deleted, fresh
-        ones (writes in progress in other processes) counted in :attr:`fresh_temporaries`."""
-        self.fresh_temporaries = 0
-        now = time.time()
-        try:
-            subdirs = list(os.scandir(self.namespace))
-        except FileNotFoundError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            yield from self.scan_dir(sub.path, now)
-
-    def scan_dir(self, path: str, now: float) -> Iterator[tuple[OffloadKey, str, str]]:
-        """``(key, directory, file name)`` of every block file in one hash directory."""
-        try:
-            entries = list(os.scandir(path))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            name = entry.name
-            if name.endswith(SUFFIX):
-                try:
-                    key = bytes.fromhex(name[: -len(SUFFIX)])
-                except ValueError:
-                    continue
-                yield key, path, name
-            elif name.endswith(".tmp"):
-                try:
-                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
-                        os.unlink(entry.path)
-                    else:
-                        self.fresh_temporaries += 1
-                except FileNotFoundError:
-                    pass
-
 
 def _tail(iov: list, offset: int) -> bytes:
     """The bytes of the concatenated buffers ``iov`` from ``offset`` on (short-write recovery)."""
@@ -364,4 +247,5 @@ def _tail(iov: list, offset: int) -> bytes:
 
 
 def is_no_space(exc: OSError) -> bool:
+    """The filesystem (or the user's quota) is full."""
     return exc.errno in (errno.ENOSPC, errno.EDQUOT)

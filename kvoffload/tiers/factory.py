@@ -13,6 +13,7 @@ from typing import Protocol
 
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import KVLayout, SecondaryTier
+from kvoffload.tiers.diskdir import check_disk_path, check_disk_size
 from kvoffload.validation import check_real
 
 __all__ = [
@@ -43,7 +44,9 @@ class TierSettings(Protocol):
 
 def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float) -> None:
     """Check the disk tier's settings without touching the model: :class:`ConfigError` naming
-    ``kv_disk_path`` or ``kv_disk_size``. (A size below one block is caught when the tier is built.)
+    ``kv_disk_path`` (not a directory, under a file, not writable) or ``kv_disk_size`` (not a
+    positive number; more than the whole filesystem holds). Creates nothing. (A size below one
+    block is caught when the tier is built; one above the free space is a warning then.)
     """
     if path is not None and (isinstance(path, bool) or not isinstance(path, str | os.PathLike)):
         raise ConfigError("kv_disk_path", f"must be a directory path, got {path!r}")
@@ -54,16 +57,7 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
         return
     if size <= 0:
         raise ConfigError("kv_disk_size", f"must be a positive number of GiB, got {size_gib!r}")
-    root = Path(path)
-    if str(path) == "":
-        raise ConfigError("kv_disk_path", "must not be empty")
-    if root.exists() and not root.is_dir():
-        raise ConfigError("kv_disk_path", f"{str(root)!r} exists and is not a directory")
-    probe_dir = root
-    while not probe_dir.exists():  # the nearest existing ancestor must let us create it
-        probe_dir = probe_dir.parent
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise ConfigError("kv_disk_path", f"{str(probe_dir)!r} is not writable")
+    check_disk_size(check_disk_path(Path(path)), size)
 
 
 def validate_remote_settings(url: str | None, ttl_s: float | None, lookup_wait_s: float) -> None:
@@ -87,20 +81,16 @@ def build_secondary_tiers(
     """The secondary tiers ``settings`` ask for, nearest first (empty when none)."""
     tiers: list[SecondaryTier] = []
     if settings.kv_disk_path is not None:
-        from kvoffload.tiers.disk import DiskTier
+        from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
         validate_disk_settings(settings.kv_disk_path, settings.kv_disk_size)
-        tiers.append(
-            DiskTier(
-                pool,
-                layout,
-                settings.kv_disk_path,
-                int(settings.kv_disk_size * _GIB),
-                eviction_policy=settings.kv_disk_eviction_policy or settings.eviction_policy,
-                o_direct=settings.kv_disk_o_direct,
-                enable_events=enable_events,
-            )
+        disk = DiskTierSettings(
+            settings.kv_disk_path,
+            int(settings.kv_disk_size * _GIB),
+            eviction_policy=settings.kv_disk_eviction_policy or settings.eviction_policy,
+            o_direct=settings.kv_disk_o_direct,
         )
+        tiers.append(DiskTier(pool, layout, disk, enable_events=enable_events))
     if settings.kv_remote_url is not None:
         remote = _build_remote_tier(settings, pool, layout, enable_events)
         if remote is not None:

@@ -326,7 +326,7 @@ def build_disk_tier(
     """Our :class:`~kvoffload.tiers.disk.DiskTier` from tier options: ``path`` and ``size_gib``
     (required), ``eviction_policy`` ("lru"), ``num_threads`` (4), ``o_direct`` (false),
     ``rescan_interval`` (seconds, 2.0; 0 = never). Errors name ``<setting>.<option>``."""
-    from kvoffload.tiers.disk import DiskTier
+    from kvoffload.tiers.disk import DiskTier, DiskTierSettings
     from kvoffload.tiers.factory import validate_disk_settings
 
     options = dict(options)
@@ -340,9 +340,8 @@ def build_disk_tier(
     _reject_unknown("the disk tier", options, setting)
     try:
         validate_disk_settings(path, size_gib)
-        return DiskTier(
-            pool, layout, path, int(size_gib * _GIB), enable_events=enable_events, **kwargs
-        )
+        settings = DiskTierSettings(path, int(size_gib * _GIB), **kwargs)
+        return DiskTier(pool, layout, settings, enable_events=enable_events)
     except ConfigError as exc:  # name the option as it is spelled in the tier's options
         option = _DISK_OPTION_OF.get(exc.field)
         if option is None:

@@ -1,0 +1,286 @@
+"""The disk tier's shared space ledger: the bytes of one namespace's block files, counted by every
+process that uses the namespace, under a file lock.
+
+::
+
+    <namespace>/ledger   the count (8 bytes, little-endian), changed only under an exclusive flock
+    <namespace>/users    every user holds a shared flock on it for its lifetime
+
+A writer reserves a file's bytes before it writes the file; an evictor returns them only when its
+own ``unlink`` removed the file. Every function here runs on the tier's I/O threads or at start,
+never on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["SpaceLedger"]
+
+logger = logging.getLogger(__name__)
+
+_U64 = struct.Struct("<Q")
+
+
+class SpaceLedger:
+    """The bytes of block files in one namespace, shared by every process using it.
+
+    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
+    file, so processes never both take the last free bytes. A writer reserves a file's bytes
+    before writing it and returns them if the write fails; an evictor returns a file's bytes only
+    when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
+
+    Every process using the namespace holds a shared ``flock`` on a second file (``users``) for
+    its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
+    process is using the directory, so it may reset the count from a scan. Locks die with their
+    process (also on SIGKILL), so a killed process never blocks that.
+
+    Every user also holds an OFD read lock on the ``users`` file, so a process can ask at any
+    time whether it is alone (:meth:`alone`) without giving up its own lock.
+
+    Invariant: with no write in flight, the count (:meth:`read`) equals the bytes of the
+    namespace's block files, whatever failed. A step that fails after it unlinked files remembers
+    the bytes it freed and settles them at the next step; victims a failed step did not reach are
+    unlinked by the next one.
+
+    ``capacity`` is the configured bound; :attr:`limit` is what reservations may reach: the bound,
+    or less after the filesystem filled first (:meth:`refit`).
+    """
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        self.capacity = capacity
+        #: The bound reservations respect now (read by the scheduler thread without the lock).
+        self.limit = capacity
+        #: The count after the latest change made through this ledger.
+        self.last_seen = 0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # flock excludes other processes only: threads sharing the descriptor need this too.
+        self._thread_lock = threading.Lock()
+        self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
+        # Guarded by _thread_lock: victims (path, bytes) a step has yet to unlink, and the bytes
+        # by which the count file is off after a failed write (added at the next step).
+        self._owed: list[tuple[str, int]] = []
+        self._unsettled = 0
+        self._ofd_lock = _ofd_lock(self._users_fd, fcntl.F_RDLCK, fcntl.F_OFD_SETLK)
+
+    def alone(self) -> bool:
+        """No other process uses the namespace now (False where OFD locks do not work). One
+        ``fcntl`` call; a process that starts later finds this one."""
+        if not self._ofd_lock:
+            return False
+        try:
+            return _ofd_lock(self._users_fd, fcntl.F_WRLCK, fcntl.F_OFD_GETLK, query=True)
+        except OSError:
+            return False
+
+    def claim_alone(self) -> bool:
+        """Try to become the namespace's only user (exclusive, non-blocking); see :meth:`share`."""
+        try:
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def share(self) -> None:
+        """Hold the users lock shared from now on (other processes may start)."""
+        fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+
+    def _locked(self) -> _LedgerLock:
+        return _LedgerLock(self._fd, self._thread_lock)
+
+    def read(self) -> int:
+        """The count."""
+        with self._locked():
+            return self._get() + self._unsettled
+
+    def snapshot(self, measure: Callable[[], int]) -> tuple[int, int]:
+        """``(count, measure())`` with the ledger locked: no process changes files meanwhile."""
+        with self._locked():
+            return self._get() + self._unsettled, measure()
+
+    def _get(self) -> int:
+        raw = os.pread(self._fd, 8, 0)
+        return _U64.unpack(raw)[0] if len(raw) == 8 else 0
+
+    def _begin(self) -> tuple[int, int]:
+        """A step's start (ledger locked): ``(file value, true count)``, owed victims unlinked."""
+        base = self._get()  # raises before anything changed: the victims stay owed
+        return base, base + self._unsettled - self._unlink_owed()
+
+    def _unlink_owed(self) -> int:
+        """Unlink the owed victims; returns the bytes of the files this call removed."""
+        owed, self._owed = self._owed, []
+        freed = 0
+        for path, nbytes in owed:
+            try:
+                os.unlink(path)
+                freed += nbytes
+            except FileNotFoundError:
+                pass  # another process removed (and counted) it
+            except OSError as exc:  # it stays on disk, counted: the count stays true
+                logger.warning("disk tier: cannot remove evicted block file %s: %s", path, exc)
+        return freed
+
+    def _commit(self, base: int, value: int, on_failure: int) -> None:
+        """Write the count ``value``; if that fails, remember that the true count is
+        ``on_failure`` (the step's file changes without its reservation) and re-raise."""
+        try:
+            os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+        except BaseException:
+            self._unsettled = on_failure - base
+            raise
+        self._unsettled = 0
+        self.last_seen = max(0, value)
+
+    def reserve_blocks(
+        self,
+        count: int,
+        block_bytes: int,
+        victims: Sequence[str],
+        spare_name: Callable[[], str] | None = None,
+    ) -> tuple[int, list[str]]:
+        """Remove ``victims`` (files of ``block_bytes``), then take the bytes of as many of
+        ``count`` blocks as fit. One locked step for a whole job: atomic with respect to every
+        other thread and process. Returns ``(fit, recycled)``.
+
+        With ``spare_name`` (a new spare path per call), victims are recycled: renamed to
+        spares and, if this process is :meth:`alone`, kept, their bytes counted for the job's
+        first blocks (``recycled``, at most ``fit``, to write into); otherwise, and for those
+        beyond ``fit``, unlinked as usual."""
+        with self._thread_lock:
+            self._owed.extend((path, block_bytes) for path in victims)
+        with self._locked():
+            base = self._get()  # raises before anything changed: the victims stay owed
+            recycled = self._recycle_owed(spare_name) if spare_name is not None else []
+            used = base + self._unsettled - self._unlink_owed()
+            fit = max(0, min(count, len(recycled) + (self.limit - used) // block_bytes))
+            for path in recycled[fit:]:
+                used -= _unlink(path, block_bytes)
+            del recycled[fit:]
+            try:
+                self._commit(base, used + (fit - len(recycled)) * block_bytes, used)
+            except BaseException:
+                for path in recycled:
+                    self._unsettled -= _unlink(path, block_bytes)
+                raise
+            return fit, recycled
+
+    def _recycle_owed(self, spare_name: Callable[[], str]) -> list[str]:
+        """Rename the owed victims to spares; keep them if alone, else owe their unlinks."""
+        renamed: list[tuple[str, int]] = []
+        owed, self._owed = self._owed, []
+        for path, nbytes in owed:
+            spare = spare_name()
+            try:
+                os.rename(path, spare)
+                renamed.append((spare, nbytes))
+            except FileNotFoundError:
+                pass  # another process removed (and counted) it
+            except OSError:
+                self._owed.append((path, nbytes))  # unlinked (or logged) as usual
+        if renamed and not self.alone():
+            self._owed.extend(renamed)  # a reader may hold one: unlink, never overwrite
+            return []
+        return [spare for spare, _ in renamed]
+
+    def release(self, nbytes: int) -> int:
+        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
+        with self._locked():
+            base, used = self._begin()
+            used -= nbytes
+            self._commit(base, used, used)
+            return max(0, used)
+
+    def remove(self, path: str, nbytes: int) -> int:
+        """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
+        with self._locked():
+            base, used = self._begin()
+            try:
+                os.unlink(path)
+                used -= nbytes
+            except FileNotFoundError:
+                pass
+            self._commit(base, used, used)
+            return max(0, used)
+
+    def reconcile(self, nbytes: int, alone: bool) -> int:
+        """Set the count to ``nbytes`` (what a scan found) when this process is the only user;
+        otherwise only raise it to that (others' reservations must stay). Returns the count."""
+        with self._locked():
+            base, used = self._begin()
+            used = nbytes if alone else max(nbytes, used)
+            self._commit(base, used, used)
+            return used
+
+    def refit(self, free_bytes: Callable[[], int], block_bytes: int) -> int:
+        """Set :attr:`limit` to what the filesystem holds: the count plus ``free_bytes()`` (the
+        filesystem's free space, read under the lock), in whole blocks of ``block_bytes``, at
+        most :attr:`capacity`. Called when a write met a full filesystem (it lowers the limit)
+        and while idle after that (it raises it again as space comes back). Returns the limit."""
+        with self._locked():
+            holds = self._get() + self._unsettled + free_bytes()
+            self.limit = min(self.capacity, holds // block_bytes * block_bytes)
+            return self.limit
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            os.close(self._users_fd)
+            self._fd = self._users_fd = -1
+
+
+def _unlink(path: str, nbytes: int) -> int:
+    """``nbytes`` if this call removed ``path``, else 0."""
+    try:
+        os.unlink(path)
+        return nbytes
+    except FileNotFoundError:
+        return 0
+
+
+#: ``struct flock`` on Linux x86-64 / aarch64: type, whence, start, length, pid, padding.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _ofd_lock(fd: int, kind: int, command: int, query: bool = False) -> bool:
+    """An OFD lock ``command`` for byte 0 of ``fd``. Setting: True if taken (False where OFD
+    locks do not work). ``query``: True if no other open file description holds a lock that
+    conflicts with ``kind``."""
+    arg = _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0)
+    if query:
+        return _FLOCK.unpack(fcntl.fcntl(fd, command, arg))[0] == fcntl.F_UNLCK
+    try:
+        fcntl.fcntl(fd, command, arg)
+        return True
+    except OSError:
+        return False
+
+
+class _LedgerLock:
+    """This process's threads (a mutex), then other processes (``flock``)."""
+
+    __slots__ = ("_fd", "_lock")
+
+    def __init__(self, fd: int, lock: threading.Lock) -> None:
+        self._fd = fd
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
