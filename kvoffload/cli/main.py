@@ -11,6 +11,8 @@ import sys
 _COMMAND_GROUPS = {
     "bench": "kvoffload.cli.bench",
     "events": "kvoffload.cli.events",
+    "serve": "kvoffload.cli.serve",
+    "route": "kvoffload.cli.route",
 }
 
 
