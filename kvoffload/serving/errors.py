@@ -31,6 +31,9 @@ _TYPES = {
 }
 
 
+_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "constrained-int"})
+
+
 class APIError(Exception):
     """An error answered with ``status``; ``param`` names the request field at fault."""
 
@@ -69,7 +72,7 @@ def _response(status: int, message: str, param: str | None = None, code: str | N
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     # A union's branch names (e.g. "str", "list[int]") are pydantic's, not the request's.
-    parts = [p for p in parts if not p.startswith(("list[", "str", "int", "dict["))]
+    parts = [p for p in parts if "[" not in p and p not in _BRANCH_NAMES]
     return ".".join(parts) or None
 
 
@@ -78,7 +81,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
-    param = _validation_param(tuple(first.get("loc", ())))
+    params = [_validation_param(tuple(e.get("loc", ()))) or "" for e in errors]
+    # A union's branches each report an error: name the deepest place under the first field.
+    top = params[0].split(".")[0] if params else ""
+    param = max((p for p in params if p.split(".")[0] == top), key=len, default="") or None
     detail = "; ".join(
         f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
         for e in errors[:5]
