@@ -26,7 +26,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
 from kvoffload.serving.loop import Delta, EngineLoop, RequestStream
 from kvoffload.serving.output import TextAssembler, TextPiece, chat_logprobs, completion_logprobs
-from kvoffload.serving.prompts import PromptTokenizer
+from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 from kvoffload.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["ServingContext", "build_app"]
@@ -84,12 +84,13 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:
         body = await _json_body(raw)
-        if "messages" in body:
-            ids = ctx.tokenizer.encode_chat(ChatCompletionRequest(**body).model_dump()["messages"])
+        messages = body.get("messages")
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            ids = ctx.tokenizer.encode_chat(chat_messages(body["messages"]))
         elif isinstance(body.get("prompt"), str):
             ids = ctx.tokenizer.encode(body["prompt"])
         else:
-            raise APIError("give a string 'prompt' or a list of 'messages'", "prompt")
+            raise APIError("give a string 'prompt' or a list of 'messages' objects", "prompt")
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/v1/completions", response_model=None)
@@ -102,11 +103,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(ctx, body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        for i, message in enumerate(messages):
-            if isinstance(message.get("content"), list):
-                message["content"] = _text_parts(message["content"], f"messages.{i}.content")
-        ids = ctx.tokenizer.encode_chat(messages)
+        ids = ctx.tokenizer.encode_chat(chat_messages([m.model_dump() for m in body.messages]))
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -154,15 +151,6 @@ def _completion_prompt(ctx: ServingContext, prompt: Any) -> list[int]:
     if max(prompt) >= vocab:
         raise APIError(f"token ids must be in [0, {vocab})", "prompt")
     return list(prompt)
-
-
-def _text_parts(parts: list[dict[str, Any]], param: str) -> str:
-    texts = []
-    for part in parts:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError("only text content parts are supported", param)
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 def _sampling(

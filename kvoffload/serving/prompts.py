@@ -18,7 +18,7 @@ from typing import Any
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "PromptTokenizer"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "PromptTokenizer", "chat_messages"]
 
 #: The chat template of models without one (the presets): one line per turn, then the
 #: assistant's header.
@@ -26,6 +26,23 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: ``role``, ``content`` (text parts joined) and
+    ``name`` when set. Raises :class:`ConfigError` for content that is not text."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, Mapping) and p.get("type") == "text" else None
+                     for p in content]
+            if any(not isinstance(p, str) for p in parts):
+                raise ConfigError(f"messages.{i}.content", "only text content parts are supported")
+            content = "".join(parts)  # type: ignore[arg-type]
+        clean = {"role": message.get("role"), "content": content, "name": message.get("name")}
+        out.append({k: v for k, v in clean.items() if v is not None})
+    return out
 
 
 def _raise_exception(message: str) -> None:
