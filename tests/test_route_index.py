@@ -1,0 +1,212 @@
+"""The router's prefix index: keyed by token content across instances and tiers, in both wire
+forms of the events; and, per step of a deterministic two-engine run over real ZMQ sockets, equal
+to what each engine's device cache, host tier and disk tier really hold."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from engine_cases import (
+    BLOCK_SIZE,
+    backing_manager,
+    greedy,
+    host_gib,
+    one_thread,  # noqa: F401 - autouse fixture
+    random_tokens,
+    tiny_engine,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload import LookupResult, ReqContext, make_offload_key
+from kvoffload.engine import Engine
+from kvoffload.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecoder,
+    EventEncoder,
+    KVEventBatch,
+    external_block_hash,
+)
+from kvoffload.routing.follower import EventFollower
+from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE, PrefixIndex
+from kvoffload.routing.keys import block_keys, token_bytes
+
+BS = 4
+
+
+def _stored(hashes, parent, tokens, medium="GPU", locality=None, size=BS):
+    return BlockStored(hashes, parent, tokens, size, None, medium, None, locality=locality)
+
+
+def _roundtrip(events, legacy: bool):
+    payload = EventEncoder(legacy_array_events=legacy).encode(KVEventBatch(0.0, events))
+    return EventDecoder().decode(payload).events
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_keys_are_content_hashes_in_both_wire_forms(legacy: bool) -> None:
+    tokens = list(range(3 * BS + 2))
+    keys = list(block_keys(token_bytes(tokens), BS))
+    assert len(keys) == 3
+    index = PrefixIndex(BS)
+    a, b = index.add_instance(), index.add_instance()
+    # Engine hashes differ per instance (a seeded hash): the keys do not.
+    index.apply(a, _roundtrip([_stored([11, 12], None, tokens[: 2 * BS])], legacy))
+    index.apply(a, _roundtrip([_stored([13], 12, tokens[2 * BS : 3 * BS])], legacy))
+    index.apply(b, _roundtrip([_stored([21], None, tokens[:BS])], legacy))
+    # An offloaded block of two engine blocks, announced under its last engine block's hash.
+    index.apply(b, _roundtrip([_stored([22], 21, tokens[BS : 3 * BS], "CPU", size=2 * BS)], legacy))
+    m = index.match(token_bytes(tokens), [a, b])
+    assert (m[a].device, m[a].computed) == (3, 0)
+    assert (m[b].device, m[b].host, m[b].computed) == (1, 2, 0)
+    # A token-less event reuses the keys learned for that engine hash.
+    index.apply(a, [_stored([12], None, [], "CPU", size=0)])
+    index.apply(a, [BlockRemoved([11, 12, 13], "GPU")])
+    assert index.match(token_bytes(tokens), [a])[a].host == 0  # block 0 gone: no prefix
+    index.apply(a, [_stored([11], None, tokens[:BS], "STORAGE", "LOCAL")])
+    m = index.match(token_bytes(tokens), [a])[a]
+    assert (m.disk, m.host, m.computed) == (1, 1, 1)
+    index.apply(b, [AllBlocksCleared()])
+    assert index.match(token_bytes(tokens), [b])[b].cached == 0  # device run gone, host from 1
+    assert index.held(b, HOST) == {(0, 22)}
+    index.apply(b, [_stored([99], 98, tokens[:BS])])  # parent never seen
+    assert index.counters["unknown_parent"] == 1
+
+
+def test_remote_blocks_count_for_every_instance_sharing_the_tier() -> None:
+    tokens = list(range(2 * BS))
+    index = PrefixIndex(BS)
+    a, b, c = index.add_instance("redis://x/0"), index.add_instance("redis://x/0"), index.add_instance()
+    index.apply(a, [_stored([1, 2], None, tokens, "STORAGE", "REMOTE")])
+    m = index.match(token_bytes(tokens), [a, b, c])
+    assert m[a].remote == m[b].remote == 2 and m[c].cached == 0
+    index.remove_instance(a)
+    assert index.match(token_bytes(tokens), [b])[b].cached == 0
+    assert index.num_keys() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 7), st.booleans()),
+                max_size=60))
+def test_index_equals_the_union_of_what_was_stored_and_not_removed(ops) -> None:
+    """Random stores and removals on 3 instances x 4 tiers of 8 chained blocks (their parents known
+    from an earlier instance, which left): the index holds
+    exactly the surviving (instance, tier, block) triples, and a key maps to them."""
+    tokens = list(range(8 * BS))
+    keys = list(block_keys(token_bytes(tokens), BS))
+    index = PrefixIndex(BS)
+    seed = index.add_instance()  # teaches the index every engine hash's key, then leaves
+    index.apply(seed, [_stored([100 + b for b in range(8)], None, tokens)])
+    index.remove_instance(seed)
+    ids = [index.add_instance("g") for _ in range(3)]
+    mediums = [("GPU", None), ("CPU", None), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")]
+    want: set[tuple[int, int, int]] = set()
+    for inst, tier, block, store in ops:
+        medium, locality = mediums[tier]
+        if store:
+            parent = None if block == 0 else 100 + block - 1
+            index.apply(ids[inst], [_stored([100 + block], parent,
+                                            tokens[block * BS : (block + 1) * BS], medium, locality)])
+            want.add((inst, tier, block))
+        else:
+            index.apply(ids[inst], [BlockRemoved([100 + block], medium, locality=locality)])
+            want.discard((inst, tier, block))
+    for inst in range(3):
+        for tier in (DEVICE, HOST, DISK, REMOTE):
+            assert index.held(ids[inst], tier) == {
+                (0, 100 + b) for i, t, b in want if (i, t) == (inst, tier)
+            }
+    assert index.num_keys() == len({b for _, _, b in want})
+    assert set(index._blocks) == {keys[b] for _, _, b in want}
+
+
+# -- a deterministic two-engine run, checked after every step -------------------------------------
+
+
+def _events_config() -> dict:
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}
+
+
+class _Followed:
+    def __init__(self, engine: Engine, index: PrefixIndex) -> None:
+        self.engine = engine
+        self.iid = index.add_instance()
+        publisher = engine.publisher
+        self.follower = EventFollower(
+            "e", publisher.endpoint, publisher.replay_endpoint, "kv",
+            apply=lambda evs: index.apply(self.iid, evs), reset=lambda: index.clear(self.iid),
+        ).start()
+
+    def sync(self) -> None:
+        stats = self.engine.publisher.stats
+        deadline = time.monotonic() + 30
+        while self.follower.next_seq < stats()["published"]:
+            assert time.monotonic() < deadline, "the follower did not catch up"
+            time.sleep(0.002)
+
+
+def _expected(engine: Engine, prompts: list[list[int]], claimed: set) -> dict[int, set]:
+    """What the engine holds per tier; the disk is asked about every prompt block and every
+    block the index ``claimed`` (output tokens complete blocks too)."""
+    ext = lambda h: external_block_hash(h, False)  # noqa: E731
+    device = {(0, ext(b.block_hash)) for b in engine.pool.blocks if b.block_hash is not None}
+    host = {(0, ext(k[:-4])) for k, blk in backing_manager(engine).items() if blk.ref_cnt >= 0}
+    disk_tier = engine.tiering.tiers[0]
+    ctx = ReqContext("check")
+    candidates = {h for prompt in prompts for h in engine.hasher.hash_blocks(prompt)}
+    candidates |= {h for _, h in claimed}
+    disk = {(0, ext(h)) for h in candidates
+            if disk_tier.lookup(make_offload_key(h), ctx) is LookupResult.HIT}
+    return {DEVICE: device, HOST: host, DISK: disk}
+
+
+def test_router_index_equals_the_engines_caches_after_every_step(tmp_path) -> None:
+    rng = random.Random(5)
+    prefixes = [random_tokens(rng, 6 * BLOCK_SIZE) for _ in range(4)]
+    prompts = [p + random_tokens(rng, 3) for p in prefixes for _ in range(2)]
+    rng.shuffle(prompts)
+    index = PrefixIndex(BLOCK_SIZE)
+    engines = [
+        tiny_engine(num_device_blocks=10, kv_offloading_size=host_gib(12),
+                    kv_disk_path=str(tmp_path / f"d{i}"), kv_disk_size=0.01,
+                    kv_events_config=_events_config())
+        for i in range(2)
+    ]
+    followed = [_Followed(e, index) for e in engines]
+    try:
+        steps = 0
+        for n, prompt in enumerate(prompts):
+            engines[n % 2].add_request(prompt, greedy(3, logprobs=None))
+            for _ in range(2):  # admitted while others run
+                for f in followed:
+                    if f.engine.has_unfinished() or f.engine.connector.has_pending_jobs():
+                        f.engine.step()
+                        steps += 1
+                    f.sync()
+                    want = _expected(f.engine, prompts, index.held(f.iid, DISK))
+                    for tier, blocks in want.items():
+                        assert index.held(f.iid, tier) == blocks, (steps, tier)
+        for f in followed:
+            f.engine.drain()
+            f.sync()
+            want = _expected(f.engine, prompts, index.held(f.iid, DISK))
+            assert want[HOST] and want[DISK]  # the run did reach both offloading tiers
+            for tier, blocks in want.items():
+                assert index.held(f.iid, tier) == blocks
+        # Content keys: what one engine holds on its device is matched from the prompt tokens.
+        for f in followed:
+            for prompt in prompts:
+                hashes = f.engine.hasher.hash_blocks(prompt)
+                run = 0
+                while run < len(hashes) and (0, hashes[run]) in index.held(f.iid, DEVICE):
+                    run += 1
+                assert index.match(token_bytes(prompt), [f.iid])[f.iid].device == run
+    finally:
+        for f in followed:
+            f.follower.stop()
+            f.engine.close()
