@@ -144,3 +144,21 @@ def serve(*extra: str, events: bool = True, env: dict[str, str] | None = None) -
         args += ["--kv-events-config", events_config()]
     with Process(args, port, env) as process:
         yield process.wait_ready()
+
+
+@contextlib.contextmanager
+def route(backends: list[Process], *extra: str) -> Iterator[Process]:
+    port = free_port()
+    args = ["route", "--port", str(port), "--model", "tiny", "--health-interval", "0.2",
+            "--metrics-interval", "0.5", *extra]
+    for b in backends:
+        args += ["--backend", b.url]
+    with Process(args, port) as process:
+        process.wait_ready()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while sum(b["healthy"] for b in http_json(f"{process.url}/router/stats")["backends"]) < len(
+            backends
+        ):
+            assert time.monotonic() < deadline, "backends not in rotation"
+            time.sleep(0.1)
+        yield process
