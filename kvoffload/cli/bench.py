@@ -327,6 +327,9 @@ def add_parser(subparsers: Any) -> None:
     from kvoffload.cli.trace import add_parser as add_trace_parser
 
     add_trace_parser(sub)
+    from kvoffload.cli.bench_serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
 
 
 def _steady_threads() -> None:

@@ -1,0 +1,134 @@
+"""Sending the benchmark's requests and timing them as ``vllm bench serve`` does.
+
+Requests go to ``/v1/completions`` with the prompt as token ids, ``stream`` and
+``stream_options.include_usage``. On the client's clock (``perf_counter``): TTFT is the first
+chunk carrying text minus the send time, ITL the gaps between later text chunks, latency the
+last text chunk minus the send time; output tokens come from the server's ``usage``. A 200
+stream without any text chunk is a failure. Arrivals are a gamma process at ``request_rate``
+(``burstiness`` 1: Poisson; ``inf``: all at once), with at most ``max_concurrency`` in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+from kvoffload.benchmark.datasets import BenchRequest
+
+__all__ = ["RequestResult", "run_requests"]
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    output_tokens: int = 0
+    start_time: float = 0.0
+    error: str = ""
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, session_id: str | None
+) -> RequestResult:
+    body = {
+        "model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    headers = {"x-session-id": session_id} if session_id else {}
+    out = RequestResult(prompt_len=len(req.prompt))
+    start = out.start_time = time.perf_counter()
+    last = start
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return out
+            buffer = b""
+            async for chunk in resp.content.iter_any():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    data = event.removeprefix(b"data: ").strip()
+                    if not data or data == b"[DONE]":
+                        continue
+                    msg = json.loads(data)
+                    if "error" in msg:
+                        out.error = str(msg["error"].get("message"))
+                        return out
+                    now = time.perf_counter()
+                    if msg.get("choices") and msg["choices"][0].get("text"):
+                        if out.ttft == 0.0:
+                            out.ttft = now - start
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                    if msg.get("usage"):
+                        out.output_tokens = int(msg["usage"].get("completion_tokens", 0))
+            out.latency = last - start
+            out.success = out.ttft > 0
+            if not out.success:
+                out.error = "no text in the stream"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        out.error = repr(exc)
+    return out
+
+
+def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds before each request (vLLM's gamma arrivals; all at 0 when the rate is inf)."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return list(rng.gamma(shape=burstiness, scale=theta, size=n))
+
+
+async def run_requests(
+    url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    request_rate: float,
+    burstiness: float,
+    max_concurrency: int | None,
+    seed: int,
+    sessions: Sequence[str | None] | None = None,
+) -> tuple[list[RequestResult], float, int]:
+    """Run every request; returns the results (in request order), the wall duration and the
+    peak number of requests in flight."""
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    in_flight = peak = 0
+
+    async def limited(i: int, req: BenchRequest) -> RequestResult:
+        nonlocal in_flight, peak
+        if gate is not None:
+            await gate.acquire()
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await _one(session, url, model, req, sessions[i] if sessions else None)
+        finally:
+            in_flight -= 1
+            if gate is not None:
+                gate.release()
+
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        tasks = []
+        for i, (req, gap) in enumerate(
+            zip(requests, arrival_gaps(len(requests), request_rate, burstiness, seed), strict=True)
+        ):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(i, req)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start, peak

@@ -1,0 +1,129 @@
+"""One ``kvoffload bench serve`` run: build the workload, send it, print and return vLLM's
+figures plus the servers' hit rates by source; and ``--compare-routing`` (see
+:mod:`kvoffload.servebench.compare`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvoffload.benchmark import datasets
+from kvoffload.benchmark.datasets import BenchRequest
+from kvoffload.servebench.client import run_requests
+from kvoffload.servebench.metrics import hit_rates_by_source, scrape_sources, summarize
+
+__all__ = ["build_requests", "run_once"]
+
+
+def _vocab(model: str) -> tuple[int, int]:
+    path = Path(model) / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        eos = config.get("eos_token_id", 0)
+        return int(config["vocab_size"]), int(eos[0] if isinstance(eos, list) else eos)
+    from kvoffload.engine.config import preset_config
+
+    preset = preset_config(model)
+    return preset.vocab_size, preset.eos_token_id
+
+
+def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[str | None]]:
+    """The workload and, per request, its session (multi-turn workloads: turns of one session
+    share the ``x-session-id`` header)."""
+    vocab, eos = _vocab(args.model)
+    name, seed, n = args.dataset_name, args.seed, args.num_prompts
+    if name == "random":
+        reqs = datasets.random_prompts(n, args.random_input_len, args.random_output_len,
+                                       vocab, eos, seed)
+        return reqs, [None] * len(reqs)
+    if name == "prefix_repetition":
+        reqs = datasets.prefix_repetition(
+            n, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, vocab, eos,
+            seed)
+        return reqs, [None] * len(reqs)
+    if name == "multi_turn":
+        reqs = datasets.multi_turn(n, args.multi_turn_num_sessions, args.multi_turn_system_len,
+                                   args.multi_turn_turn_len, args.output_len or 16, vocab, eos, seed)
+        return reqs, [f"s{i % args.multi_turn_num_sessions}" for i in range(len(reqs))]
+    reqs = datasets.trace_prompts(args.dataset_path, n, args.trace_block_size, args.output_len,
+                                  vocab, eos, seed)
+    limit = args.max_prompt_len
+    reqs = [BenchRequest(r.prompt[-limit:] if limit else r.prompt, r.output_len, r.arrival_s)
+            for r in reqs]
+    return reqs, [None] * len(reqs)
+
+
+def metrics_urls(url: str) -> list[str]:
+    """Where hit rates are read: the backends behind a kvoffload router, else ``url`` itself."""
+    try:
+        with urllib.request.urlopen(f"{url}/router/stats", timeout=10) as resp:
+            return [b["url"] for b in json.loads(resp.read())["backends"]]
+    except (OSError, ValueError, KeyError):
+        return [url]
+
+
+def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[str, Any]:
+    requests, sessions = build_requests(args)
+    urls = metrics_urls(url)
+    before = scrape_sources(urls)
+    results, duration, peak = asyncio.run(run_requests(
+        url, args.served_model_name or args.model, requests, args.request_rate, args.burstiness,
+        args.max_concurrency, args.seed, sessions))
+    after = scrape_sources(urls)
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    out: dict[str, Any] = {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai",
+        "backend": "openai",
+        "label": args.label,
+        "model_id": args.model,
+        "tokenizer_id": args.model,
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **summarize(results, duration, percentiles, args.goodput_ttft_ms, peak),
+        **hit_rates_by_source(before, after),
+    }
+    if not quiet:
+        print_result(out, percentiles)
+    return out
+
+
+def print_result(r: dict[str, Any], percentiles: list[float]) -> None:
+    print("{s:{c}^60}".format(s=" Serving Benchmark Result ", c="="))
+    rows = [
+        ("Successful requests:", r["completed"]), ("Failed requests:", r["failed"]),
+        ("Maximum request concurrency:", r["max_concurrency"]),
+        ("Request rate configured (RPS):", r["request_rate"]),
+        ("Benchmark duration (s):", f"{r['duration']:.2f}"),
+        ("Total input tokens:", r["total_input_tokens"]),
+        ("Total generated tokens:", r["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{r['request_throughput']:.2f}"),
+        ("Request goodput (req/s):", "n/a" if r["request_goodput"] is None
+         else f"{r['request_goodput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{r['output_throughput']:.2f}"),
+        ("Peak concurrent requests:", r["max_concurrent_requests"]),
+        ("Total token throughput (tok/s):", f"{r['total_token_throughput']:.2f}"),
+    ]
+    for label, value in rows:
+        print(f"{label:<40}{value!s:>20}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print("{s:{c}^60}".format(s=f" {title} ", c="-"))
+        print(f"{'Mean ' + name.upper() + ' (ms):':<40}{r[f'mean_{name}_ms']:>20.2f}")
+        print(f"{'Median ' + name.upper() + ' (ms):':<40}{r[f'median_{name}_ms']:>20.2f}")
+        for p in percentiles:
+            print(f"{f'P{p:g} {name.upper()} (ms):':<40}{r[f'p{p:g}_{name}_ms']:>20.2f}")
+    print("{s:{c}^60}".format(s=" Prefix cache (servers' metrics) ", c="-"))
+    rate = r["prefix_hit_rate"]
+    print(f"{'Prefix hit rate:':<40}{'n/a' if rate is None else f'{rate:.1%}':>20}")
+    for source, share in r["share_by_source"].items():
+        print(f"{'  ' + source + ':':<40}{share:>20.1%}")
+    print("=" * 60)
