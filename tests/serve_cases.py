@@ -92,10 +92,11 @@ class Process:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.args[0]} exited {self.proc.returncode}: {self.output()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"{self.url}/health", timeout=2
+            ) as response:
+                if response.status == 200:
+                    return self
             time.sleep(0.1)
         raise TimeoutError(f"{self.args[0]} not ready after {timeout_s} s")
 
@@ -129,10 +130,8 @@ class Process:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.terminate(30)
-        except subprocess.TimeoutExpired:
-            pass
         self.close_output()
 
 

@@ -74,31 +74,34 @@ def test_round_robin_and_sessions(backends: list[Process]) -> None:
 
 
 def test_killed_backend_fails_no_request_and_leaves_the_index() -> None:
-    with serve("--kv-offloading-size", "0.01") as a, serve("--kv-offloading-size", "0.01") as b:
-        with route([a, b], "--policy", "round_robin") as router:
-            client = _client(router.url)
-            for i in range(4):  # both backends index blocks
-                client.completions.create(model="tiny", prompt=SHARED + str(i), max_tokens=2)
-            results: list[Any] = []
+    with (
+        serve("--kv-offloading-size", "0.01") as a,
+        serve("--kv-offloading-size", "0.01") as b,
+        route([a, b], "--policy", "round_robin") as router,
+    ):
+        client = _client(router.url)
+        for i in range(4):  # both backends index blocks
+            client.completions.create(model="tiny", prompt=SHARED + str(i), max_tokens=2)
+        results: list[Any] = []
 
-            def worker(n: int) -> None:
-                for i in range(6):
-                    try:
-                        results.append(client.completions.create(
-                            model="tiny", prompt=f"{SHARED} {n}/{i}", max_tokens=4))
-                    except Exception as exc:  # asserted below
-                        results.append(exc)
+        def worker(n: int) -> None:
+            for i in range(6):
+                try:
+                    results.append(client.completions.create(
+                        model="tiny", prompt=f"{SHARED} {n}/{i}", max_tokens=4))
+                except Exception as exc:  # asserted below
+                    results.append(exc)
 
-            threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
-            for t in threads:
-                t.start()
-            b.kill()  # mid-run: requests in flight there are retried on a
-            for t in threads:
-                t.join(120)
-            assert len(results) == 18
-            assert [r for r in results if isinstance(r, Exception)] == []
-            stats = http_json(f"{router.url}/router/stats")
-            dead = next(s for s in stats["backends"] if s["url"] == b.url)
-            alive = next(s for s in stats["backends"] if s["url"] == a.url)
-            assert not dead["healthy"] and dead["indexed_blocks"] == 0
-            assert alive["healthy"] and alive["indexed_blocks"] > 0
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        b.kill()  # mid-run: requests in flight there are retried on a
+        for t in threads:
+            t.join(120)
+        assert len(results) == 18
+        assert [r for r in results if isinstance(r, Exception)] == []
+        stats = http_json(f"{router.url}/router/stats")
+        dead = next(s for s in stats["backends"] if s["url"] == b.url)
+        alive = next(s for s in stats["backends"] if s["url"] == a.url)
+        assert not dead["healthy"] and dead["indexed_blocks"] == 0
+        assert alive["healthy"] and alive["indexed_blocks"] > 0

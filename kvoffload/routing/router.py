@@ -165,7 +165,7 @@ class Router:
         try:
             async with self.session.get(f"{backend.url}/health", timeout=_short()) as resp:
                 ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         if ok:
             backend.failures = 0
@@ -182,7 +182,7 @@ class Router:
         try:
             async with self.session.get(f"{backend.url}/metrics", timeout=_short(5)) as resp:
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return
         backend.costs.update(await asyncio.to_thread(parse_metrics, text))
 
@@ -219,7 +219,7 @@ class Router:
         try:
             async with self.session.get(f"{backend.url}/kv_event_sources", timeout=_short()) as r:
                 sources = await r.json() if r.status == 200 else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
         if not isinstance(sources, Mapping) or not sources:
             return None

@@ -78,7 +78,7 @@ async def _one(
             out.success = out.ttft > 0
             if not out.success:
                 out.error = "no text in the stream"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = repr(exc)
     return out
 

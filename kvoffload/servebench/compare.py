@@ -62,10 +62,9 @@ def _process(args: list[str], port: int) -> Iterator[str]:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"{shlex.join(args)} exited {proc.returncode}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{args[0]} did not start")
             time.sleep(0.2)

@@ -15,6 +15,7 @@ something (:class:`StepCostModel`); the router reads the fit from ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -255,10 +256,8 @@ class EngineLoop:
             for stream, delta in items:
                 stream.put(delta)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
             loop.call_soon_threadsafe(deliver)
-        except RuntimeError:  # the event loop closed meanwhile
-            pass
 
     def _fail_all(self, exc: BaseException) -> None:
         error = ConfigError("engine", f"the engine failed: {exc!r}")
