@@ -41,6 +41,7 @@ __all__ = ["DEVICE", "DISK", "HOST", "REMOTE", "TIERS", "Match", "PrefixIndex", 
 
 DEVICE, HOST, DISK, REMOTE = 0, 1, 2, 3
 TIERS = ("device", "host", "disk", "remote")
+_MASK = tuple(0xFFFF << (16 * t) for t in range(4))  # a tier's refcount in a packed entry
 _MAX_LEARNED = 1 << 21  # engine hashes whose keys are remembered (oldest forgotten first)
 
 HeldKey = tuple[int, ExternalBlockHash]  # (group, engine hash)
@@ -83,8 +84,9 @@ class PrefixIndex:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        # key -> {instance: [blocks in device, host, disk, remote] (refcounts)}
-        self._blocks: dict[int, dict[int, list[int]]] = {}
+        # key -> {instance: refcounts of device, host, disk, remote packed 16 bits each}: ints
+        # only, so the garbage collector never traverses the index's entries.
+        self._blocks: dict[int, dict[int, int]] = {}
         # per instance, per tier: (group, engine hash) -> keys of that block
         self._held: dict[int, list[dict[HeldKey, tuple[int, ...]]]] = {}
         self._remote_group: dict[int, str | None] = {}
@@ -195,10 +197,7 @@ class PrefixIndex:
             entry = blocks.get(key)
             if entry is None:
                 entry = blocks[key] = {}
-            counts = entry.get(instance)
-            if counts is None:
-                counts = entry[instance] = [0, 0, 0, 0]
-            counts[t] += 1
+            entry[instance] = entry.get(instance, 0) + (1 << (16 * t))
 
     def _unref(self, instance: int, t: int, keys: tuple[int, ...]) -> None:
         blocks = self._blocks
@@ -207,8 +206,10 @@ class PrefixIndex:
             counts = None if entry is None else entry.get(instance)
             if counts is None:
                 continue
-            counts[t] -= 1
-            if not any(counts):
+            counts -= 1 << (16 * t)
+            if counts:
+                entry[instance] = counts
+            else:
                 del entry[instance]
                 if not entry:
                     del blocks[key]
@@ -231,17 +232,17 @@ class PrefixIndex:
             remote_groups: set[str | None] | None = None
             still = []
             for i in alive:
-                counts = entry.get(i)
+                counts = entry.get(i, 0)
                 m = out[i]
-                if counts is not None and counts[DEVICE] and on_device[i]:
+                if counts & _MASK[DEVICE] and on_device[i]:
                     m.device += 1
-                elif counts is not None and counts[HOST]:
+                elif counts & _MASK[HOST]:
                     m.host += 1
-                elif counts is not None and counts[DISK]:
+                elif counts & _MASK[DISK]:
                     m.disk += 1
                 else:
                     if remote_groups is None:
-                        remote_groups = {groups.get(j) for j, c in entry.items() if c[REMOTE]}
+                        remote_groups = {groups.get(j) for j, c in entry.items() if c & _MASK[REMOTE]}
                         remote_groups.discard(None)
                     if groups.get(i) not in remote_groups:
                         continue
