@@ -54,7 +54,8 @@ def post_raw(url: str, data: bytes, timeout: float = 30.0) -> tuple[int, Any]:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        with exc:  # an unclosed error response leaks its socket (a ResourceWarning at GC)
+            return exc.code, json.loads(exc.read())
 
 
 def metric(url: str, name: str) -> float:

@@ -37,8 +37,7 @@ def test_outputs_through_route_equal_one_instance(backends: list[Process]) -> No
     with Engine("tiny", num_device_blocks=64) as engine:  # no offloading
         want = [engine.tokenizer.decode(o.output_token_ids) for o in engine.generate(
             [tok.encode(p) for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))]
-    with route(backends) as router:
-        client = _client(router.url)
+    with route(backends) as router, _client(router.url) as client:
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
                for p in prompts]
@@ -61,11 +60,11 @@ def test_outputs_through_route_equal_one_instance(backends: list[Process]) -> No
 
 def test_round_robin_and_sessions(backends: list[Process]) -> None:
     with route(backends, "--policy", "round_robin") as rr:
-        for i in range(4):
-            _client(rr.url).completions.create(model="tiny", prompt=f"p{i}", max_tokens=1)
+        with _client(rr.url) as client:
+            for i in range(4):
+                client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=1)
         assert [b["requests"] for b in http_json(f"{rr.url}/router/stats")["backends"]] == [2, 2]
-    with route(backends, "--policy", "session") as sticky:
-        client = _client(sticky.url)
+    with route(backends, "--policy", "session") as sticky, _client(sticky.url) as client:
         for user in ("alice", "bob", "carol", "dave"):
             for _ in range(2):
                 client.completions.create(model="tiny", prompt="hi", max_tokens=1, user=user)
@@ -78,8 +77,8 @@ def test_killed_backend_fails_no_request_and_leaves_the_index() -> None:
         serve("--kv-offloading-size", "0.01") as a,
         serve("--kv-offloading-size", "0.01") as b,
         route([a, b], "--policy", "round_robin") as router,
+        _client(router.url) as client,
     ):
-        client = _client(router.url)
         for i in range(4):  # both backends index blocks
             client.completions.create(model="tiny", prompt=SHARED + str(i), max_tokens=2)
         results: list[Any] = []

@@ -32,8 +32,9 @@ def server() -> Iterator[Process]:
 
 
 @pytest.fixture(scope="module")
-def client(server: Process) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(server: Process) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -228,10 +229,11 @@ def test_disconnect_mid_stream_aborts_and_frees(server: Process) -> None:
 
 
 def test_sigterm_during_load_finishes_everything_and_exits_0() -> None:
-    with serve("--kv-offloading-size", "0.01") as process:
+    with serve("--kv-offloading-size", "0.01") as process, openai.OpenAI(
+        base_url=f"{process.url}/v1", api_key="x", max_retries=0
+    ) as client:
         sources = json.loads(_get(f"{process.url}/kv_event_sources"))["0"]
         sub = KVEventSubscriber(sources["endpoint"], "kv", sources["replay_endpoint"], start_seq=0)
-        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="x", max_retries=0)
         results: dict[int, Any] = {}
 
         def request(i: int) -> None:
