@@ -48,9 +48,14 @@ def add_parser(sub: Any) -> None:
                    help="tokens per trace hash id")
     p.add_argument("--max-prompt-len", type=int_in(1), default=None,
                    help="keep a trace prompt's last N tokens (fits small caches)")
-    p.add_argument("--goodput-ttft-ms", type=real_in(0, positive=True), default=None,
-                   help="goodput counts requests whose TTFT is at most this")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics to report: ttft, tpot, itl, e2el, client_queue_time, "
+                   "e2el_including_client_queue")
     p.add_argument("--metric-percentiles", default="50,90,99")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="keep the per-request arrays (ttfts, itls, ...) in --output-json")
     p.add_argument("--label", default=None)
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of TTFT per configuration")
@@ -72,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.dataset_name == "trace" and not args.dataset_path:
             raise ConfigError("dataset_path", "--dataset-name trace needs --dataset-path")
+        _check_metrics(args)
         for setting in ("output_json", "plot"):
             if getattr(args, setting):
                 check_output_path(setting, getattr(args, setting))
@@ -91,6 +97,27 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(result, args.plot)
     return 0 if not result.get("failed") else 1
+
+
+def _check_metrics(args: argparse.Namespace) -> None:
+    from kvoffload.errors import ConfigError
+    from kvoffload.servebench.metrics import PERCENTILE_METRICS, parse_goodput
+
+    unknown = set(args.percentile_metrics.split(",")) - set(PERCENTILE_METRICS)
+    if unknown:
+        raise ConfigError("percentile_metrics",
+                          f"unknown {sorted(unknown)}; choose from {','.join(PERCENTILE_METRICS)}")
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    except ValueError:
+        percentiles = []
+    if not percentiles or not all(0 < p <= 100 for p in percentiles):
+        raise ConfigError("metric_percentiles",
+                          f"give percentiles in (0, 100] like 50,99; got {args.metric_percentiles!r}")
+    try:
+        parse_goodput(args.goodput or [])
+    except ValueError as exc:
+        raise ConfigError("goodput", str(exc)) from None
 
 
 def _plot(result: dict[str, Any], path: str) -> None:

@@ -2,15 +2,17 @@
 
 Requests go to ``/v1/completions`` with the prompt as token ids, ``stream`` and
 ``stream_options.include_usage``. On the client's clock (``perf_counter``): TTFT is the first
-chunk carrying text minus the send time, ITL the gaps between later text chunks, latency the
-last text chunk minus the send time; output tokens come from the server's ``usage``. A 200
-stream without any text chunk is a failure. Arrivals are a gamma process at ``request_rate``
-(``burstiness`` 1: Poisson; ``inf``: all at once), with at most ``max_concurrency`` in flight.
+chunk carrying ``choices`` minus the send time, ITL the gaps between later such chunks, latency
+the last such chunk minus the send time; output tokens (and the prompt length) come from the
+server's ``usage``. A 200 stream without any such chunk is a failure. Arrivals are a gamma
+process at ``request_rate`` (``burstiness`` 1: Poisson; ``inf``: all at once), with at most
+``max_concurrency`` in flight; a request's ``queue_time`` is how long it waited for a slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -22,11 +24,13 @@ import numpy as np
 
 from kvoffload.benchmark.datasets import BenchRequest
 
-__all__ = ["RequestResult", "run_requests"]
+__all__ = ["RequestResult", "arrival_gaps", "run_requests"]
 
 
 @dataclass
 class RequestResult:
+    """One request as ``vllm bench serve`` records it (seconds, ``perf_counter`` clock)."""
+
     success: bool = False
     ttft: float = 0.0
     latency: float = 0.0
@@ -34,7 +38,28 @@ class RequestResult:
     prompt_len: int = 0
     output_tokens: int = 0
     start_time: float = 0.0
+    queue_time: float = 0.0
+    generated_text: str = ""
     error: str = ""
+
+
+def _read_event(out: RequestResult, data: bytes, start: float, last: float) -> float:
+    """Fold one SSE payload into ``out``; returns the time of the latest token chunk."""
+    msg = json.loads(data)
+    if "error" in msg:
+        raise ValueError(str(msg["error"].get("message")))
+    if choices := msg.get("choices"):
+        now = time.perf_counter()
+        if out.ttft == 0.0:
+            out.ttft = now - start
+        else:
+            out.itl.append(now - last)
+        out.generated_text += choices[0].get("text") or ""
+        return now
+    if usage := msg.get("usage"):
+        out.output_tokens = int(usage.get("completion_tokens") or 0)
+        out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
+    return last
 
 
 async def _one(
@@ -46,8 +71,7 @@ async def _one(
     }
     headers = {"x-session-id": session_id} if session_id else {}
     out = RequestResult(prompt_len=len(req.prompt))
-    start = out.start_time = time.perf_counter()
-    last = start
+    start = last = out.start_time = time.perf_counter()
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -59,25 +83,12 @@ async def _one(
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     data = event.removeprefix(b"data: ").strip()
-                    if not data or data == b"[DONE]":
-                        continue
-                    msg = json.loads(data)
-                    if "error" in msg:
-                        out.error = str(msg["error"].get("message"))
-                        return out
-                    now = time.perf_counter()
-                    if msg.get("choices") and msg["choices"][0].get("text"):
-                        if out.ttft == 0.0:
-                            out.ttft = now - start
-                        else:
-                            out.itl.append(now - last)
-                        last = now
-                    if msg.get("usage"):
-                        out.output_tokens = int(msg["usage"].get("completion_tokens", 0))
-            out.latency = last - start
-            out.success = out.ttft > 0
-            if not out.success:
-                out.error = "no text in the stream"
+                    if data and data != b"[DONE]" and not data.startswith(b":"):
+                        last = _read_event(out, data, start, last)
+        out.latency = last - start
+        out.success = out.ttft > 0
+        if not out.success:
+            out.error = "no token chunk in the stream"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = repr(exc)
     return out
@@ -101,34 +112,27 @@ async def run_requests(
     max_concurrency: int | None,
     seed: int,
     sessions: Sequence[str | None] | None = None,
-) -> tuple[list[RequestResult], float, int]:
-    """Run every request; returns the results (in request order), the wall duration and the
-    peak number of requests in flight."""
-    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+) -> tuple[list[RequestResult], float]:
+    """Run every request; returns the results (in request order) and the wall duration."""
+    gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
+        asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    )
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    in_flight = peak = 0
 
     async def limited(i: int, req: BenchRequest) -> RequestResult:
-        nonlocal in_flight, peak
-        if gate is not None:
-            await gate.acquire()
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            return await _one(session, url, model, req, sessions[i] if sessions else None)
-        finally:
-            in_flight -= 1
-            if gate is not None:
-                gate.release()
+        arrival = time.perf_counter()
+        async with gate:
+            out = await _one(session, url, model, req, sessions[i] if sessions else None)
+        out.queue_time = out.start_time - arrival
+        return out
 
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
         tasks = []
-        for i, (req, gap) in enumerate(
-            zip(requests, arrival_gaps(len(requests), request_rate, burstiness, seed), strict=True)
-        ):
+        gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
+        for i, (req, gap) in enumerate(zip(requests, gaps, strict=True)):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(limited(i, req)))
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start, peak
+        return list(results), time.perf_counter() - start

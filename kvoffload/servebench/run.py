@@ -15,7 +15,13 @@ from typing import Any
 from kvoffload.benchmark import datasets
 from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.servebench.client import run_requests
-from kvoffload.servebench.metrics import hit_rates_by_source, scrape_sources, summarize
+from kvoffload.servebench.metrics import (
+    DETAILED_KEYS,
+    hit_rates_by_source,
+    parse_goodput,
+    scrape_sources,
+    summarize,
+)
 
 __all__ = ["build_requests", "run_once"]
 
@@ -69,10 +75,12 @@ def metrics_urls(url: str) -> list[str]:
 
 
 def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[str, Any]:
+    """One run of the workload against ``url``: vLLM's result keys (per-request arrays only
+    with ``--save-detailed``) plus the servers' tokens by source."""
     requests, sessions = build_requests(args)
     urls = metrics_urls(url)
     before = scrape_sources(urls)
-    results, duration, peak = asyncio.run(run_requests(
+    results, duration = asyncio.run(run_requests(
         url, args.served_model_name or args.model, requests, args.request_rate, args.burstiness,
         args.max_concurrency, args.seed, sessions))
     after = scrape_sources(urls)
@@ -88,12 +96,24 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
         "request_rate": args.request_rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
-        **summarize(results, duration, percentiles, args.goodput_ttft_ms, peak),
+        **summarize(results, duration, percentiles, args.percentile_metrics.split(","),
+                    parse_goodput(args.goodput or []), args.max_concurrency, args.request_rate),
         **hit_rates_by_source(before, after),
     }
     if not quiet:
         print_result(out, percentiles)
+    if not args.save_detailed:
+        for key in DETAILED_KEYS:
+            del out[key]
     return out
+
+
+_TITLES = {
+    "ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency", "e2el": "End-to-end Latency",
+    "client_queue_time": "Client Queue Time",
+    "e2el_including_client_queue": "E2EL incl. Client Queue",
+}
 
 
 def print_result(r: dict[str, Any], percentiles: list[float]) -> None:
@@ -109,18 +129,21 @@ def print_result(r: dict[str, Any], percentiles: list[float]) -> None:
         ("Request goodput (req/s):", "n/a" if r["request_goodput"] is None
          else f"{r['request_goodput']:.2f}"),
         ("Output token throughput (tok/s):", f"{r['output_throughput']:.2f}"),
+        ("Peak output token throughput (tok/s):", f"{r['max_output_tokens_per_s']:.2f}"),
         ("Peak concurrent requests:", r["max_concurrent_requests"]),
         ("Total token throughput (tok/s):", f"{r['total_token_throughput']:.2f}"),
     ]
     for label, value in rows:
         print(f"{label:<40}{value!s:>20}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in _TITLES.items():
+        if f"mean_{name}_ms" not in r:  # not in --percentile-metrics
+            continue
+        label = name.upper() if len(name) <= 4 else title
         print("{s:{c}^60}".format(s=f" {title} ", c="-"))
-        print(f"{'Mean ' + name.upper() + ' (ms):':<40}{r[f'mean_{name}_ms']:>20.2f}")
-        print(f"{'Median ' + name.upper() + ' (ms):':<40}{r[f'median_{name}_ms']:>20.2f}")
+        print(f"{'Mean ' + label + ' (ms):':<40}{r[f'mean_{name}_ms']:>20.2f}")
+        print(f"{'Median ' + label + ' (ms):':<40}{r[f'median_{name}_ms']:>20.2f}")
         for p in percentiles:
-            print(f"{f'P{p:g} {name.upper()} (ms):':<40}{r[f'p{p:g}_{name}_ms']:>20.2f}")
+            print(f"{f'P{p:g} {label} (ms):':<40}{r[f'p{p:g}_{name}_ms']:>20.2f}")
     print("{s:{c}^60}".format(s=" Prefix cache (servers' metrics) ", c="-"))
     rate = r["prefix_hit_rate"]
     print(f"{'Prefix hit rate:':<40}{'n/a' if rate is None else f'{rate:.1%}':>20}")
