@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 from serve_cases import metric, serve
 
+from kvoffload.benchmark import traces
+from kvoffload.cli.main import build_parser
 from kvoffload.servebench.client import RequestResult
 from kvoffload.servebench.metrics import PERCENTILE_METRICS, parse_goodput, summarize
+from kvoffload.servebench.run import build_requests
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -101,6 +104,56 @@ def test_a_run_against_a_real_server(tmp_path) -> None:
     assert sum(tokens_by_source.values()) == queried >= 8 * 72
     assert tokens_by_source["device"] >= 64  # a prefix came back from the device cache
     assert r["prefix_hit_rate"] == pytest.approx(1 - tokens_by_source["computed"] / queried)
+
+
+def _args(*flags: str):
+    argv = ["bench", "serve", "--model", "tiny", *flags]
+    return build_parser(argv).parse_args(argv)
+
+
+@pytest.mark.parametrize("name", sorted(traces.SUITE))
+def test_generated_suite_workloads_read_as_a_trace_file(name: str, tmp_path) -> None:
+    """``--generate NAME`` is the suite's trace through the one trace reader: the same requests
+    as ``--dataset-path`` of that trace written out; ``--max-prompt-len`` keeps prefixes shared."""
+    generated, _ = build_requests(_args("--dataset-name", "trace", "--generate", name,
+                                        "--num-prompts", "40", "--seed", "3"))
+    path = tmp_path / "t.jsonl"
+    records = traces.generate(name, 3, 40)
+    traces.write(records, path)
+    from_file, _ = build_requests(_args("--dataset-name", "trace", "--dataset-path", str(path),
+                                        "--num-prompts", "40", "--seed", "3"))
+    assert generated == from_file and len(generated) == 40
+    cut, _ = build_requests(_args("--dataset-name", "trace", "--generate", name, "--num-prompts",
+                                  "40", "--seed", "3", "--max-prompt-len", "48"))
+    for a, ra in zip(cut, records, strict=True):
+        for b, rb in zip(cut, records, strict=True):
+            shared = 16 * _common(ra["hash_ids"], rb["hash_ids"])  # tokens (a last block is cut)
+            m = min(shared, len(a.prompt), len(b.prompt))
+            assert a.prompt[:m] == b.prompt[:m]
+            assert len(a.prompt) <= 48
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("flags", [
+    ("--dataset-name", "trace"),
+    ("--dataset-name", "trace", "--generate", "rag", "--dataset-path", "x.jsonl"),
+    ("--dataset-name", "random", "--generate", "rag"),
+    ("--goodput", "ttft=5"),
+    ("--percentile-metrics", "ttft,latency"),
+    ("--metric-percentiles", "0"),
+])
+def test_bad_workload_and_metric_flags_are_usage_errors(flags, capsys) -> None:
+    args = _args(*flags)
+    with pytest.raises(SystemExit) as exited:
+        args.func(args)
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err
 
 
 def _sources(url: str) -> dict[str, float]:

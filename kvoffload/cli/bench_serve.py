@@ -8,9 +8,12 @@ import argparse
 import json
 from typing import Any
 
+from kvoffload.benchmark.traces import SUITE
 from kvoffload.cli.args import check_output_path, int_in, real_in
 
 __all__ = ["add_parser"]
+
+SUITE_NAMES = tuple(sorted(SUITE))
 
 
 def add_parser(sub: Any) -> None:
@@ -29,6 +32,9 @@ def add_parser(sub: Any) -> None:
                    choices=("random", "prefix_repetition", "multi_turn", "trace"))
     p.add_argument("--dataset-path", default=None,
                    help="Mooncake-format trace, e.g. ../shared/traces/conversation_trace.jsonl")
+    p.add_argument("--generate", default=None, choices=SUITE_NAMES, metavar="NAME",
+                   help="--dataset-name trace: a workload of the generated trace suite instead "
+                   f"of a file ({', '.join(SUITE_NAMES)}; as bench trace --generate)")
     p.add_argument("--num-prompts", type=int_in(1), default=64)
     p.add_argument("--request-rate", type=real_in(0, positive=True), default=float("inf"))
     p.add_argument("--burstiness", type=real_in(0, positive=True), default=1.0)
@@ -47,7 +53,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trace-block-size", type=int_in(1), default=16,
                    help="tokens per trace hash id")
     p.add_argument("--max-prompt-len", type=int_in(1), default=None,
-                   help="keep a trace prompt's last N tokens (fits small caches)")
+                   help="keep a trace prompt's first N tokens (fits small caches; prefixes "
+                   "stay shared)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
@@ -75,8 +82,12 @@ def _run(args: argparse.Namespace) -> int:
     from kvoffload.errors import ConfigError
 
     try:
-        if args.dataset_name == "trace" and not args.dataset_path:
-            raise ConfigError("dataset_path", "--dataset-name trace needs --dataset-path")
+        if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
+            raise ConfigError("dataset_path",
+                              "--dataset-name trace needs --dataset-path or --generate (one)")
+        if args.dataset_name != "trace" and (args.dataset_path or args.generate):
+            raise ConfigError("dataset_name",
+                              "--dataset-path and --generate need --dataset-name trace")
         _check_metrics(args)
         for setting in ("output_json", "plot"):
             if getattr(args, setting):

@@ -8,11 +8,12 @@ import argparse
 import asyncio
 import datetime
 import json
+import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvoffload.benchmark import datasets
+from kvoffload.benchmark import datasets, traces
 from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.servebench.client import run_requests
 from kvoffload.servebench.metrics import (
@@ -57,12 +58,26 @@ def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[s
         reqs = datasets.multi_turn(n, args.multi_turn_num_sessions, args.multi_turn_system_len,
                                    args.multi_turn_turn_len, args.output_len or 16, vocab, eos, seed)
         return reqs, [f"s{i % args.multi_turn_num_sessions}" for i in range(len(reqs))]
-    reqs = datasets.trace_prompts(args.dataset_path, n, args.trace_block_size, args.output_len,
-                                  vocab, eos, seed)
+    reqs = _trace_requests(args, vocab, eos)
     limit = args.max_prompt_len
-    reqs = [BenchRequest(r.prompt[-limit:] if limit else r.prompt, r.output_len, r.arrival_s)
+    reqs = [BenchRequest(r.prompt[:limit] if limit else r.prompt, r.output_len, r.arrival_s)
             for r in reqs]
     return reqs, [None] * len(reqs)
+
+
+def _trace_requests(args: argparse.Namespace, vocab: int, eos: int) -> list[BenchRequest]:
+    """A trace's requests: the file of ``--dataset-path``, or the generated suite's workload
+    ``--generate`` (written out and read back by the one trace reader, so both take the same
+    path from hash ids to token ids)."""
+    if args.generate is None:
+        return datasets.trace_prompts(args.dataset_path, args.num_prompts, args.trace_block_size,
+                                      args.output_len, vocab, eos, args.seed)
+    records = traces.generate(args.generate, args.seed, args.num_prompts)
+    with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
+        path = Path(tmp) / f"{args.generate}.jsonl"
+        traces.write(records, path)
+        return datasets.trace_prompts(path, args.num_prompts, args.trace_block_size,
+                                      args.output_len, vocab, eos, args.seed)
 
 
 def metrics_urls(url: str) -> list[str]:
