@@ -1,6 +1,7 @@
 """The router's prefix index: keyed by token content across instances and tiers, in both wire
 forms of the events; and, per step of a deterministic two-engine run over real ZMQ sockets, equal
-to what each engine's device cache, host tier and disk tier really hold."""
+to what each engine's device cache, host tier and disk tier really hold, and what the Redis server
+they share holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import time
 
 import pytest
+import redis
 from engine_cases import (
     BLOCK_SIZE,
     backing_manager,
@@ -19,6 +21,7 @@ from engine_cases import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis_servers import standalone_server
 
 from kvoffload import LookupResult, ReqContext, make_offload_key
 from kvoffload.engine import Engine
@@ -31,9 +34,13 @@ from kvoffload.events import (
     KVEventBatch,
     external_block_hash,
 )
+from kvoffload.keys import OffloadKey, offload_key_hash
 from kvoffload.routing.follower import EventFollower
-from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE, PrefixIndex
+from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE, HeldKey, PrefixIndex
 from kvoffload.routing.keys import block_keys, token_bytes
+from kvoffload.serving.server import remote_tier_id
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.remote import RedisTier, remote_key_prefix
 
 BS = 4
 
@@ -133,9 +140,10 @@ def _events_config() -> dict:
 
 
 class _Followed:
-    def __init__(self, engine: Engine, index: PrefixIndex) -> None:
+    def __init__(self, engine: Engine, index: PrefixIndex, remote_group: str) -> None:
         self.engine = engine
-        self.iid = index.add_instance()
+        self.iid = index.add_instance(remote_group)
+        self.remote = next(t for t in engine.tiering.tiers if isinstance(t, RedisTier))
         publisher = engine.publisher
         self.follower = EventFollower(
             "e", publisher.endpoint, publisher.replay_endpoint, "kv",
@@ -149,6 +157,15 @@ class _Followed:
             assert time.monotonic() < deadline, "the follower did not catch up"
             time.sleep(0.002)
 
+    def writing(self) -> set[HeldKey]:
+        """Blocks whose Redis store the engine has not applied yet (so not announced): the
+        scheduler thread's own state, read on that thread between steps."""
+        return {_held_key(k) for k in self.remote._writing}
+
+
+def _held_key(key: bytes) -> HeldKey:
+    return (0, external_block_hash(offload_key_hash(OffloadKey(key)), False))
+
 
 def _expected(engine: Engine, prompts: list[list[int]], claimed: set) -> dict[int, set]:
     """What the engine holds per tier; the disk is asked about every prompt block and every
@@ -156,7 +173,7 @@ def _expected(engine: Engine, prompts: list[list[int]], claimed: set) -> dict[in
     ext = lambda h: external_block_hash(h, False)  # noqa: E731
     device = {(0, ext(b.block_hash)) for b in engine.pool.blocks if b.block_hash is not None}
     host = {(0, ext(k[:-4])) for k, blk in backing_manager(engine).items() if blk.ref_cnt >= 0}
-    disk_tier = engine.tiering.tiers[0]
+    disk_tier = next(t for t in engine.tiering.tiers if isinstance(t, DiskTier))
     ctx = ReqContext("check")
     candidates = {h for prompt in prompts for h in engine.hasher.hash_blocks(prompt)}
     candidates |= {h for _, h in claimed}
@@ -165,48 +182,92 @@ def _expected(engine: Engine, prompts: list[list[int]], claimed: set) -> dict[in
     return {DEVICE: device, HOST: host, DISK: disk}
 
 
+class _SharedTier:
+    """The blocks on the shared Redis server, read with a client of the test's own."""
+
+    def __init__(self, url: str, tier: RedisTier) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.prefix = remote_key_prefix(tier.layout)
+
+    def blocks(self) -> set[HeldKey]:
+        n = len(self.prefix)
+        return {_held_key(k[n:]) for k in self.client.scan_iter(match=self.prefix + b"*",
+                                                                 count=1000)}
+
+
+def _check_shared(index: PrefixIndex, followed: list[_Followed], shared: _SharedTier,
+                  exact: bool) -> set[HeldKey]:
+    """The index's REMOTE entries, over every instance, are blocks the server holds; every
+    block the server holds is announced, unless an engine's store of it is still unapplied
+    (``exact``: none may be)."""
+    announced = set().union(*(index.held(f.iid, REMOTE) for f in followed))
+    on_server = shared.blocks()
+    assert announced <= on_server
+    unapplied = set() if exact else set().union(*(f.writing() for f in followed))
+    assert on_server - announced <= unapplied
+    return announced
+
+
 def test_router_index_equals_the_engines_caches_after_every_step(tmp_path) -> None:
+    """Two engines with their own device cache, host tier and disk, and one Redis server both
+    use as their shared tier: after every step, each engine's device, host and disk entries in
+    the index are exactly what it holds, and the REMOTE entries of both are what the server holds
+    (blocks whose store an engine has not applied yet aside: they are not announced yet)."""
     rng = random.Random(5)
     prefixes = [random_tokens(rng, 6 * BLOCK_SIZE) for _ in range(4)]
     prompts = [p + random_tokens(rng, 3) for p in prefixes for _ in range(2)]
     rng.shuffle(prompts)
     index = PrefixIndex(BLOCK_SIZE)
-    engines = [
-        tiny_engine(num_device_blocks=10, kv_offloading_size=host_gib(12),
-                    kv_disk_path=str(tmp_path / f"d{i}"), kv_disk_size=0.01,
-                    kv_events_config=_events_config())
-        for i in range(2)
-    ]
-    followed = [_Followed(e, index) for e in engines]
-    try:
-        steps = 0
-        for n, prompt in enumerate(prompts):
-            engines[n % 2].add_request(prompt, greedy(3, logprobs=None))
-            for _ in range(2):  # admitted while others run
-                for f in followed:
-                    if f.engine.has_unfinished() or f.engine.connector.has_pending_jobs():
-                        f.engine.step()
-                        steps += 1
-                    f.sync()
-                    want = _expected(f.engine, prompts, index.held(f.iid, DISK))
-                    for tier, blocks in want.items():
-                        assert index.held(f.iid, tier) == blocks, (steps, tier)
-        for f in followed:
-            f.engine.drain()
-            f.sync()
-            want = _expected(f.engine, prompts, index.held(f.iid, DISK))
-            assert want[HOST] and want[DISK]  # the run did reach both offloading tiers
-            for tier, blocks in want.items():
-                assert index.held(f.iid, tier) == blocks
-        # Content keys: what one engine holds on its device is matched from the prompt tokens.
-        for f in followed:
-            for prompt in prompts:
-                hashes = f.engine.hasher.hash_blocks(prompt)
-                run = 0
-                while run < len(hashes) and (0, hashes[run]) in index.held(f.iid, DEVICE):
-                    run += 1
-                assert index.match(token_bytes(prompt), [f.iid])[f.iid].device == run
-    finally:
-        for f in followed:
-            f.follower.stop()
-            f.engine.close()
+    with standalone_server() as server:
+        engines = [
+            tiny_engine(num_device_blocks=10, kv_offloading_size=host_gib(12),
+                        kv_disk_path=str(tmp_path / f"d{i}"), kv_disk_size=0.01,
+                        kv_remote_url=server.url, kv_events_config=_events_config())
+            for i in range(2)
+        ]
+        followed = [_Followed(e, index, remote_tier_id(server.url)) for e in engines]
+        shared = _SharedTier(server.url, followed[0].remote)
+        ran: list[set[int]] = [set(), set()]  # prefixes each engine ran
+        try:
+            steps = 0
+            for n, prompt in enumerate(prompts):
+                engines[n % 2].add_request(prompt, greedy(3, logprobs=None))
+                ran[n % 2].add(next(i for i, p in enumerate(prefixes) if prompt[: len(p)] == p))
+                for _ in range(2):  # admitted while others run
+                    for f in followed:
+                        if f.engine.has_unfinished() or f.engine.connector.has_pending_jobs():
+                            f.engine.step()
+                            steps += 1
+                        f.sync()
+                        want = _expected(f.engine, prompts, index.held(f.iid, DISK))
+                        for tier, blocks in want.items():
+                            assert index.held(f.iid, tier) == blocks, (steps, tier)
+                    _check_shared(index, followed, shared, exact=False)
+            for f in followed:
+                f.engine.drain()
+                f.sync()
+                want = _expected(f.engine, prompts, index.held(f.iid, DISK))
+                assert want[HOST] and want[DISK]  # the run did reach both offloading tiers
+                for tier, blocks in want.items():
+                    assert index.held(f.iid, tier) == blocks
+            assert _check_shared(index, followed, shared, exact=True)  # and the shared one
+            for f in followed:
+                for prompt in prompts:
+                    # Content keys: what one engine holds on its device is matched from the
+                    # prompt's tokens.
+                    hashes = f.engine.hasher.hash_blocks(prompt)
+                    run = 0
+                    while run < len(hashes) and (0, hashes[run]) in index.held(f.iid, DEVICE):
+                        run += 1
+                    assert index.match(token_bytes(prompt), [f.iid])[f.iid].device == run
+            # A prefix only one engine ran is a REMOTE hit for the other.
+            only = [(f, p) for f, mine, theirs in ((followed[0], ran[0], ran[1]),
+                                                   (followed[1], ran[1], ran[0]))
+                    for i, p in enumerate(prefixes) if i in theirs and i not in mine]
+            assert only and all(index.match(token_bytes(p), [f.iid])[f.iid].remote > 0
+                                for f, p in only)
+        finally:
+            for f in followed:
+                f.follower.stop()
+                f.engine.close()
+            shared.client.close()
