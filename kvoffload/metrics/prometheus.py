@@ -260,6 +260,30 @@ class _StatsCollector(Collector):
                 )
         if lookups.samples:
             yield lookups
+        yield from _promotion_metrics(tiers)
+
+
+def _promotion_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:
+    """Each secondary tier's promotions on their own (a router weighs a block by the tier it
+    would come from): jobs and seconds, and their blocks."""
+    seconds = SummaryMetricFamily(
+        "kvoffload_tier_promotion_job_seconds",
+        "Promotions from this tier into the host tier: time from submission to the tier's "
+        "result, per job.",
+        labels=["tier"],
+    )
+    blocks = CounterMetricFamily(
+        "kvoffload_tier_promotion_blocks",
+        "Blocks of this tier's promotion jobs (failed ones included).",
+        labels=["tier"],
+    )
+    for tier, s in tiers.items():
+        if "promotion_jobs" in s:
+            seconds.add_metric([tier], s["promotion_jobs"], s.get("promotion_us", 0) / 1e6)
+            blocks.add_metric([tier], s.get("promotion_blocks", 0))
+    if seconds.samples:
+        yield seconds
+        yield blocks
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
