@@ -6,11 +6,10 @@
   prompt token is their ratio over each scrape interval.
 * Loading from the host tier: seconds per block of its loads to the device
   (``kvoffload_offload_load_seconds_total`` over ``kvoffload_offload_loaded_blocks_total``).
-* Loading from disk and remote: promotions into the host tier take
-  ``kvoffload_tier_promotion_seconds`` (all secondary tiers together), while
-  ``kvoffload_tier_loaded_blocks_total{tier}`` says how many blocks each tier gave; seconds per
-  block of each tier come from a least-squares fit of the interval's promotion seconds on the
-  interval's blocks per tier (exponentially weighted), plus the host load that follows.
+* Loading from disk and remote: each tier's promotions into the host tier are timed on their
+  own (``kvoffload_tier_promotion_job_seconds{tier}`` over
+  ``kvoffload_tier_promotion_blocks_total{tier}``), so a tier's seconds per block is measured
+  directly, plus the host load that follows.
 
 Until a figure has been measured, its prior applies: compute :data:`PRIOR_TOKEN_S` per token,
 loads a fraction (:data:`PRIOR_LOAD_FRACTION`) of computing the block. Every estimate is an
@@ -25,7 +24,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "BackendCosts", "parse_metrics"]
+__all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts",
+           "parse_metrics"]
 
 PRIOR_TOKEN_S = 5e-4
 PRIOR_LOAD_FRACTION = {"host": 0.05, "disk": 0.3, "remote": 0.5}
@@ -36,7 +36,6 @@ _SERIES = {
     "kvoffload_serve_step_base_seconds": "step_s",
     "kvoffload_offload_load_seconds_total": "host_load_s",
     "kvoffload_offload_loaded_blocks_total": "host_load_blocks",
-    "kvoffload_tier_promotion_seconds_sum": "promotion_s",
     "kvoffload_num_requests_running": "running",
     "kvoffload_num_requests_waiting": "waiting",
     "vllm:request_prefill_time_seconds_sum": "vllm_prefill_s",
@@ -45,7 +44,12 @@ _SERIES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
 }
-_TIER_BLOCKS = "kvoffload_tier_loaded_blocks_total"
+# Per-tier series, keyed ``<key>_<tier>``.
+_TIER_SERIES = {
+    "kvoffload_tier_promotion_job_seconds_sum": "promotion_s",
+    "kvoffload_tier_promotion_blocks_total": "promotion_blocks",
+}
+SECONDARY_TIERS = ("disk", "remote")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -54,11 +58,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if name == _TIER_BLOCKS:
-                tier = sample.labels.get("tier", "")
-                out[f"tier_blocks_{tier}"] = out.get(f"tier_blocks_{tier}", 0.0) + sample.value
-                continue
             key = _SERIES.get(name)
+            if key is None and name in _TIER_SERIES:
+                key = f"{_TIER_SERIES[name]}_{sample.labels.get('tier', '')}"
             if key is not None and math.isfinite(sample.value):
                 out[key] = out.get(key, 0.0) + sample.value
     return out
@@ -76,13 +78,13 @@ class BackendCosts:
     alpha: float = 0.3
     token_s: float | None = None
     step_s: float = 0.0
-    load_s: dict[str, float | None] = field(
-        default_factory=lambda: {"device": 0.0, "host": None, "disk": None, "remote": None}
-    )
+    host_load_s: float | None = None  # per block, host -> device
+    promotion_s: dict[str, float | None] = field(
+        default_factory=lambda: dict.fromkeys(SECONDARY_TIERS)
+    )  # per block, tier -> host
     running: float = 0.0
     waiting: float = 0.0
     _last: dict[str, float] = field(default_factory=dict)
-    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # Sdd, Sdr, Srr, Sdy, Sry
 
     @property
     def compute_block_s(self) -> float:
@@ -90,14 +92,23 @@ class BackendCosts:
         return (self.token_s if self.token_s is not None else PRIOR_TOKEN_S) * self.block_size
 
     def load_block_s(self, tier: str) -> float:
-        """Seconds to load one block from ``tier`` into the device (prior until measured)."""
-        measured = self.load_s.get(tier)
+        """Seconds to load one block from ``tier`` into the device: a disk or remote block is
+        promoted into the host, then loaded from there (priors until measured)."""
+        if tier == "device":
+            return 0.0
+        if tier == "host":
+            measured = self.host_load_s
+        else:
+            promotion = self.promotion_s.get(tier)
+            measured = None if promotion is None else promotion + self.load_block_s("host")
         if measured is not None:
             return measured
         return PRIOR_LOAD_FRACTION.get(tier, 0.0) * self.compute_block_s
 
     def measured(self) -> dict[str, float | None]:
-        return {"compute_token_s": self.token_s, **{f"load_{k}_s": v for k, v in self.load_s.items()}}
+        """What has been measured so far (``None``: not yet)."""
+        return {"compute_token_s": self.token_s, "load_host_s": self.host_load_s,
+                **{f"promotion_{t}_s": v for t, v in self.promotion_s.items()}}
 
     def update(self, scrape: Mapping[str, float]) -> None:
         """Fold in one scrape (figures from :func:`parse_metrics`)."""
@@ -118,31 +129,9 @@ class BackendCosts:
         host_blocks = delta.get("host_load_blocks", 0.0)
         if host_blocks > 0:
             per_block = delta.get("host_load_s", 0.0) / host_blocks
-            self.load_s["host"] = _ewma(self.load_s["host"], per_block, self.alpha)
-        self._fit_promotions(delta.get("tier_blocks_disk", 0.0), delta.get("tier_blocks_remote", 0.0),
-                             delta.get("promotion_s", 0.0))
-
-    def _fit_promotions(self, disk: float, remote: float, seconds: float) -> None:
-        if disk <= 0 and remote <= 0:
-            return
-        decay = 1 - self.alpha
-        f = self._fit
-        for i, v in enumerate((disk * disk, disk * remote, remote * remote, disk * seconds,
-                               remote * seconds)):
-            f[i] = f[i] * decay + v
-        sdd, sdr, srr, sdy, sry = f
-        det = sdd * srr - sdr * sdr
-        host = self.load_s["host"] or 0.0
-        if det > 1e-9 * max(sdd * srr, 1e-12):
-            d, r = (srr * sdy - sdr * sry) / det, (sdd * sry - sdr * sdy) / det
-            if d > 0:
-                self.load_s["disk"] = d + host
-            if r > 0:
-                self.load_s["remote"] = r + host
-        elif sdd > 0 and srr == 0:
-            self.load_s["disk"] = sdy / sdd + host
-        elif srr > 0 and sdd == 0:
-            self.load_s["remote"] = sry / srr + host
-        else:  # both always together in the same proportion: the same cost per block
-            both = (sdy + sry) / (sdd + srr + 2 * sdr) if (sdd + srr) else 0.0
-            self.load_s["disk"] = self.load_s["remote"] = both + host
+            self.host_load_s = _ewma(self.host_load_s, per_block, self.alpha)
+        for tier in SECONDARY_TIERS:
+            blocks = delta.get(f"promotion_blocks_{tier}", 0.0)
+            if blocks > 0:
+                per_block = delta.get(f"promotion_s_{tier}", 0.0) / blocks
+                self.promotion_s[tier] = _ewma(self.promotion_s[tier], per_block, self.alpha)
