@@ -174,7 +174,7 @@ def test_a_warm_disk_directory_serves_the_next_run(
     # A request waits for its promotion however slow the I/O threads are on a loaded machine.
     flags = [*COMMON, *args, "--max-num-seqs", "1", "--kv-offloading-size",
              str(12 * 2048 / 2**30), "--kv-disk-path", str(disk), "--kv-disk-size", "0.01",
-             "--kv-lookup-retry-seconds", "600"]  # fmt: skip
+             "--kv-lookup-retry-s", "600"]  # fmt: skip
     results = []
     for run in ("first", "second"):
         out_json = tmp_path / f"{run}.json"
@@ -455,8 +455,8 @@ def test_with_a_remote_tier(
     runs = json.loads(out_json.read_text())["all_runs"]
     assert [r["label"] for r in runs] == ["offloading + remote"]
     assert runs[0]["stats"]["offload_tier_remote_stored_blocks"] > 0
-    assert main([*COMMON, *args, "--kv-remote-ttl", "5"]) == 2  # a TTL without a URL
-    assert "kv_remote_ttl" in capsys.readouterr().err
+    assert main([*COMMON, *args, "--kv-remote-ttl-s", "5"]) == 2  # a TTL without a URL
+    assert "kv_remote_ttl_s" in capsys.readouterr().err
 
 
 def test_two_instances_share_prefixes_through_redis(
@@ -469,7 +469,7 @@ def test_two_instances_share_prefixes_through_redis(
     args, num_requests = _dataset_args("prefix_repetition", tmp_path)
     out_json = tmp_path / "out.json"
     argv = [*COMMON, *args, "--instances", "2", "--repeats", "2", "--output-json", str(out_json),
-            "--kv-remote-lookup-wait", "60", "--kv-lookup-retry-seconds", "60"]  # fmt: skip
+            "--kv-remote-lookup-wait-s", "60", "--kv-lookup-retry-s", "60"]  # fmt: skip
     assert main(argv) == 0
     stdout, stderr = capsys.readouterr()
     assert "Traceback" not in stderr
@@ -510,8 +510,8 @@ def test_two_instances_with_compare_on_a_given_server(
         c.flushall()
     out_json = tmp_path / "out.json"
     argv = [*COMMON, *args, "--instances", "2", "--compare", "--kv-remote-url", redis_server.url,
-            "--output-json", str(out_json), "--kv-remote-lookup-wait", "60",
-            "--kv-lookup-retry-seconds", "60"]  # fmt: skip
+            "--output-json", str(out_json), "--kv-remote-lookup-wait-s", "60",
+            "--kv-lookup-retry-s", "60"]  # fmt: skip
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "Started redis-server" not in stdout

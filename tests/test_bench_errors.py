@@ -70,13 +70,13 @@ WITHOUT_WHAT_THEY_NEED = {
         ["--kv-tier-cascade", "on_evict"],
         "a disk or remote tier (--kv-disk-path, --kv-remote-url)",
     ),
-    "--kv-lookup-retry-seconds": (
-        ["--kv-lookup-retry-seconds", "5"],
+    "--kv-lookup-retry-s": (
+        ["--kv-lookup-retry-s", "5"],
         "a disk or remote tier (--kv-disk-path, --kv-remote-url)",
     ),
     "--kv-remote-optional": (["--kv-remote-optional"], "--kv-remote-url"),
-    "--kv-remote-ttl": (["--kv-remote-ttl", "5"], "--kv-remote-url"),
-    "--kv-remote-lookup-wait": (["--kv-remote-lookup-wait", "1"], "--kv-remote-url"),
+    "--kv-remote-ttl-s": (["--kv-remote-ttl-s", "5"], "--kv-remote-url"),
+    "--kv-remote-lookup-wait-s": (["--kv-remote-lookup-wait-s", "1"], "--kv-remote-url"),
     "--metrics-host": (["--metrics-host", "0.0.0.0"], "--metrics-port"),
     "--eviction-policy": (
         ["--eviction-policy", "lru", "--kv-offloading-size", "0"],
@@ -147,6 +147,12 @@ def test_an_optional_remote_tier_that_is_down_is_not_claimed(
 def test_deprecated_spellings_work_with_a_one_line_notice(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    argv = [*THROUGHPUT, *SMALL, "--kv-remote-ttl", "5"]  # the old spelling of --kv-remote-ttl-s
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kvoffload bench throughput: warning: --kv-remote-ttl is deprecated; use --kv-remote-ttl-s",
+        "error: kv_remote_ttl_s: --kv-remote-ttl-s has no effect without --kv-remote-url",
+    ]
     argv = ["bench", "trace", "--generate", "scans", "--num-requests", "20", "--capacities",
             "10", "--policies", "lru", "--no-references", "--no-progress"]  # fmt: skip
     assert main(argv) == 0

@@ -89,8 +89,11 @@ def test_engine_flags_on_a_parser_of_their_own() -> None:
         64,
     )
     with pytest.raises(ConfigError) as info:
-        engine_config_from_args(parser.parse_args(["--kv-remote-ttl", "5"]))
-    assert str(info.value) == "kv_remote_ttl: --kv-remote-ttl has no effect without --kv-remote-url"
+        engine_config_from_args(parser.parse_args(["--kv-remote-ttl-s", "5"]))
+    assert (
+        str(info.value)
+        == "kv_remote_ttl_s: --kv-remote-ttl-s has no effect without --kv-remote-url"
+    )
     with pytest.raises(ConfigError) as info:  # EngineConfig's own checks come through too
         engine_config_from_args(parser.parse_args(["--model", "/nonexistent", "--device", "tpu"]))
     assert info.value.field == "device"

@@ -240,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
     model = load_model_config(flags.model)
     requests = workload_requests(flags, model.vocab_size, model.eos_token_id)
     size_unlimited(runs, requests)  # (--instances 2: B's requests have these lengths too)
-    if flags.log_stats_interval > 0:
+    if flags.log_stats_interval_s > 0:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -19,6 +19,7 @@ from typing import Any
 from kvoffload.cli.args import int_in, real_in
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
 from kvoffload.engine import EngineConfig
+from kvoffload.engine.config import OFFLOADING_BACKENDS
 from kvoffload.errors import ConfigError
 
 __all__ = [
@@ -121,7 +122,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         parse=real_in(0),
         unit="GiB",
     ),
-    _engine_flag("kv_offloading_backend", "offloading backend", choices=("native",), needs=HOST),
+    _engine_flag(
+        "kv_offloading_backend", "offloading backend", choices=OFFLOADING_BACKENDS, needs=HOST
+    ),
     _engine_flag(
         "block_size_factor",
         "engine blocks per offloaded block",
@@ -171,12 +174,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         needs=SECONDARY,
     ),
     _engine_flag(
-        "kv_lookup_retry_seconds",
+        "kv_lookup_retry_s",
         "how long a request waits for its blocks' promotion from a disk or remote tier before "
         "computing them",
         parse=real_in(0),
         unit="SECONDS",
         needs=SECONDARY,
+        aliases=("--kv-lookup-retry-seconds",),
     ),
     _engine_flag(
         "kv_remote_url",
@@ -193,19 +197,21 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         needs=REMOTE,
     ),
     _engine_flag(
-        "kv_remote_ttl",
+        "kv_remote_ttl_s",
         "time until the server expires a block",
         parse=real_in(0, positive=True),
         unit="SECONDS",
         needs=REMOTE,
+        aliases=("--kv-remote-ttl",),
         unset="never",
     ),
     _engine_flag(
-        "kv_remote_lookup_wait",
+        "kv_remote_lookup_wait_s",
         "how long a block's remote lookup may take before it counts as a miss for now",
         parse=real_in(0, positive=True),
         unit="SECONDS",
         needs=REMOTE,
+        aliases=("--kv-remote-lookup-wait",),
     ),
     _engine_flag(
         "kv_events_config",
@@ -222,10 +228,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     _engine_flag("metrics_host", "address /metrics listens on", unit="HOST", needs=METRICS),
     _engine_flag(
-        "log_stats_interval",
+        "log_stats_interval_s",
         "log an engine stats line every this many seconds, 0 = off",
         parse=real_in(0),
         unit="SECONDS",
+        aliases=("--log-stats-interval",),
     ),
 )
 
