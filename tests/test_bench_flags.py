@@ -112,3 +112,17 @@ def test_a_command_overrides_defaults_and_leaves_flags_out(
     assert "unrecognized arguments: --metrics-port" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not in the table"):
         _parser(defaults={"no_such_setting": 1})
+
+
+@pytest.mark.parametrize(
+    "command", [["bench", "throughput"], ["bench", "trace"], ["events", "listen"]]
+)
+def test_no_help_line_states_a_default_twice_or_as_python(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for option, text in _help(command, capsys).items():
+        assert text.count("(default") <= 1, text
+        for python in ("None", "False", "True", "[]", "()"):
+            assert f"(default: {python})" not in text, text
+        if option in ("--timeout", "--max-batches"):
+            assert "(default: " in text
