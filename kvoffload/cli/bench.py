@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.cli.args import check_output_path, int_in
 from kvoffload.cli.command import command
@@ -27,6 +27,13 @@ from kvoffload.cli.workload_flags import (
     workload_requests,
 )
 from kvoffload.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvoffload.benchmark.datasets import BenchRequest
+    from kvoffload.benchmark.interleave import Progress
+    from kvoffload.benchmark.matrix import Run
+    from kvoffload.benchmark.throughput import ThroughputResult
+    from kvoffload.engine.model_config import ModelConfig
 
 __all__ = ["BENCH_DEFAULTS", "BENCH_FLAGS", "add_parser"]
 
@@ -94,7 +101,7 @@ def add_parser(subparsers: Any) -> None:
     add_trace_parser(sub)
 
 
-def _check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Any]]:
+def _check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Run]]:
     """Check every flag before anything runs: the resolved flags and the runs.
 
     Raises :class:`ConfigError` naming the setting: a flag given without what it needs, a bad
@@ -189,14 +196,14 @@ def _remote_server(url: str | None) -> Iterator[str]:
         yield started.url
 
 
-def _progress(flags: argparse.Namespace) -> Any:
+def _progress(flags: argparse.Namespace) -> Progress:
     """Bars and phase lines on stderr (unless ``--no-progress``); each run's summary on stdout."""
     from tqdm import tqdm
 
     from kvoffload.benchmark.interleave import Progress
     from kvoffload.benchmark.report import format_result
 
-    def result(name: str, r: Any) -> None:
+    def result(name: str, r: ThroughputResult) -> None:
         print(f"== {name} ==")
         print(format_result(r), flush=True)
 
@@ -209,7 +216,7 @@ def _progress(flags: argparse.Namespace) -> Any:
     )
 
 
-def _runs_line(flags: argparse.Namespace, runs: list[Any]) -> str:
+def _runs_line(flags: argparse.Namespace, runs: list[Run]) -> str:
     """Which runs, how often, on which device cache and host tier."""
     offload = [r.engine_kwargs for r in runs if r.engine_kwargs.get("kv_offloading_size", 0) > 0]
     device = runs[0].engine_kwargs.get("num_device_blocks")
@@ -264,8 +271,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _interleaved(
-    flags: argparse.Namespace, runs: list[Any], requests_of: Any, arrivals: Any, progress: Any
-) -> list[Any]:
+    flags: argparse.Namespace,
+    runs: list[Run],
+    requests_of: Callable[[int], Sequence[BenchRequest]],
+    arrivals: list[float] | None,
+    progress: Progress,
+) -> list[ThroughputResult]:
     from kvoffload.benchmark.interleave import run_interleaved
 
     return run_interleaved(
@@ -279,8 +290,12 @@ def _interleaved(
 
 
 def _two_instances(
-    flags: argparse.Namespace, runs: list[Any], requests: list[Any], model: Any, progress: Any
-) -> tuple[Any, list[Any]]:
+    flags: argparse.Namespace,
+    runs: list[Run],
+    requests: list[BenchRequest],
+    model: ModelConfig,
+    progress: Progress,
+) -> tuple[ThroughputResult, list[ThroughputResult]]:
     """``--instances 2``: engine A serves ``requests`` in its own process, storing their blocks
     in the shared server; then engines B run ``runs`` on fresh requests on the same prefixes,
     other suffixes every repeat (so that no B finds an earlier B's suffixes in the server).
@@ -304,7 +319,7 @@ def _two_instances(
             flush=True,
         )
 
-        def fresh(repeat: int) -> list[Any]:
+        def fresh(repeat: int) -> list[BenchRequest]:
             return workload_requests(flags, model.vocab_size, model.eos_token_id, repeat)
 
         return engine_a, _interleaved(flags, runs, fresh, None, progress)
@@ -313,8 +328,8 @@ def _two_instances(
 def _report(
     flags: argparse.Namespace,
     workload: list[str],
-    all_runs: list[Any],
-    engine_a: Any,
+    all_runs: list[ThroughputResult],
+    engine_a: ThroughputResult | None,
     title: str,
 ) -> None:
     """The comparison table (when compared), the plot and the JSON."""
