@@ -1,10 +1,13 @@
 """kvoffload: tiered KV-cache offloading for LLM inference.
 
-The top-level package holds the scheduler-side core (keys, the manager contract, tiers and
-eviction policies) and imports no torch. The worker side (``kvoffload.worker``), the reference
-engine (``kvoffload.engine``) and KV events (``kvoffload.events``) are imported explicitly.
+``import kvoffload`` loads the scheduler-side core (keys, the manager contract, managers and
+eviction policies) and imports no torch. Every other headline class is exported here too and
+loads on first use: the connector's scheduler side, the tiers (``DiskTier``, ``RedisTier``), the
+worker side (``OffloadingConnectorWorker``, torch), the reference engine (``Engine``, torch) and
+KV events' ``KVEventsConfig``. Their packages export them as well.
 """
 
+from kvoffload._lazy import lazy_exports
 from kvoffload.base import (
     LoadStoreSpec,
     LookupResult,
@@ -29,11 +32,34 @@ from kvoffload.keys import (
     offload_key_group,
     offload_key_hash,
 )
-from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
-from kvoffload.managers.tiering import TieringOffloadingManager
+from kvoffload.managers import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    TieringOffloadingManager,
+)
 from kvoffload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 
 __version__ = "0.1.0"
+
+#: Exported names imported on first use (name -> the package that exports it).
+_LAZY = {
+    "DiskTier": "kvoffload.tiers",
+    "Engine": "kvoffload.engine",
+    "EngineConfig": "kvoffload.engine",
+    "KVEventsConfig": "kvoffload.events",
+    "KVLayout": "kvoffload.tiers",
+    "OffloadPolicy": "kvoffload.scheduler",
+    "OffloadingConnectorScheduler": "kvoffload.scheduler",
+    "OffloadingConnectorWorker": "kvoffload.worker",
+    "RedisTier": "kvoffload.tiers",
+    "RemoteTierConfig": "kvoffload.tiers",
+    "RequestKVState": "kvoffload.scheduler",
+    "SamplingParams": "kvoffload.engine",
+    "SchedulerOffloadConfig": "kvoffload.scheduler",
+    "SecondaryTier": "kvoffload.tiers",
+    "StoreOnComputePolicy": "kvoffload.scheduler",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "BlockHash",
@@ -43,18 +69,33 @@ __all__ = [
     "CPUOffloadingManager",
     "ConfigError",
     "ContractError",
+    "DiskTier",
+    "Engine",
+    "EngineConfig",
     "EvictionPolicy",
     "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
     "HostAllocationError",
+    "KVEventsConfig",
+    "KVLayout",
     "KVOffloadError",
     "LoadStoreSpec",
     "LookupResult",
     "OffloadKey",
+    "OffloadPolicy",
+    "OffloadingConnectorScheduler",
+    "OffloadingConnectorWorker",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "RedisTier",
+    "RemoteTierConfig",
     "ReqContext",
+    "RequestKVState",
+    "SamplingParams",
+    "SchedulerOffloadConfig",
+    "SecondaryTier",
+    "StoreOnComputePolicy",
     "TieringOffloadingManager",
     "TransferError",
     "__version__",

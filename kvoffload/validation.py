@@ -5,13 +5,25 @@ be finite (NaN compares false with everything, so an unchecked NaN silently pass
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Collection
-from typing import Any
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_real", "check_str"]
+__all__ = [
+    "accepts_renamed",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_real",
+    "check_str",
+    "renamed_settings",
+]
+
+_T = TypeVar("_T")
 
 
 def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -71,3 +83,45 @@ def check_choice(name: str, value: Any, choices: Collection[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ConfigError(name, f"unknown value {value!r}; choose from {sorted(choices)}")
     return value
+
+
+def renamed_settings(
+    settings: Mapping[str, Any], renames: Mapping[str, str], stacklevel: int = 2
+) -> dict[str, Any]:
+    """``settings`` with every deprecated name (a key of ``renames``) replaced by its new name.
+
+    Each old name used warns once per call with a :class:`DeprecationWarning` naming the new
+    one (``stacklevel`` counts from the caller of this function, as in :func:`warnings.warn`).
+    Both spellings of one setting at once is a :class:`ConfigError` naming the new one.
+    """
+    out = dict(settings)
+    for old, new in renames.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(new, f"given twice: as {new!r} and as its deprecated alias {old!r}")
+        warnings.warn(
+            f"{old!r} is deprecated and will be removed in the next release; use {new!r}",
+            DeprecationWarning,
+            stacklevel=stacklevel + 1,
+        )
+        out[new] = out.pop(old)
+    return out
+
+
+def accepts_renamed(renames: Mapping[str, str]) -> Callable[[type[_T]], type[_T]]:
+    """Class decorator: the class's ``__init__`` also takes the deprecated keyword names of
+    ``renames`` (old -> new), passing them on under their new names (see
+    :func:`renamed_settings`). ``inspect.signature`` still shows the new names only."""
+
+    def decorate(cls: type[_T]) -> type[_T]:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: _T, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **renamed_settings(kwargs, renames, stacklevel=2))
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return decorate

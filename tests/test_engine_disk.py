@@ -65,7 +65,7 @@ def disk_engine(path: Path, **kwargs: Any) -> Engine:
     not turn a promotion into a recompute and change what the tests count)."""
     options: dict[str, Any] = {
         "num_device_blocks": 40,
-        "kv_lookup_retry_seconds": 600.0,
+        "kv_lookup_retry_s": 600.0,
         "kv_offloading_size": host_gib(16),
         "kv_disk_path": str(path),
         "kv_disk_size": disk_gib(200),

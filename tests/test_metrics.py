@@ -216,7 +216,7 @@ def test_port_in_use_is_a_config_error_naming_the_setting() -> None:
         ("metrics_port", -1),
         ("metrics_port", 70000),
         ("metrics_port", "80"),
-        ("log_stats_interval", -1.0),
+        ("log_stats_interval_s", -1.0),
     ],
 )
 def test_bad_metrics_settings_are_config_errors(field: str, bad: Any) -> None:
@@ -235,7 +235,7 @@ def test_stats_line_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with (
         caplog.at_level("INFO", logger="kvoffload.engine"),
         tiny_engine(
-            num_device_blocks=24, kv_offloading_size=host_gib(16), log_stats_interval=1e-9
+            num_device_blocks=24, kv_offloading_size=host_gib(16), log_stats_interval_s=1e-9
         ) as engine,
     ):
         engine.generate([[5] * 40, [5] * 40], greedy(3))

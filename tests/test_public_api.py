@@ -20,18 +20,33 @@ EXPORTED = [
     "CPUOffloadingManager",
     "ConfigError",
     "ContractError",
+    "DiskTier",
+    "Engine",
+    "EngineConfig",
     "EvictionPolicy",
     "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
     "HostAllocationError",
+    "KVEventsConfig",
+    "KVLayout",
     "KVOffloadError",
     "LoadStoreSpec",
     "LookupResult",
     "OffloadKey",
+    "OffloadPolicy",
+    "OffloadingConnectorScheduler",
+    "OffloadingConnectorWorker",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "RedisTier",
+    "RemoteTierConfig",
     "ReqContext",
+    "RequestKVState",
+    "SamplingParams",
+    "SchedulerOffloadConfig",
+    "SecondaryTier",
+    "StoreOnComputePolicy",
     "TieringOffloadingManager",
     "TransferError",
     "__version__",
@@ -95,6 +110,51 @@ def test_scheduler_side_imports_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]", f"importing {modules} pulled in torch"
+
+
+# Headline classes: exported from ``kvoffload`` and from the package that holds them.
+HEADLINE = {
+    "kvoffload.engine": ["Engine", "EngineConfig", "SamplingParams"],
+    "kvoffload.events": ["KVEventsConfig"],
+    "kvoffload.managers": [
+        "CPUOffloadingManager",
+        "FilterReusedOffloadingManager",
+        "TieringOffloadingManager",
+    ],
+    "kvoffload.scheduler": [
+        "OffloadPolicy",
+        "OffloadingConnectorScheduler",
+        "RequestKVState",
+        "SchedulerOffloadConfig",
+        "StoreOnComputePolicy",
+    ],
+    "kvoffload.tiers": ["DiskTier", "KVLayout", "RedisTier", "RemoteTierConfig", "SecondaryTier"],
+    "kvoffload.worker": ["OffloadingConnectorWorker"],
+}
+
+
+@pytest.mark.parametrize("package", sorted(HEADLINE))
+def test_headline_classes_are_exported_from_kvoffload_and_their_package(package: str) -> None:
+    mod = importlib.import_module(package)
+    for name in HEADLINE[package]:
+        assert name in mod.__all__ and name in kvoffload.__all__, name
+        assert getattr(kvoffload, name) is getattr(mod, name), name
+        assert name in dir(kvoffload) and name in dir(mod), name
+
+
+def test_import_kvoffload_loads_neither_torch_nor_redis_until_asked() -> None:
+    code = (
+        "import sys, kvoffload, kvoffload.tiers\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'redis', 'zmq'}))\n"
+        "kvoffload.RedisTier\n"
+        "print('redis' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split("\n")[:2] == ["[]", "True False"]
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        kvoffload.NoSuchThing  # noqa: B018
 
 
 def test_version_is_a_string() -> None:

@@ -48,8 +48,8 @@ def engine_settings(url: str, **extra: Any) -> dict[str, Any]:
         "num_device_blocks": 64,
         "kv_offloading_size": host_gib(256),
         "kv_remote_url": url,
-        "kv_remote_lookup_wait": GENEROUS_WAIT_S,
-        "kv_lookup_retry_seconds": GENEROUS_WAIT_S,
+        "kv_remote_lookup_wait_s": GENEROUS_WAIT_S,
+        "kv_lookup_retry_s": GENEROUS_WAIT_S,
         **extra,
     }
 
@@ -167,8 +167,8 @@ def test_remote_settings_are_checked_before_connecting() -> None:
         tiny_engine(kv_offloading_size=host_gib(8), kv_remote_url="http://nope")
     with pytest.raises(ConfigError, match="kv_remote_url: a remote tier needs the host tier"):
         tiny_engine(kv_remote_url="redis://127.0.0.1:1")
-    with pytest.raises(ConfigError, match="kv_remote_ttl"):
-        tiny_engine(kv_offloading_size=host_gib(8), kv_remote_ttl=5.0)
+    with pytest.raises(ConfigError, match="kv_remote_ttl_s"):
+        tiny_engine(kv_offloading_size=host_gib(8), kv_remote_ttl_s=5.0)
 
 
 def test_server_down_at_start_fails_or_degrades_with_optional() -> None:

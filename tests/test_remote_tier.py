@@ -300,7 +300,9 @@ def test_tls_without_the_right_ca_is_a_clear_error(tls_redis: TLSRedisServer, tm
         assert f"TLS certificate did not verify against {trusted}" in message, message
         assert "?ssl_ca_certs=/path/to/ca.pem" in message
     missing = tmp_path / "missing-ca.pem"
-    with pytest.raises(ConfigError, match=rf"kv_remote_url: ssl_ca_certs='{missing}' .*no such file"):
+    with pytest.raises(
+        ConfigError, match=rf"kv_remote_url: ssl_ca_certs='{missing}' .*no such file"
+    ):
         make_tier(f"{bare}?ssl_ca_certs={missing}", view, make_layout())
     with pytest.raises(ConfigError, match="kv_remote_url: cannot reach redis://"):
         make_tier(f"redis://127.0.0.1:{tls_redis.port}/0", view, make_layout(), timeout_s=5)
@@ -403,7 +405,7 @@ def test_close_reports_every_job_and_fails_later_ones(redis_server: RedisServer)
 
 
 def test_config_is_validated() -> None:
-    with pytest.raises(ConfigError, match="kv_remote_ttl"):
+    with pytest.raises(ConfigError, match="kv_remote_ttl_s"):
         RemoteTierConfig(url="redis://h", ttl_s=0)
     with pytest.raises(ConfigError, match="kv_remote_timeout"):
         RemoteTierConfig(url="redis://h", timeout_s=float("nan"))

@@ -174,59 +174,9 @@ def plan_attention(
     wrong lengths, a block table too short or naming a block outside the cache, a sequence longer
     than ``max_positions``.
     """
-    qsl, seq_lens, tables, bs = (
-        attn.query_start_loc,
-        attn.seq_lens,
-        attn.block_tables,
-        attn.block_size,
-    )
-    num_blocks = kv_cache.shape[0]
-    if bs != kv_cache.shape[3]:
-        raise ContractError(
-            f"block_size={bs} but the KV cache has blocks of {kv_cache.shape[3]} tokens"
-        )
-    if not len(qsl) == len(seq_lens) + 1 == len(tables) + 1:
-        raise ContractError(
-            f"query_start_loc has {len(qsl)} entries, seq_lens {len(seq_lens)}, block_tables "
-            f"{len(tables)}: need num_seqs + 1, num_seqs, num_seqs"
-        )
-    if qsl[0] != 0 or qsl[-1] != num_tokens:
-        raise ContractError(
-            f"query_start_loc must run from 0 to num_tokens={num_tokens}, got {qsl[0]}..{qsl[-1]}"
-        )
-    if attn.slot_mapping.shape != (num_tokens,):
-        raise ContractError(
-            f"slot_mapping has shape {tuple(attn.slot_mapping.shape)}, expected ({num_tokens},)"
-        )
-
-    device = kv_cache.device
-    pending: list[tuple[int, int, int, int]] = []  # (q_start, q_end, seq_len, offset in flat)
-    flat: list[int] = []  # block tables of sequences with cached context, concatenated
-    for i, seq_len in enumerate(seq_lens):
-        q_start, q_end = qsl[i], qsl[i + 1]
-        q_len = q_end - q_start
-        if q_len < 1 or seq_len < q_len:
-            raise ContractError(f"sequence {i}: {q_len} new tokens with seq_len={seq_len}")
-        if seq_len > max_positions:
-            raise ContractError(
-                f"sequence {i}: seq_len={seq_len} exceeds max_position_embeddings={max_positions}"
-            )
-        n_blocks = -(-seq_len // bs)
-        table = tables[i]
-        if len(table) < n_blocks:
-            raise ContractError(
-                f"sequence {i}: seq_len={seq_len} needs {n_blocks} blocks, table has {len(table)}"
-            )
-        table = table[:n_blocks]
-        if min(table) < 0 or max(table) >= num_blocks:
-            raise ContractError(
-                f"sequence {i}: block table names a block outside [0, {num_blocks})"
-            )
-        if seq_len == q_len:  # nothing cached: attend over the new K/V directly
-            pending.append((q_start, q_end, seq_len, -1))
-        else:
-            pending.append((q_start, q_end, seq_len, len(flat)))
-            flat.extend(table)
+    _check_batch(attn, num_tokens, kv_cache)
+    bs, device = attn.block_size, kv_cache.device
+    pending, flat = _sequence_tables(attn, kv_cache.shape[0], max_positions)
 
     # One host-to-device copy for every block table of the step; each sequence gets a view.
     all_blocks = torch.tensor(flat, dtype=torch.long, device=device)
@@ -253,6 +203,69 @@ def plan_attention(
         seqs=seqs,
         scratch=kv_cache.new_empty((2, max_blocks, *block_shape)),
     )
+
+
+def _check_batch(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Tensor) -> None:
+    """:class:`ContractError` unless the metadata's lengths fit the batch and the cache."""
+    qsl, seq_lens, tables, bs = (
+        attn.query_start_loc,
+        attn.seq_lens,
+        attn.block_tables,
+        attn.block_size,
+    )
+    if bs != kv_cache.shape[3]:
+        raise ContractError(
+            f"block_size={bs} but the KV cache has blocks of {kv_cache.shape[3]} tokens"
+        )
+    if not len(qsl) == len(seq_lens) + 1 == len(tables) + 1:
+        raise ContractError(
+            f"query_start_loc has {len(qsl)} entries, seq_lens {len(seq_lens)}, block_tables "
+            f"{len(tables)}: need num_seqs + 1, num_seqs, num_seqs"
+        )
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise ContractError(
+            f"query_start_loc must run from 0 to num_tokens={num_tokens}, got {qsl[0]}..{qsl[-1]}"
+        )
+    if attn.slot_mapping.shape != (num_tokens,):
+        raise ContractError(
+            f"slot_mapping has shape {tuple(attn.slot_mapping.shape)}, expected ({num_tokens},)"
+        )
+
+
+def _sequence_tables(
+    attn: AttentionMetadata, num_blocks: int, max_positions: int
+) -> tuple[list[tuple[int, int, int, int]], list[int]]:
+    """Check every sequence; returns ``(q_start, q_end, seq_len, offset in flat)`` per sequence
+    (offset -1: nothing cached) and the block tables of those with cached context, concatenated."""
+    qsl, bs = attn.query_start_loc, attn.block_size
+    pending: list[tuple[int, int, int, int]] = []
+    flat: list[int] = []
+    for i, seq_len in enumerate(attn.seq_lens):
+        q_start, q_end = qsl[i], qsl[i + 1]
+        q_len = q_end - q_start
+        if q_len < 1 or seq_len < q_len:
+            raise ContractError(f"sequence {i}: {q_len} new tokens with seq_len={seq_len}")
+        if seq_len > max_positions:
+            raise ContractError(
+                f"sequence {i}: seq_len={seq_len} exceeds max_position_embeddings={max_positions}"
+            )
+        n_blocks = -(-seq_len // bs)
+        table = attn.block_tables[i]
+        if len(table) < n_blocks:
+            raise ContractError(
+                f"sequence {i}: seq_len={seq_len} needs {n_blocks} blocks, table has {len(table)}"
+            )
+        table = table[:n_blocks]
+        if min(table) < 0 or max(table) >= num_blocks:
+            raise ContractError(
+                f"sequence {i}: block table names a block outside [0, {num_blocks})"
+            )
+        if seq_len == q_len:  # nothing cached: attend over the new K/V directly
+            pending.append((q_start, q_end, seq_len, -1))
+        else:
+            pending.append((q_start, q_end, seq_len, len(flat)))
+            flat.extend(table)
+    return pending, flat
 
 
 def paged_attention(

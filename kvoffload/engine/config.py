@@ -1,315 +1,180 @@
-"""Model configuration of the reference engine: :class:`ModelConfig`, its presets, and the parser
-of Hugging Face ``config.json`` files for the Llama, Qwen2 and Qwen3 families.
+"""``EngineConfig``: every setting an :class:`~kvoffload.engine.Engine` is built from, checked.
 
-Every field is validated in ``__post_init__``; a bad value raises
-:class:`~kvoffload.errors.ConfigError` naming the field. A ``config.json`` that asks for
-something the model does not implement (sliding windows, MoE, an unknown RoPE variant, another
-activation) is rejected the same way rather than run wrongly.
+Units, one spelling per kind: durations are seconds and end in ``_s``; sizes a user sets are GiB
+(``kv_cache_memory``, ``kv_offloading_size``, ``kv_disk_size``, as vLLM's
+``--kv-offloading-size``). The spellings of the previous release are accepted for one release as
+deprecated aliases (:data:`RENAMED_SETTINGS`): they warn with a :class:`DeprecationWarning`
+naming the new spelling.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.engine.loader import DTYPES, resolve_device
 from kvoffload.errors import ConfigError
+from kvoffload.events import KVEventsConfig
+from kvoffload.eviction import available_eviction_policies
+from kvoffload.keys import HASH_SCHEMES
+from kvoffload.managers.tiering import CASCADE_MODES
+from kvoffload.scheduler.policy import STORE_POLICIES
+from kvoffload.tiers.factory import validate_disk_settings, validate_remote_settings
+from kvoffload.validation import (
+    accepts_renamed,
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+    check_str,
+)
 
-__all__ = [
-    "ARCHITECTURES",
-    "PRESETS",
-    "ModelConfig",
-    "RopeScaling",
-    "config_from_hf",
-    "preset_config",
-]
+__all__ = ["OFFLOADING_BACKENDS", "RENAMED_SETTINGS", "EngineConfig"]
 
-#: Hugging Face ``architectures`` entry -> family name used in :attr:`ModelConfig.architecture`.
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+#: Deprecated spelling -> current spelling; the old ones go in the release after next.
+RENAMED_SETTINGS: dict[str, str] = {
+    "kv_lookup_retry_seconds": "kv_lookup_retry_s",
+    "kv_remote_ttl": "kv_remote_ttl_s",
+    "kv_remote_lookup_wait": "kv_remote_lookup_wait_s",
+    "log_stats_interval": "log_stats_interval_s",
 }
+OFFLOADING_BACKENDS = ("native",)
+_MAX_SEED = 2**64 - 1  # torch.manual_seed's range
+_MAX_GIB = 2**33  # 2**63 bytes: more than any address space
 
-_ROPE_TYPES = ("default", "linear", "llama3")
 
+@accepts_renamed(RENAMED_SETTINGS)
+@dataclass
+class EngineConfig:
+    """Everything an :class:`Engine` is built from. Invalid values raise :class:`ConfigError`.
 
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """A RoPE frequency rescaling, as in Hugging Face ``rope_parameters`` / ``rope_scaling``.
-
-    ``linear`` divides every inverse frequency by ``factor``; ``llama3`` is Llama 3.1's
-    wavelength-dependent rescaling (uses all four fields).
+    Device cache: ``num_device_blocks`` engine blocks of ``block_size`` tokens, or, when it is
+    ``None``, as many as ``kv_cache_memory`` GiB hold. Offloading is on when
+    ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
+    ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
+    that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
+    ``kv_disk_path`` is set (``kv_disk_size`` GiB on disk; ``docs/disk-tier.md``); blocks cascade
+    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
+    tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
+    (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
+    start, ``kv_remote_ttl_s`` (seconds) lets the server expire the blocks, and a block the server
+    has not answered a lookup of within ``kv_remote_lookup_wait_s`` seconds is a miss for now (its
+    request computes it rather than waiting on a slow server). A request whose blocks
+    are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_s``
+    (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
+    Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
+    the engine is open; ``log_stats_interval_s`` > 0 logs a stats line every that many seconds.
     """
 
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    model: str = "small"
+    device: str = "cpu"
+    dtype: str | None = None
+    seed: int = 0
+    block_size: int = 16
+    num_device_blocks: int | None = None
+    kv_cache_memory: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 16
+    enable_prefix_caching: bool = True
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
+    block_size_factor: int = 1
+    eviction_policy: str = "adaptive"
+    store_policy: str = "on_compute"
+    store_threshold: int = 0
+    kv_disk_path: str | None = None
+    kv_disk_size: float = 0.0
+    kv_disk_eviction_policy: str | None = None
+    kv_disk_o_direct: bool = False
+    kv_tier_cascade: str = "write_through"
+    kv_lookup_retry_s: float = 2.0
+    kv_remote_url: str | None = None
+    kv_remote_optional: bool = False
+    kv_remote_ttl_s: float | None = None
+    kv_remote_lookup_wait_s: float = 0.25
+    hash_scheme: str = "sha256_cbor"
+    hash_seed: str = "0"
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    log_stats_interval_s: float = 0.0
+    events: KVEventsConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3"):
-            raise ConfigError(
-                "rope_scaling",
-                f"unsupported rope_type {self.rope_type!r}; supported: {_ROPE_TYPES}",
-            )
-        if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ConfigError(
-                "rope_scaling", f"factor must be a positive number, got {self.factor!r}"
-            )
-        if self.rope_type == "llama3" and not (
-            self.high_freq_factor > self.low_freq_factor > 0
-            and self.original_max_position_embeddings > 0
-        ):
-            raise ConfigError(
-                "rope_scaling",
-                "llama3 needs high_freq_factor > low_freq_factor > 0 and "
-                "original_max_position_embeddings > 0",
-            )
+        check_str("model", self.model)
+        resolve_device(check_str("device", self.device))
+        if self.dtype is not None:
+            check_choice("dtype", self.dtype, DTYPES)
+        check_int("seed", self.seed, 0, _MAX_SEED)
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "block_size_factor"):
+            check_int(name, getattr(self, name), 1)
+        if self.num_device_blocks is not None:
+            check_int("num_device_blocks", self.num_device_blocks, 1)
+        check_real(
+            "kv_cache_memory", self.kv_cache_memory, maximum=_MAX_GIB, positive=True, unit="GiB"
+        )
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_real(
+            "kv_offloading_size",
+            self.kv_offloading_size,
+            0,
+            _MAX_GIB,
+            unit="GiB; 0 disables offloading",
+        )
+        check_choice("kv_offloading_backend", self.kv_offloading_backend, OFFLOADING_BACKENDS)
+        check_choice("eviction_policy", self.eviction_policy, available_eviction_policies())
+        check_choice("store_policy", self.store_policy, STORE_POLICIES)
+        check_int("store_threshold", self.store_threshold, 0)
+        self._check_tiers()
+        check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
+        check_str("hash_seed", self.hash_seed, allow_empty=True)
+        if self.metrics_port is not None:
+            check_int("metrics_port", self.metrics_port, 0, 65535)
+        check_str("metrics_host", self.metrics_host)
+        check_real("log_stats_interval_s", self.log_stats_interval_s, 0, unit="seconds")
+        self.events = _events_config(self.kv_events_config)
 
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape and numerics of a decoder-only transformer (pre-norm, RoPE, GQA, SwiGLU MLP).
-
-    ``attention_bias`` puts biases on the q/k/v projections, ``o_proj_bias`` on the output
-    projection (Qwen2: q/k/v only; Llama/Qwen3 with ``attention_bias: true``: all four).
-    ``qk_norm`` is Qwen3's per-head RMSNorm on queries and keys, applied before RoPE.
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    qk_norm: bool = False
-    attention_bias: bool = False
-    o_proj_bias: bool = False
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
-    eos_token_id: int = 0
-    rope_scaling: RopeScaling | None = None
-
-    def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES.values():
+    def _check_tiers(self) -> None:
+        """The secondary tiers' settings, and the host tier they need."""
+        validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
+        check_bool("kv_disk_o_direct", self.kv_disk_o_direct)
+        check_bool("kv_remote_optional", self.kv_remote_optional)
+        if self.kv_disk_path is not None and not self.offloading:
             raise ConfigError(
-                "architecture",
-                f"unknown family {self.architecture!r}; "
-                f"supported: {sorted(ARCHITECTURES.values())}",
+                "kv_disk_path", "a disk tier needs the host tier: set kv_offloading_size > 0"
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
+        if self.kv_disk_eviction_policy is not None:
+            check_choice(
+                "kv_disk_eviction_policy",
+                self.kv_disk_eviction_policy,
+                available_eviction_policies(),
+            )
+        validate_remote_settings(
+            self.kv_remote_url, self.kv_remote_ttl_s, self.kv_remote_lookup_wait_s
+        )
+        if self.kv_remote_url is not None and not self.offloading:
             raise ConfigError(
-                "num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}"
+                "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
             )
-        if self.head_dim % 2:
-            raise ConfigError("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-        if not (
-            isinstance(self.rope_theta, (int, float))
-            and math.isfinite(self.rope_theta)
-            and self.rope_theta > 0
-        ):
-            raise ConfigError("rope_theta", f"must be a positive number, got {self.rope_theta!r}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
-            raise ConfigError("rms_norm_eps", f"must be in (0, 1), got {self.rms_norm_eps!r}")
-        eos = self.eos_token_id
-        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
-            raise ConfigError(
-                "eos_token_id", f"must be an id in [0, vocab_size={self.vocab_size}), got {eos!r}"
-            )
+        check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
+        check_real("kv_lookup_retry_s", self.kv_lookup_retry_s, 0, unit="seconds")
 
     @property
-    def q_size(self) -> int:
-        """Width of the query projection (``num_heads * head_dim``)."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        """Width of the key (and of the value) projection (``num_kv_heads * head_dim``)."""
-        return self.num_kv_heads * self.head_dim
-
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of KV cache one token occupies across all layers, keys and values."""
-        return self.num_layers * 2 * self.kv_size * element_size
-
-    def num_parameters(self) -> int:
-        """Number of weights (embeddings counted once when tied)."""
-        h, layer = self.hidden_size, 0
-        layer += h * (self.q_size + 2 * self.kv_size) + self.q_size * h  # q/k/v/o projections
-        layer += 3 * h * self.intermediate_size  # gate, up, down
-        layer += 2 * h  # two RMSNorms
-        if self.attention_bias:
-            layer += self.q_size + 2 * self.kv_size
-        if self.o_proj_bias:
-            layer += h
-        if self.qk_norm:
-            layer += 2 * self.head_dim
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embeddings + h
+    def offloading(self) -> bool:
+        return self.kv_offloading_size > 0
 
 
-#: Random-weight models for tests and benchmarks (byte-level tokenizer, EOS id 256).
-PRESETS: dict[str, ModelConfig] = {
-    # Runs in milliseconds on one CPU core: for tests.
-    "tiny": ModelConfig(
-        architecture="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        max_position_embeddings=32768,
-        eos_token_id=256,
-    ),
-    # The benchmark default: recomputing a 2k-token prefix costs ~1 s on 2 CPU cores, while its
-    # KV (32 MiB in float32) copies in milliseconds. See docs/model.md for measured figures.
-    "small": ModelConfig(
-        architecture="qwen3",
-        vocab_size=512,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=64,
-        qk_norm=True,
-        max_position_embeddings=32768,
-        eos_token_id=256,
-    ),
-}
-
-
-def preset_config(name: str) -> ModelConfig:
-    """The preset called ``name``; :class:`ConfigError` naming ``model`` if there is none."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError("model", f"no preset {name!r}; presets: {sorted(PRESETS)}") from None
-
-
-def config_from_hf(
-    hf: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None
-) -> ModelConfig:
-    """Translate a Hugging Face ``config.json`` (already parsed) into a :class:`ModelConfig`.
-
-    ``eos_token_id`` comes from ``config.json``, else from ``generation_config.json``; where it
-    is a list, the first id is taken. Accepts both the transformers 4 layout (``rope_theta`` +
-    ``rope_scaling``) and the transformers 5 layout (``rope_parameters``). Raises
-    :class:`ConfigError` for an unsupported architecture or any setting this model would
-    silently get wrong.
-    """
-    archs = hf.get("architectures") or []
-    supported = [a for a in archs if a in ARCHITECTURES]
-    if not supported:
-        raise ConfigError(
-            "architectures", f"{archs!r} is not supported; supported: {sorted(ARCHITECTURES)}"
-        )
-    family = ARCHITECTURES[supported[0]]
-
-    def need(key: str) -> Any:
-        if key not in hf:
-            raise ConfigError(key, "missing from config.json")
-        return hf[key]
-
-    hidden_act = hf.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ConfigError("hidden_act", f"only 'silu' is implemented, got {hidden_act!r}")
-    if hf.get("mlp_bias", False):
-        raise ConfigError("mlp_bias", "MLP biases are not implemented")
-    if hf.get("use_sliding_window", False):
-        raise ConfigError("use_sliding_window", "sliding-window attention is not implemented")
-    layer_types = hf.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(
-            "layer_types",
-            f"only full_attention layers are implemented, got {sorted(set(layer_types))}",
-        )
-    if hf.get("pretraining_tp", 1) not in (1, None):
-        raise ConfigError("pretraining_tp", "only pretraining_tp == 1 is implemented")
-
-    hidden_size = need("hidden_size")
-    num_heads = need("num_attention_heads")
-    head_dim = hf.get("head_dim") or (hidden_size // num_heads if num_heads else 0)
-    rope_theta, rope_scaling = _parse_rope(hf)
-
-    if family == "qwen2":
-        attention_bias, o_proj_bias = True, False
-    else:
-        attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
-
-    eos = hf.get("eos_token_id")
-    if eos is None and generation_config is not None:
-        eos = generation_config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None:
-        raise ConfigError(
-            "eos_token_id",
-            "missing from config.json and generation_config.json (needed to stop generation)",
-        )
-
-    return ModelConfig(
-        architecture=family,
-        vocab_size=need("vocab_size"),
-        hidden_size=hidden_size,
-        intermediate_size=need("intermediate_size"),
-        num_layers=need("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        qk_norm=family == "qwen3",
-        attention_bias=attention_bias,
-        o_proj_bias=o_proj_bias,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        eos_token_id=eos,
-        rope_scaling=rope_scaling,
+def _events_config(events: Any) -> KVEventsConfig:
+    """``kv_events_config`` (``None``, a ``KVEventsConfig``, a JSON string or a dict) parsed."""
+    if events is None:
+        return KVEventsConfig()
+    if isinstance(events, KVEventsConfig):
+        return events
+    if isinstance(events, str):
+        return KVEventsConfig.from_json(events)
+    if isinstance(events, Mapping):
+        return KVEventsConfig.from_dict(dict(events))
+    raise ConfigError(
+        "kv_events_config", f"must be a KVEventsConfig, a dict or a JSON string, got {events!r}"
     )
-
-
-def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` from either config layout."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, Mapping):
-        raise ConfigError("rope_parameters", f"expected an object, got {params!r}")
-    rope_theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial_rotary_factor", "partial rotary embeddings are not implemented")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        raise ConfigError(
-            "rope_scaling", f"unsupported rope_type {rope_type!r}; supported: {_ROPE_TYPES}"
-        )
-    if rope_type == "default":
-        return rope_theta, None
-    known = {f.name for f in fields(RopeScaling)}
-    kwargs = {k: v for k, v in params.items() if k in known and k != "rope_type"}
-    if "factor" not in kwargs:
-        raise ConfigError("rope_scaling", f"rope_type {rope_type!r} needs a 'factor'")
-    if rope_type == "llama3" and "original_max_position_embeddings" not in kwargs:
-        kwargs["original_max_position_embeddings"] = hf.get("max_position_embeddings", 8192)
-    return rope_theta, RopeScaling(rope_type=rope_type, **kwargs)

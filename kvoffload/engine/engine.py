@@ -18,186 +18,41 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvoffload.base import OffloadingManager
 from kvoffload.engine.block_pool import BlockPool
-from kvoffload.engine.loader import DTYPES, load_model, resolve_device
+from kvoffload.engine.config import RENAMED_SETTINGS, EngineConfig
+from kvoffload.engine.device_events import DeviceEventRecorder
+from kvoffload.engine.loader import load_model
+from kvoffload.engine.offload_stack import DeviceCache, build_offload_stack
 from kvoffload.engine.request import Request, RequestOutput, RequestStatus
 from kvoffload.engine.runner import ModelRunner
 from kvoffload.engine.sampling import SamplingParams
 from kvoffload.engine.scheduler import EngineScheduler
-from kvoffload.errors import ConfigError, HostAllocationError
-from kvoffload.events import KVEventsConfig, create_event_publisher
-from kvoffload.events.messages import (
-    MEDIUM_GPU,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-    KVEventBatch,
-    external_block_hash,
-)
-from kvoffload.eviction import available_eviction_policies
-from kvoffload.keys import HASH_SCHEMES, BlockHash, BlockHasher
-from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
-from kvoffload.managers.tiering import (
-    CASCADE_MODES,
-    TieringOffloadingManager,
-    validate_tier_params,
-)
-from kvoffload.metrics import EngineMetrics, MetricsServer, Snapshot, StatsLogger
-from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOffloadConfig
+from kvoffload.engine.telemetry import Telemetry
+from kvoffload.errors import ConfigError
+from kvoffload.events import create_event_publisher
+from kvoffload.events.messages import KVEventBatch
+from kvoffload.keys import BlockHasher
+from kvoffload.managers.tiering import validate_tier_params
+from kvoffload.metrics import Snapshot
 from kvoffload.scheduler.connector import parse_kv_transfer_params
-from kvoffload.scheduler.events import OffloadEventDescriber
-from kvoffload.scheduler.policy import STORE_POLICIES
-from kvoffload.tiers import KVLayout
-from kvoffload.tiers.factory import (
-    build_secondary_tiers,
-    validate_disk_settings,
-    validate_remote_settings,
-)
-from kvoffload.validation import check_bool, check_choice, check_int, check_real, check_str
-from kvoffload.worker import OffloadingConnectorWorker
+from kvoffload.validation import renamed_settings
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine"]
 
 _GIB = 2**30
-_MAX_SEED = 2**64 - 1  # torch.manual_seed's range
-_MAX_GIB = 2**33  # 2**63 bytes: more than any address space
+_COUNTERS = (
+    "steps",
+    "forward_tokens",
+    "prompt_tokens",
+    "prefilled_prompt_tokens",
+    "output_tokens",
+    "preemptions",
+)
 logger = logging.getLogger(__name__)
-OFFLOADING_BACKENDS = ("native",)
-
-
-@dataclass
-class EngineConfig:
-    """Everything an :class:`Engine` is built from. Invalid values raise :class:`ConfigError`.
-
-    Device cache: ``num_device_blocks`` engine blocks of ``block_size`` tokens, or, when it is
-    ``None``, as many as ``kv_cache_memory`` GiB hold. Offloading is on when
-    ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
-    ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
-    that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
-    ``kv_disk_path`` is set (``kv_disk_size`` GiB on disk; ``docs/disk-tier.md``); blocks cascade
-    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
-    tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
-    (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
-    start, ``kv_remote_ttl`` (seconds) lets the server expire the blocks, and a block the server
-    has not answered a lookup of within ``kv_remote_lookup_wait`` seconds is a miss for now (its
-    request computes it rather than waiting on a slow server). A request whose blocks
-    are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_seconds``
-    (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
-    Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
-    the engine is open; ``log_stats_interval`` > 0 logs a stats line every that many seconds.
-    """
-
-    model: str = "small"
-    device: str = "cpu"
-    dtype: str | None = None
-    seed: int = 0
-    block_size: int = 16
-    num_device_blocks: int | None = None
-    kv_cache_memory: float = 1.0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 16
-    enable_prefix_caching: bool = True
-    kv_offloading_size: float = 0.0
-    kv_offloading_backend: str = "native"
-    block_size_factor: int = 1
-    eviction_policy: str = "adaptive"
-    store_policy: str = "on_compute"
-    store_threshold: int = 0
-    kv_disk_path: str | None = None
-    kv_disk_size: float = 0.0
-    kv_disk_eviction_policy: str | None = None
-    kv_disk_o_direct: bool = False
-    kv_tier_cascade: str = "write_through"
-    kv_lookup_retry_seconds: float = 2.0
-    kv_remote_url: str | None = None
-    kv_remote_optional: bool = False
-    kv_remote_ttl: float | None = None
-    kv_remote_lookup_wait: float = 0.25
-    hash_scheme: str = "sha256_cbor"
-    hash_seed: str = "0"
-    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    log_stats_interval: float = 0.0
-    events: KVEventsConfig = field(init=False)
-
-    def __post_init__(self) -> None:
-        check_str("model", self.model)
-        resolve_device(check_str("device", self.device))
-        if self.dtype is not None:
-            check_choice("dtype", self.dtype, DTYPES)
-        check_int("seed", self.seed, 0, _MAX_SEED)
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "block_size_factor"):
-            check_int(name, getattr(self, name), 1)
-        if self.num_device_blocks is not None:
-            check_int("num_device_blocks", self.num_device_blocks, 1)
-        check_real(
-            "kv_cache_memory", self.kv_cache_memory, maximum=_MAX_GIB, positive=True, unit="GiB"
-        )
-        check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        check_real(
-            "kv_offloading_size",
-            self.kv_offloading_size,
-            0,
-            _MAX_GIB,
-            unit="GiB; 0 disables offloading",
-        )
-        check_choice("kv_offloading_backend", self.kv_offloading_backend, OFFLOADING_BACKENDS)
-        check_choice("eviction_policy", self.eviction_policy, available_eviction_policies())
-        check_choice("store_policy", self.store_policy, STORE_POLICIES)
-        check_int("store_threshold", self.store_threshold, 0)
-        validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
-        check_bool("kv_disk_o_direct", self.kv_disk_o_direct)
-        check_bool("kv_remote_optional", self.kv_remote_optional)
-        if self.kv_disk_path is not None and not self.offloading:
-            raise ConfigError(
-                "kv_disk_path", "a disk tier needs the host tier: set kv_offloading_size > 0"
-            )
-        if self.kv_disk_eviction_policy is not None:
-            check_choice(
-                "kv_disk_eviction_policy",
-                self.kv_disk_eviction_policy,
-                available_eviction_policies(),
-            )
-        validate_remote_settings(
-            self.kv_remote_url, self.kv_remote_ttl, self.kv_remote_lookup_wait
-        )
-        if self.kv_remote_url is not None and not self.offloading:
-            raise ConfigError(
-                "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
-            )
-        check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
-        check_real("kv_lookup_retry_seconds", self.kv_lookup_retry_seconds, 0, unit="seconds")
-        check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)
-        check_str("hash_seed", self.hash_seed, allow_empty=True)
-        if self.metrics_port is not None:
-            check_int("metrics_port", self.metrics_port, 0, 65535)
-        check_str("metrics_host", self.metrics_host)
-        check_real("log_stats_interval", self.log_stats_interval, 0, unit="seconds")
-        events = self.kv_events_config
-        if events is None:
-            self.events = KVEventsConfig()
-        elif isinstance(events, KVEventsConfig):
-            self.events = events
-        elif isinstance(events, str):
-            self.events = KVEventsConfig.from_json(events)
-        elif isinstance(events, Mapping):
-            self.events = KVEventsConfig.from_dict(dict(events))
-        else:
-            raise ConfigError(
-                "kv_events_config",
-                f"must be a KVEventsConfig, a dict or a JSON string, got {events!r}",
-            )
-
-    @property
-    def offloading(self) -> bool:
-        return self.kv_offloading_size > 0
 
 
 def _release(owned: list[Callable[[], object]]) -> None:
@@ -208,17 +63,6 @@ def _release(owned: list[Callable[[], object]]) -> None:
             shutdown()
         except Exception:
             logger.exception("engine shutdown: %r failed", shutdown)
-
-
-def _weak_snapshot(engine: Engine) -> Callable[[], Snapshot]:
-    """``engine.snapshot`` without a strong reference (empty once the engine is gone)."""
-    ref = weakref.ref(engine)
-
-    def snapshot() -> Snapshot:
-        alive = ref()
-        return ({}, {}) if alive is None else alive.snapshot()
-
-    return snapshot
 
 
 class Engine:
@@ -233,8 +77,9 @@ class Engine:
     def __init__(self, model: str = "small", **kwargs: Any) -> None:
         known = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
         for name in kwargs:
-            if name not in known:
+            if name not in known and name not in RENAMED_SETTINGS:
                 raise ConfigError(name, f"unknown engine setting; known: {sorted(known)}")
+        kwargs = renamed_settings(kwargs, RENAMED_SETTINGS, stacklevel=2)
         self.config = EngineConfig(model=model, **kwargs)
         # Shutdown callables of what this engine owns (copy threads and host pool, the event
         # publisher's thread and socket), run on close(), on a failed construction and when the
@@ -252,21 +97,73 @@ class Engine:
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, config.device, config.dtype, config.seed
         )
-        bs = config.block_size
-        kv_bytes_per_block = self.model.kv_bytes_per_token() * bs
-        num_blocks = (
-            config.num_device_blocks or int(config.kv_cache_memory * _GIB) // kv_bytes_per_block
+        self.num_device_blocks = self._device_cache_blocks()
+        self.runner = self._allocate_device_cache()
+        self.hasher = BlockHasher(config.block_size, config.hash_scheme, config.hash_seed)
+        self.pool = BlockPool(self.num_device_blocks, enable_caching=config.enable_prefix_caching)
+        self.publisher = create_event_publisher(config.events)
+        self._owned.append(self.publisher.shutdown)
+        self._device_events: DeviceEventRecorder | None = None
+        if config.events.enable_kv_cache_events:
+            self._device_events = DeviceEventRecorder(
+                config.block_size, config.events.int_block_hashes
+            )
+            self.pool.on_evicted = self._device_events.on_evicted
+        stack = None
+        if config.offloading:
+            device = DeviceCache(
+                self.runner.kv_cache,
+                self.num_device_blocks,
+                self.model_config,
+                self._model_identity,
+            )
+            stack = build_offload_stack(
+                config, device, self._device_events is not None, self._owned
+            )
+        self.worker = stack.worker if stack else None
+        self.manager = stack.manager if stack else None
+        self.tiering = stack.tiering if stack else None
+        self.connector = stack.connector if stack else None
+        self.scheduler = EngineScheduler(
+            self.pool,
+            config.block_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.connector,
         )
+        self._requests: dict[str, Request] = {}  # live requests
+        self._finished: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        # step() holds it; metrics scrapes and stats lines read a consistent snapshot under it
+        self._lock = threading.Lock()
+        block_bytes = self.worker.bytes_per_offloaded_block if self.worker is not None else 0
+        telemetry = Telemetry.start(self, config, block_bytes, stack is not None, self._owned)
+        self.metrics = telemetry.metrics
+        self.metrics_server = telemetry.metrics_server
+        self._stats_logger = telemetry.stats_logger
+
+    def _device_cache_blocks(self) -> int:
+        """``num_device_blocks``, or as many blocks as ``kv_cache_memory`` GiB hold."""
+        config = self.config
+        if config.num_device_blocks:
+            return config.num_device_blocks
+        kv_bytes_per_block = self.model.kv_bytes_per_token() * config.block_size
+        num_blocks = int(config.kv_cache_memory * _GIB) // kv_bytes_per_block
         if num_blocks <= 0:
             raise ConfigError(
                 "kv_cache_memory",
                 f"{config.kv_cache_memory} GiB holds no block of {kv_bytes_per_block} bytes",
             )
-        self.num_device_blocks = num_blocks
+        return num_blocks
+
+    def _allocate_device_cache(self) -> ModelRunner:
+        config, num_blocks, bs = self.config, self.num_device_blocks, self.config.block_size
+        kv_bytes_per_block = self.model.kv_bytes_per_token() * bs
         try:
             if num_blocks * kv_bytes_per_block >= 2**63:
                 raise MemoryError("larger than any address space")
-            self.runner = ModelRunner(self.model, num_blocks, bs)
+            return ModelRunner(self.model, num_blocks, bs)
         except (RuntimeError, MemoryError) as exc:
             setting = "kv_cache_memory" if config.num_device_blocks is None else "num_device_blocks"
             raise ConfigError(
@@ -274,125 +171,14 @@ class Engine:
                 f"cannot allocate a device KV cache of {num_blocks} blocks x "
                 f"{kv_bytes_per_block} bytes (block_size {bs}): {exc}",
             ) from exc
-        self.hasher = BlockHasher(bs, config.hash_scheme, config.hash_seed)
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.publisher = create_event_publisher(config.events)
-        self._owned.append(self.publisher.shutdown)
-        self._events_on = config.events.enable_kv_cache_events
-        self._gpu_events: list[KVCacheEvent] = []
-        self._removed_gpu: list[bytes | int] = []
-        if self._events_on:
-            self.pool.on_evicted = self._on_device_evicted
-        self.connector: OffloadingConnectorScheduler | None = None
-        self.worker: OffloadingConnectorWorker | None = None
-        self.manager: OffloadingManager | None = None
-        self.tiering: TieringOffloadingManager | None = None
-        if config.offloading:
-            self._build_offloading()
-        self.scheduler = EngineScheduler(
-            self.pool, bs, config.max_num_batched_tokens, config.max_num_seqs, self.connector
-        )
-        self._requests: dict[str, Request] = {}  # live requests
-        self._finished: list[RequestOutput] = []
-        self._ids = itertools.count()
-        self._counters = dict.fromkeys(
-            (
-                "steps",
-                "forward_tokens",
-                "prompt_tokens",
-                "prefilled_prompt_tokens",
-                "output_tokens",
-                "preemptions",
-            ),
-            0,
-        )
-        # step() holds it; metrics scrapes and stats lines read a consistent snapshot under it
-        self._lock = threading.Lock()
-        block_bytes = self.worker.bytes_per_offloaded_block if self.worker is not None else 0
-        directions = [("GPU", "CPU"), ("CPU", "GPU")] if self.worker is not None else []
-        # Weakly bound: a metrics server thread must not keep a dropped engine alive.
-        snapshot = _weak_snapshot(self)
-        self.metrics = EngineMetrics(snapshot, block_bytes, directions)
-        self._stats_logger = (
-            StatsLogger(snapshot, config.log_stats_interval, block_bytes)
-            if config.log_stats_interval > 0
-            else None
-        )
-        self.metrics_server: MetricsServer | None = None
-        if config.metrics_port is not None:
-            self.metrics_server = MetricsServer(
-                self.metrics.registry, config.metrics_port, config.metrics_host
-            )
-            self._owned.append(self.metrics_server.close)
 
-    def _build_offloading(self) -> None:
-        config = self.config
-        host_bytes = int(config.kv_offloading_size * _GIB)
-        block_bytes = self.model.kv_bytes_per_token() * config.block_size * config.block_size_factor
-        if host_bytes < block_bytes:
-            raise ConfigError(
-                "kv_offloading_size",
-                f"{config.kv_offloading_size} GiB ({host_bytes} bytes) holds no offloaded block: "
-                f"one is {block_bytes} bytes (block_size {config.block_size} x "
-                f"block_size_factor {config.block_size_factor} tokens); use at least "
-                f"{block_bytes / _GIB:.3g} GiB",
-            )
-        worker = OffloadingConnectorWorker(config.block_size_factor, host_bytes)
-        self._owned.append(worker.shutdown)
-        try:
-            worker.register_kv_caches(
-                [self.runner.kv_cache], num_blocks=self.num_device_blocks, block_dim=0
-            )
-        except HostAllocationError as exc:
-            raise ConfigError(
-                "kv_offloading_size", f"{config.kv_offloading_size} GiB: {exc}"
-            ) from exc
-        host = CPUOffloadingManager(
-            worker.num_host_blocks, config.eviction_policy, enable_events=self._events_on
-        )
-        manager: OffloadingManager = host
-        tiers = build_secondary_tiers(
-            config,
-            worker.host_pool.memoryview(),
-            self._kv_layout(worker.bytes_per_offloaded_block),
-            self._events_on,
-        )
-        if tiers:
-            self.tiering = tiering = TieringOffloadingManager(host, tiers, config.kv_tier_cascade)
-            # Tier threads write into the host pool: they stop before the worker frees it.
-            self._owned.append(lambda: (tiering.drain(), tiering.close()))
-            manager = tiering
-        if config.store_threshold >= 2:
-            manager = FilterReusedOffloadingManager(manager, config.store_threshold)
-        sched_config = SchedulerOffloadConfig.single_group(
-            config.block_size,
-            config.block_size_factor,
-            store_policy=config.store_policy,
-            max_lookup_retry_seconds=config.kv_lookup_retry_seconds,
-        )
-        describer = (
-            OffloadEventDescriber(config.events.int_block_hashes) if self._events_on else None
-        )
-        self.worker = worker
-        self.manager = manager
-        self.connector = OffloadingConnectorScheduler(sched_config, manager, describer)
-
-    def _kv_layout(self, block_bytes: int) -> KVLayout:
-        """What an offloaded block's bytes mean (stored with every block a secondary tier holds).
-        Preset models have random weights drawn from ``seed``, so the seed is part of the model."""
-        config, mc = self.config, self.model_config
-        model = config.model
+    def _model_identity(self) -> str:
+        """The model's name in shared tiers. Preset models have random weights drawn from
+        ``seed``, so the seed is part of the model."""
+        model = self.config.model
         if not Path(model).is_dir():
-            model = f"{model}@seed{config.seed}"
-        return KVLayout(
-            model=model,
-            dtype=str(self.runner.kv_cache.dtype),
-            tokens_per_block=config.block_size * config.block_size_factor,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_bytes=block_bytes,
-        )
+            model = f"{model}@seed{self.config.seed}"
+        return model
 
     # ------------------------------------------------------------------ requests
 
@@ -495,8 +281,9 @@ class Engine:
                 self.metrics.observe_transfers(results)
             update = connector.update_connector_output(results)
             for req, new_cached in self.scheduler.apply_connector_update(update):
-                if new_cached and self._events_on:
-                    self._device_stored(req, new_cached)  # loaded blocks now in the device cache
+                if new_cached and self._device_events is not None:
+                    # loaded blocks now in the device cache
+                    self._device_events.stored(req, new_cached)
         plan = self.scheduler.schedule()
         self._counters["preemptions"] += len(plan.connector_output.preempted_req_ids)
         if worker is not None and connector is not None:
@@ -510,8 +297,8 @@ class Engine:
         for req, n in plan.scheduled:
             req.num_computed_tokens += n
             new_cached = self.scheduler.cache_computed_blocks(req)
-            if new_cached and self._events_on:
-                self._device_stored(req, new_cached)
+            if new_cached and self._device_events is not None:
+                self._device_events.stored(req, new_cached)
             result = sampled.get(req.request_id)
             if result is not None:
                 token, logprobs = result
@@ -520,7 +307,7 @@ class Engine:
                 self._append(req, token, now)
         self._counters["steps"] += 1
         self._counters["forward_tokens"] += plan.num_tokens
-        if self._events_on:
+        if self._device_events is not None:
             self._publish()
         if not plan.scheduled and worker is not None:
             # Nothing to compute: wait for a transfer (a load to resume, a store whose blocks are
@@ -622,57 +409,13 @@ class Engine:
 
     # ------------------------------------------------------------------ events
 
-    def _on_device_evicted(self, block_hash: BlockHash) -> None:
-        self._removed_gpu.append(
-            external_block_hash(block_hash, self.config.events.int_block_hashes)
-        )
-
-    def _flush_device_removals(self) -> None:
-        """Queue the removals seen since the last device event as one ``BlockRemoved``.
-
-        Device events are published in the order they happened: a step can cache a block (a
-        load lands) and then evict it (its request is preempted, the block reused), and a router
-        must end up without it. Consecutive removals are coalesced; nothing is reordered.
-        """
-        if self._removed_gpu:
-            self._gpu_events.append(BlockRemoved(self._removed_gpu, MEDIUM_GPU, group_idx=0))
-            self._removed_gpu = []
-
-    def _device_stored(self, req: Request, indices: list[int]) -> None:
-        self._flush_device_removals()
-        as_int, bs = self.config.events.int_block_hashes, self.config.block_size
-        runs: list[list[int]] = []
-        for i in indices:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            first, last = run[0], run[-1]
-            parent = req.block_hashes[first - 1] if first else None
-            self._gpu_events.append(
-                BlockStored(
-                    block_hashes=[external_block_hash(req.block_hashes[i], as_int) for i in run],
-                    parent_block_hash=None
-                    if parent is None
-                    else external_block_hash(parent, as_int),
-                    token_ids=req.all_token_ids[first * bs : (last + 1) * bs],
-                    block_size=bs,
-                    lora_id=None,
-                    medium=MEDIUM_GPU,
-                    lora_name=None,
-                    group_idx=0,
-                )
-            )
-
     def _publish(self) -> None:
-        self._flush_device_removals()
-        events = self._gpu_events
+        assert self._device_events is not None
+        events = self._device_events.take()
         if self.connector is not None:
             events.extend(self.connector.take_events())
         if events:
             self.publisher.publish(KVEventBatch(time.time(), events))
-        self._gpu_events = []
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kvoffload.engine.config import PRESETS, ModelConfig, config_from_hf, preset_config
 from kvoffload.engine.model import DecoderModel
+from kvoffload.engine.model_config import PRESETS, ModelConfig, config_from_hf, preset_config
 from kvoffload.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvoffload.errors import ConfigError
 

@@ -22,7 +22,7 @@ from kvoffload.engine.attention import (
     paged_attention,
     plan_attention,
 )
-from kvoffload.engine.config import ModelConfig, RopeScaling
+from kvoffload.engine.model_config import ModelConfig, RopeScaling
 from kvoffload.errors import ContractError
 
 __all__ = ["DecoderModel", "RotaryEmbedding"]

@@ -247,18 +247,7 @@ class EngineScheduler:
                 self.pool.free(hits)
                 break
             self.waiting.popleft()
-            self._admitted[req.request_id] = next(self._admissions)
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += num_local
-            blocks = hits + new
-            self._blocks[req.request_id] = blocks
-            req.block_ids = [b.block_id for b in blocks]
-            req.num_cached_blocks = len(hits)
-            if req.cached_tokens_engine < 0:
-                req.cached_tokens_engine, req.cached_tokens_offload = num_local, num_external
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(req, [req.block_ids], num_external)
-            req.num_computed_tokens = num_local
+            self._give_blocks(req, hits, new, num_external)
             if load_async:
                 req.num_loading_tokens = num_external
                 req.status = RequestStatus.LOADING
@@ -271,6 +260,25 @@ class EngineScheduler:
             plan.scheduled.append((req, n))
             plan.connector_output.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _give_blocks(
+        self, req: Request, hits: list[KVBlock], new: list[KVBlock], num_external: int
+    ) -> None:
+        """Give ``req`` its blocks (engine prefix hits, then new ones) and tell the connector;
+        ``num_external`` tokens after the hits come from the offloading tiers."""
+        num_local = len(hits) * self.block_size
+        self._admitted[req.request_id] = next(self._admissions)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += num_local
+        blocks = hits + new
+        self._blocks[req.request_id] = blocks
+        req.block_ids = [b.block_id for b in blocks]
+        req.num_cached_blocks = len(hits)
+        if req.cached_tokens_engine < 0:
+            req.cached_tokens_engine, req.cached_tokens_offload = num_local, num_external
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, [req.block_ids], num_external)
+        req.num_computed_tokens = num_local
 
     def _allocate(self, n: int, promised: int) -> list[KVBlock] | None:
         """``n`` free blocks, leaving ``promised`` free, or ``None`` if too few."""

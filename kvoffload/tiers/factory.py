@@ -36,8 +36,8 @@ class TierSettings(Protocol):
     kv_disk_o_direct: bool
     kv_remote_url: str | None
     kv_remote_optional: bool
-    kv_remote_ttl: float | None
-    kv_remote_lookup_wait: float
+    kv_remote_ttl_s: float | None
+    kv_remote_lookup_wait_s: float
     eviction_policy: str
 
 
@@ -68,17 +68,17 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
 
 def validate_remote_settings(url: str | None, ttl_s: float | None, lookup_wait_s: float) -> None:
     """Check the remote tier's settings without connecting: :class:`ConfigError` naming
-    ``kv_remote_url`` (password hidden), ``kv_remote_ttl`` or ``kv_remote_lookup_wait``."""
+    ``kv_remote_url`` (password hidden), ``kv_remote_ttl_s`` or ``kv_remote_lookup_wait_s``."""
     from kvoffload.tiers.redis_url import parse_redis_url
 
-    check_real("kv_remote_lookup_wait", lookup_wait_s, positive=True, unit="seconds")
+    check_real("kv_remote_lookup_wait_s", lookup_wait_s, positive=True, unit="seconds")
     if url is None:
         if ttl_s is not None:
-            raise ConfigError("kv_remote_ttl", f"set without kv_remote_url (got {ttl_s!r})")
+            raise ConfigError("kv_remote_ttl_s", f"set without kv_remote_url (got {ttl_s!r})")
         return
     parse_redis_url(url)
     if ttl_s is not None:
-        check_real("kv_remote_ttl", ttl_s, positive=True, unit="seconds")
+        check_real("kv_remote_ttl_s", ttl_s, positive=True, unit="seconds")
 
 
 def build_secondary_tiers(
@@ -117,12 +117,12 @@ def _build_remote_tier(
 
     assert settings.kv_remote_url is not None
     validate_remote_settings(
-        settings.kv_remote_url, settings.kv_remote_ttl, settings.kv_remote_lookup_wait
+        settings.kv_remote_url, settings.kv_remote_ttl_s, settings.kv_remote_lookup_wait_s
     )
     config = RemoteTierConfig(
         url=settings.kv_remote_url,
-        ttl_s=settings.kv_remote_ttl,
-        lookup_wait_s=settings.kv_remote_lookup_wait,
+        ttl_s=settings.kv_remote_ttl_s,
+        lookup_wait_s=settings.kv_remote_lookup_wait_s,
     )
     try:
         return RedisTier(pool, layout, config, enable_events=enable_events)

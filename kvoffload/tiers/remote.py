@@ -103,13 +103,13 @@ class RemoteTierConfig:
     def __post_init__(self) -> None:
         positive = {
             "kv_remote_timeout": self.timeout_s,
-            "kv_remote_lookup_wait": self.lookup_wait_s,
+            "kv_remote_lookup_wait_s": self.lookup_wait_s,
             "kv_remote_miss_ttl": self.miss_ttl_s,
             "kv_remote_stats_interval": self.stats_interval_s,
             "kv_remote_max_backoff": self.max_backoff_s,
         }
         if self.ttl_s is not None:
-            positive["kv_remote_ttl"] = self.ttl_s
+            positive["kv_remote_ttl_s"] = self.ttl_s
         for name, value in positive.items():
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
