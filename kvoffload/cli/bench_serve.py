@@ -6,14 +6,101 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from kvoffload.benchmark.traces import SUITE
 from kvoffload.cli.args import check_output_path, int_in, real_in
+from kvoffload.cli.command import command
+from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
 
 __all__ = ["add_parser"]
 
 SUITE_NAMES = tuple(sorted(SUITE))
+DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")
+
+
+def _dataset(name: str) -> Needs:
+    return Needs(f"--dataset-name {name}", lambda f, _: f.dataset_name == name)
+
+
+def _request_rate(text: str) -> float:
+    """Requests per second, > 0; ``inf`` sends every request at once (as vLLM)."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    return real_in(0, positive=True)(text)
+
+
+_request_rate.bound = "> 0 or inf"  # type: ignore[attr-defined]
+
+RANDOM, PREFIXES, TURNS, TRACE = (_dataset(n) for n in ("random", "prefix_repetition",
+                                                        "multi_turn", "trace"))
+COMPARE = Needs("--compare-routing", lambda f, _: f.compare_routing is not None)
+
+#: bench serve's flags (vLLM's names where vLLM has the flag); --goodput is added on its own
+#: (vLLM's KEY:MS list).
+BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("base_url", "server or router URL", default="http://127.0.0.1:8000", unit="URL"),
+    Flag("model", "the served model: a preset or checkpoint directory (its vocabulary)",
+         default="tiny", unit="MODEL"),
+    Flag("served_model_name", "the model name sent in requests", unit="NAME", unset="--model"),
+    Flag("dataset_name", "the workload", choices=DATASETS, default="prefix_repetition"),
+    Flag("dataset_path", "a Mooncake-format trace, e.g. "
+         "../shared/traces/conversation_trace.jsonl", unit="FILE", needs=TRACE, unset="none"),
+    Flag("generate", "a workload of the generated trace suite instead of a file (as bench trace "
+         "--generate)", choices=SUITE_NAMES, needs=TRACE, unset="none"),
+    Flag("num_prompts", "requests to send", parse=int_in(1), default=64, unit="N"),
+    Flag("request_rate", "mean arrivals per second (gamma process)", parse=_request_rate,
+         default=math.inf, unit="RPS"),
+    Flag("burstiness", "gamma shape of the arrivals: 1 = Poisson", parse=real_in(0, positive=True),
+         default=1.0, unit="X"),
+    Flag("max_concurrency", "requests in flight at most", parse=int_in(1), unit="N",
+         unset="no cap"),
+    Flag("seed", "seed of the workload and the arrivals", parse=int_in(0), default=0, unit="N"),
+    Flag("random_input_len", "prompt tokens", parse=int_in(1), default=256, unit="TOKENS",
+         needs=RANDOM),
+    Flag("random_output_len", "output tokens", parse=int_in(1), default=16, unit="TOKENS",
+         needs=RANDOM),
+    Flag("prefix_repetition_prefix_len", "shared prefix tokens", parse=int_in(1), default=256,
+         unit="TOKENS", needs=PREFIXES),
+    Flag("prefix_repetition_suffix_len", "tokens after the prefix", parse=int_in(0), default=16,
+         unit="TOKENS", needs=PREFIXES),
+    Flag("prefix_repetition_num_prefixes", "distinct prefixes", parse=int_in(1), default=8,
+         unit="N", needs=PREFIXES),
+    Flag("prefix_repetition_output_len", "output tokens", parse=int_in(1), default=8,
+         unit="TOKENS", needs=PREFIXES),
+    Flag("multi_turn_num_sessions", "sessions, interleaved", parse=int_in(1), default=8,
+         unit="N", needs=TURNS),
+    Flag("multi_turn_system_len", "shared system prompt tokens", parse=int_in(0), default=128,
+         unit="TOKENS", needs=TURNS),
+    Flag("multi_turn_turn_len", "tokens of each user turn", parse=int_in(1), default=32,
+         unit="TOKENS", needs=TURNS),
+    Flag("output_len", "output tokens (multi_turn; trace: a cap)", parse=int_in(1),
+         unit="TOKENS", unset="16 (multi_turn), the trace's (trace)"),
+    Flag("trace_block_size", "tokens per trace block", parse=int_in(1), default=16,
+         unit="TOKENS", needs=TRACE),
+    Flag("max_prompt_len", "keep a trace prompt's first N tokens (shared prefixes stay shared)",
+         parse=int_in(1), unit="TOKENS", needs=TRACE, unset="all"),
+    Flag("percentile_metrics", "metrics to report: ttft, tpot, itl, e2el, client_queue_time, "
+         "e2el_including_client_queue", default="ttft,tpot,itl,e2el", unit="NAME,..."),
+    Flag("metric_percentiles", "percentiles to report", default="50,90,99", unit="P,..."),
+    Flag("save_detailed", "keep the per-request arrays (ttfts, itls, ...) in --output-json",
+         kind="switch"),
+    Flag("label", "the run's label in the JSON", unit="TEXT", unset="none"),
+    Flag("output_json", "write the results here", unit="FILE", unset="none"),
+    Flag("plot", "plot mean TTFT and hit rate (per configuration)", unit="FILE.png",
+         unset="none"),
+    Flag("compare_routing", "start N serve instances and one router per policy; compare",
+         parse=int_in(1), unit="N", unset="off"),
+    Flag("compare_routing_redis", "a shared Redis tier on every instance", kind="switch",
+         needs=COMPARE),
+    Flag("num_device_blocks", "each instance's device cache", parse=int_in(1), default=64,
+         unit="BLOCKS", needs=COMPARE),
+    Flag("serve_args", "more flags for every serve instance", default="--kv-offloading-size 0.05",
+         unit="FLAGS", needs=COMPARE),
+    Flag("repeats", "interleaved repeats of every configuration", parse=int_in(1), default=1,
+         unit="N", needs=COMPARE),
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -23,77 +110,26 @@ def add_parser(sub: Any) -> None:
         description="Send a workload to an OpenAI-compatible server or router at Poisson "
         "arrivals and report vLLM's serving figures, plus the prefix-hit rate by source from the "
         "servers' /metrics. --compare-routing N compares routing policies over N fresh instances.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server or router URL")
-    p.add_argument("--model", default="tiny", help="the served model (its vocabulary)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dataset-name", default="prefix_repetition",
-                   choices=("random", "prefix_repetition", "multi_turn", "trace"))
-    p.add_argument("--dataset-path", default=None,
-                   help="Mooncake-format trace, e.g. ../shared/traces/conversation_trace.jsonl")
-    p.add_argument("--generate", default=None, choices=SUITE_NAMES, metavar="NAME",
-                   help="--dataset-name trace: a workload of the generated trace suite instead "
-                   f"of a file ({', '.join(SUITE_NAMES)}; as bench trace --generate)")
-    p.add_argument("--num-prompts", type=int_in(1), default=64)
-    p.add_argument("--request-rate", type=real_in(0, positive=True), default=float("inf"))
-    p.add_argument("--burstiness", type=real_in(0, positive=True), default=1.0)
-    p.add_argument("--max-concurrency", type=int_in(1), default=None)
-    p.add_argument("--seed", type=int_in(0), default=0)
-    p.add_argument("--random-input-len", type=int_in(1), default=256)
-    p.add_argument("--random-output-len", type=int_in(1), default=16)
-    p.add_argument("--prefix-repetition-prefix-len", type=int_in(1), default=256)
-    p.add_argument("--prefix-repetition-suffix-len", type=int_in(0), default=16)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int_in(1), default=8)
-    p.add_argument("--prefix-repetition-output-len", type=int_in(1), default=8)
-    p.add_argument("--multi-turn-num-sessions", type=int_in(1), default=8)
-    p.add_argument("--multi-turn-system-len", type=int_in(0), default=128)
-    p.add_argument("--multi-turn-turn-len", type=int_in(1), default=32)
-    p.add_argument("--output-len", type=int_in(1), default=None)
-    p.add_argument("--trace-block-size", type=int_in(1), default=16,
-                   help="tokens per trace hash id")
-    p.add_argument("--max-prompt-len", type=int_in(1), default=None,
-                   help="keep a trace prompt's first N tokens (fits small caches; prefixes "
-                   "stay shared)")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's")
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                   help="metrics to report: ttft, tpot, itl, e2el, client_queue_time, "
-                   "e2el_including_client_queue")
-    p.add_argument("--metric-percentiles", default="50,90,99")
-    p.add_argument("--save-detailed", action="store_true",
-                   help="keep the per-request arrays (ttfts, itls, ...) in --output-json")
-    p.add_argument("--label", default=None)
-    p.add_argument("--output-json", default=None)
-    p.add_argument("--plot", default=None, help="PNG of TTFT per configuration")
-    p.add_argument("--compare-routing", type=int_in(1), default=None, metavar="N",
-                   help="start N serve instances and one router per policy; compare")
-    p.add_argument("--compare-routing-redis", action="store_true",
-                   help="with --compare-routing: a shared Redis tier on every instance")
-    p.add_argument("--num-device-blocks", type=int_in(1), default=64,
-                   help="with --compare-routing: each instance's device cache")
-    p.add_argument("--serve-args", default="--kv-offloading-size 0.05",
-                   help="with --compare-routing: more flags for every serve instance")
-    p.add_argument("--repeats", type=int_in(1), default=1)
+    add_flags(p, BENCH_SERVE_FLAGS)
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's "
+                   "(default: none)")
     p.set_defaults(func=_run, parser=p)
 
 
+@command
 def _run(args: argparse.Namespace) -> int:
     from kvoffload.errors import ConfigError
 
-    try:
-        if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
-            raise ConfigError("dataset_path",
-                              "--dataset-name trace needs --dataset-path or --generate (one)")
-        if args.dataset_name != "trace" and (args.dataset_path or args.generate):
-            raise ConfigError("dataset_name",
-                              "--dataset-path and --generate need --dataset-name trace")
-        _check_metrics(args)
-        for setting in ("output_json", "plot"):
-            if getattr(args, setting):
-                check_output_path(setting, getattr(args, setting))
-    except ConfigError as exc:
-        args.parser.error(str(exc))
+    args = resolve_flags(args)
+    if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
+        raise ConfigError("dataset_path",
+                          "--dataset-name trace needs --dataset-path or --generate (one)")
+    _check_metrics(args)
+    for setting in ("output_json", "plot"):
+        if getattr(args, setting):
+            check_output_path(setting, getattr(args, setting))
     if args.compare_routing:
         from kvoffload.servebench.compare import compare_routing
 

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
-from kvoffload.cli.args import int_in
+from uvicorn.config import LOG_LEVELS
 
-__all__ = ["add_parser"]
+from kvoffload.cli.args import int_in
+from kvoffload.cli.command import command
+from kvoffload.cli.engine_flags import add_engine_flags
+from kvoffload.cli.flagspec import Flag, add_flags
+
+__all__ = ["SERVE_FLAGS", "add_parser"]
+
+
+#: The server's own flags (the engine's and its tiers' come from ``engine_flags``).
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("host", "address to listen on", default="127.0.0.1", unit="HOST"),
+    Flag("port", "port to listen on", parse=int_in(0, 65535), default=8000, unit="PORT"),
+    Flag("served_model_name", "the model name clients use", unit="NAME", unset="--model"),
+    Flag("log_level", "server log level", choices=tuple(LOG_LEVELS), default="warning"),
+)
+#: Engine flags serve leaves out: /metrics is on the server's own port.
+_NOT_FOR_SERVE = ("metrics_port", "metrics_host")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -19,40 +34,21 @@ def add_parser(subparsers: Any) -> None:
         "/v1/chat/completions, /v1/models), plus /health, /metrics (Prometheus, same port) and "
         "/kv_event_sources. Requests are batched continuously; SIGTERM finishes the requests in "
         "flight, lets their stores reach the tiers, and exits 0.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to listen on")
-    p.add_argument(
-        "--served-model-name", default=None, help="the model name clients use (default: --model)"
-    )
-    p.add_argument(
-        "--log-level",
-        default="warning",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="server log level",
-    )
-    _add_engine_flags(p)
+    add_flags(p, SERVE_FLAGS)
+    add_engine_flags(p, exclude=_NOT_FOR_SERVE)
     p.set_defaults(func=_run, parser=p)
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    from kvoffload.cli.interim_engine_flags import add_engine_flags
-
-    add_engine_flags(parser)
-
-
+@command
 def _run(args: argparse.Namespace) -> int:
-    from kvoffload.cli.interim_engine_flags import engine_config_from_args
-    from kvoffload.errors import ConfigError
+    import logging
+
+    from kvoffload.cli.engine_flags import engine_config_from_args
+    from kvoffload.cli.flagspec import resolve_flags
     from kvoffload.serving.server import serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = engine_config_from_args(args)
-    except ConfigError as exc:
-        args.parser.error(str(exc))
-    try:
-        return serve(config, args.host, args.port, args.served_model_name, args.log_level)
-    except ConfigError as exc:
-        args.parser.exit(2, f"kvoffload serve: error: {exc}\n")
+    config = engine_config_from_args(args)  # a refused flag or bad setting: one line, exit 2
+    flags = resolve_flags(args)
+    logging.basicConfig(level=flags.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level)

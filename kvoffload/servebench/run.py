@@ -27,22 +27,13 @@ from kvoffload.servebench.metrics import (
 __all__ = ["build_requests", "run_once"]
 
 
-def _vocab(model: str) -> tuple[int, int]:
-    path = Path(model) / "config.json"
-    if path.is_file():
-        config = json.loads(path.read_text())
-        eos = config.get("eos_token_id", 0)
-        return int(config["vocab_size"]), int(eos[0] if isinstance(eos, list) else eos)
-    from kvoffload.engine.config import preset_config
-
-    preset = preset_config(model)
-    return preset.vocab_size, preset.eos_token_id
-
-
 def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[str | None]]:
     """The workload and, per request, its session (multi-turn workloads: turns of one session
     share the ``x-session-id`` header)."""
-    vocab, eos = _vocab(args.model)
+    from kvoffload.engine.loader import load_model_config
+
+    model = load_model_config(args.model)
+    vocab, eos = model.vocab_size, model.eos_token_id
     name, seed, n = args.dataset_name, args.seed, args.num_prompts
     if name == "random":
         reqs = datasets.random_prompts(n, args.random_input_len, args.random_output_len,

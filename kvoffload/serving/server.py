@@ -3,7 +3,8 @@
 SIGTERM (and a first Ctrl-C) stop the server gracefully: uvicorn stops accepting connections
 and waits for the requests in flight to finish; then the engine loop lets the stores of
 finished requests reach every tier (their KV events go out), closes the engine, and the process
-exits 0 (130 after Ctrl-C).
+exits 0. After a Ctrl-C, :func:`serve` raises ``KeyboardInterrupt`` once all that is done (the
+command prints one line and exits 130).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def serve(
     log_level: str = "warning",
     sock: socket.socket | None = None,
 ) -> int:
-    """Build the engine and serve it until SIGTERM or Ctrl-C; returns the exit status."""
+    """Build the engine and serve it until SIGTERM (returns the exit status) or Ctrl-C (raises
+    ``KeyboardInterrupt`` after the same graceful end)."""
     import uvicorn
 
     engine = Engine(**_engine_kwargs(config))
@@ -106,19 +108,14 @@ def serve(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
     )
     server = uvicorn.Server(uv_config)
-    interrupted = False
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:
         server.run(sockets=[sock] if sock is not None else None)
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         signal.signal(signal.SIGTERM, previous)
         if loop.alive:  # startup failed before the lifespan ran its shutdown
             loop.stop(drain=False)
         engine.close()
-    if interrupted:
-        return 130
     return 1 if loop.failed is not None or not server.started else 0
 
 
