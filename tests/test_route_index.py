@@ -36,7 +36,7 @@ from kvoffload.events import (
 )
 from kvoffload.keys import OffloadKey, offload_key_hash
 from kvoffload.routing.follower import EventFollower
-from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE, HeldKey, PrefixIndex
+from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE, HeldKey, Match, PrefixIndex
 from kvoffload.routing.keys import block_keys, token_bytes
 from kvoffload.serving.server import remote_tier_id
 from kvoffload.tiers.disk import DiskTier
@@ -101,15 +101,17 @@ def test_remote_blocks_count_for_every_instance_sharing_the_tier() -> None:
                 max_size=60))
 def test_index_equals_the_union_of_what_was_stored_and_not_removed(ops) -> None:
     """Random stores and removals on 3 instances x 4 tiers of 8 chained blocks (their parents known
-    from an earlier instance, which left): the index holds
-    exactly the surviving (instance, tier, block) triples, and a key maps to them."""
+    from an earlier instance, which left; two instances share a remote group): the index holds
+    exactly the surviving (instance, tier, block) triples, a key maps to them, and every prompt
+    prefix matches as the engine would use the blocks (:func:`_model_match`)."""
     tokens = list(range(8 * BS))
     keys = list(block_keys(token_bytes(tokens), BS))
     index = PrefixIndex(BS)
     seed = index.add_instance()  # teaches the index every engine hash's key, then leaves
     index.apply(seed, [_stored([100 + b for b in range(8)], None, tokens)])
     index.remove_instance(seed)
-    ids = [index.add_instance("g") for _ in range(3)]
+    groups = ["g", "g", None]
+    ids = [index.add_instance(g) for g in groups]
     mediums = [("GPU", None), ("CPU", None), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")]
     want: set[tuple[int, int, int]] = set()
     for inst, tier, block, store in ops:
@@ -128,7 +130,33 @@ def test_index_equals_the_union_of_what_was_stored_and_not_removed(ops) -> None:
                 (0, 100 + b) for i, t, b in want if (i, t) == (inst, tier)
             }
     assert index.num_keys() == len({b for _, _, b in want})
-    assert set(index._blocks) == {keys[b] for _, _, b in want}
+    assert set(index.keys()) == {keys[b] for _, _, b in want}
+    for length in (1, 4, 8):
+        got = index.match(token_bytes(tokens[: length * BS + 1]), ids)
+        for inst in range(3):
+            assert got[ids[inst]] == _model_match(want, groups, inst, length), (inst, length)
+
+
+def _model_match(want: set, groups: list, inst: int, length: int) -> Match:
+    """The engine's use of an instance's blocks, spelled out: a device run from block 0, then
+    each block from its host, its disk, or a remote tier it shares (or its own), until a block
+    it cannot get."""
+    m = Match(total=length)
+    for b in range(length):
+        has = {t for i, t, blk in want if i == inst and blk == b}
+        shared = groups[inst] is not None and any(
+            t == REMOTE and groups[i] == groups[inst] for i, t, blk in want if blk == b)
+        if DEVICE in has and m.cached == m.device:
+            m.device += 1
+        elif HOST in has:
+            m.host += 1
+        elif DISK in has:
+            m.disk += 1
+        elif REMOTE in has or shared:
+            m.remote += 1
+        else:
+            break
+    return m
 
 
 # -- a deterministic two-engine run, checked after every step -------------------------------------

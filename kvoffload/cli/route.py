@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 from typing import Any
@@ -75,7 +76,13 @@ def _run(args: argparse.Namespace) -> int:
         specs, Policy(args.policy, args.tier_weights), tokenizer, args.block_size,
         args.health_interval, args.health_failures, args.metrics_interval,
     )
-    server = uvicorn.Server(uvicorn.Config(build_app(router), host=args.host, port=args.port,
+    app = build_app(router)
+    # Everything imported and built so far lives as long as the process: out of every future
+    # collection, so a full one walks only what serving creates (the index never: it is
+    # untracked by construction), and its pause stays short in whichever request it lands.
+    gc.collect()
+    gc.freeze()
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, access_log=False))
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:

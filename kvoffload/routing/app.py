@@ -117,21 +117,19 @@ async def _route(router: Router, raw: Request, path: str) -> Response:
         body.get("user") if isinstance(body.get("user"), str) else None
     )
     ids = router.prompt_ids(path, body)
-    ranked = router.rank(ids, session_key)
+    ranking = router.rank(ids, session_key)
     router.decision_us.append((time.perf_counter() - start) * 1e6)
     router.counters["requests"] += 1
     stream = body.get("stream") is True
     headers = {"Content-Type": "application/json"}
     tried: set[str] = set()
     while True:
-        choice = next(((b, p, m) for b, p, m in ranked if b.url not in tried and b.healthy), None)
-        if choice is None:
+        backend = next((b for b in ranking.backends if b.url not in tried and b.healthy), None)
+        if backend is None:
             router.counters["no_backend"] += 1
             return JSONResponse(error_body("no backend is available", 503), status_code=503)
-        backend, prefill_s, match = choice
         tried.add(backend.url)
-        blocks = 0 if match is None else match.total
-        ticket = Ticket(backend, prefill_s, blocks)
+        ticket = Ticket(backend, ranking.prefill_s(backend), ranking.total)
         backend.requests += 1
         try:
             return await _forward(router, backend, path, data, headers, stream, ticket)

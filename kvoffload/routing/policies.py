@@ -20,20 +20,23 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import xxhash
 
 from kvoffload.routing.costs import BackendCosts
 from kvoffload.routing.index import Match
 
-__all__ = ["DYNAMO_CREDITS", "POLICIES", "TIER_WEIGHTS", "BackendLoad", "Policy", "choose"]
+__all__ = ["DYNAMO_CREDITS", "POLICIES", "TIER_WEIGHTS", "BackendLoad", "Policy", "Target",
+           "choose", "predicted_ttft"]
 
 POLICIES = ("kv_aware", "round_robin", "least_load", "session")
 TIER_WEIGHTS = ("measured", "blind", "dynamo")
 #: Dynamo's static overlap credits (router-offloading.md): device, host, disk, shared pool.
 DYNAMO_CREDITS = {"device": 1.0, "host": 0.75, "disk": 0.25, "remote": 0.5}
+_NO_MATCH = Match()
 
 
 @dataclass
@@ -47,12 +50,15 @@ class BackendLoad:
     decode_blocks: int = 0
 
 
-@dataclass
-class Candidate:
-    name: str
+class Target(Protocol):
+    """What a policy reads of a backend."""
+
+    @property
+    def url(self) -> str: ...
+
     load: BackendLoad
     costs: BackendCosts
-    match: Match | None = None
+    index_id: int | None
 
 
 @dataclass
@@ -72,38 +78,55 @@ class Policy:
         return self.name == "kv_aware"
 
 
-def predicted_ttft(c: Candidate, weights: str) -> float:
-    """Seconds until the first token on this candidate (``measured`` / ``blind``), or Dynamo's
-    cost in blocks (``dynamo``)."""
-    m = c.match or Match()
+def predicted_ttft(load: BackendLoad, costs: BackendCosts, m: Match, weights: str) -> float:
+    """Seconds until the first token on this backend (``measured`` / ``blind``), or Dynamo's
+    cost in blocks (``dynamo``). Plain arithmetic: it runs per backend and request."""
     if weights == "dynamo":
-        credit = sum(DYNAMO_CREDITS[t] * getattr(m, t) for t in DYNAMO_CREDITS)
-        return max(c.load.prefill_blocks + m.total - credit, 0.0) + c.load.decode_blocks
-    costs = c.costs
+        credit = (m.device * DYNAMO_CREDITS["device"] + m.host * DYNAMO_CREDITS["host"]
+                  + m.disk * DYNAMO_CREDITS["disk"] + m.remote * DYNAMO_CREDITS["remote"])
+        return max(load.prefill_blocks + m.total - credit, 0.0) + load.decode_blocks
     compute = m.computed * costs.compute_block_s + (costs.step_s if m.total else 0.0)
     if weights == "measured":
-        compute += sum(getattr(m, t) * costs.load_block_s(t) for t in ("host", "disk", "remote"))
-    return c.load.prefilling_s + compute
+        if m.host:
+            compute += m.host * costs.load_block_s("host")
+        if m.disk:
+            compute += m.disk * costs.load_block_s("disk")
+        if m.remote:
+            compute += m.remote * costs.load_block_s("remote")
+    return load.prefilling_s + compute
 
 
 def choose(
-    policy: Policy, candidates: Sequence[Candidate], session_key: str | None = None
-) -> tuple[int, float]:
-    """The position in ``candidates`` to send the request to, and its score (lower wins)."""
-    n = len(candidates)
-    turn = next(policy._turn)
-    order = [(turn + k) % n for k in range(n)]  # ties go round in turn
+    policy: Policy,
+    targets: Sequence[Target],
+    matches: Mapping[int, Match],
+    session_key: str | None = None,
+) -> int:
+    """The position in ``targets`` to send the request to (``matches``: by index id; a target
+    without one holds nothing of the prompt). Ties go round in turn. Allocates nothing per
+    target beyond a session key's hash input."""
+    n = len(targets)
+    turn = next(policy._turn) % n
     if policy.name == "round_robin":
-        return order[0], 0.0
+        return turn
     if policy.name == "session" and session_key is not None:
-        weights = [
-            xxhash.xxh3_64_intdigest(f"{session_key}/{c.name}".encode()) for c in candidates
-        ]
-        best = max(range(n), key=weights.__getitem__)
-        return best, 0.0
-    if policy.name in ("least_load", "session"):
-        best = min(order, key=lambda i: candidates[i].load.in_flight)
-        return best, float(candidates[best].load.in_flight)
-    scores = [predicted_ttft(c, policy.tier_weights) for c in candidates]
-    best = min(order, key=lambda i: (scores[i], candidates[i].load.in_flight))
-    return best, scores[best]
+        best, top = 0, -1
+        for i, t in enumerate(targets):
+            weight = xxhash.xxh3_64_intdigest(f"{session_key}/{t.url}".encode())
+            if weight > top:
+                best, top = i, weight
+        return best
+    least_load = policy.name in ("least_load", "session")
+    best, best_score, best_busy = turn, float("inf"), 0
+    for k in range(n):
+        i = (turn + k) % n
+        t = targets[i]
+        busy = t.load.in_flight
+        if least_load:
+            score = float(busy)
+        else:
+            m = matches.get(t.index_id, _NO_MATCH) if t.index_id is not None else _NO_MATCH
+            score = predicted_ttft(t.load, t.costs, m, policy.tier_weights)
+        if score < best_score or (score == best_score and busy < best_busy):
+            best, best_score, best_busy = i, score, busy
+    return best

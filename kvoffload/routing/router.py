@@ -25,10 +25,10 @@ from kvoffload.routing.costs import BackendCosts, parse_metrics
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
 from kvoffload.routing.keys import token_bytes
-from kvoffload.routing.policies import BackendLoad, Candidate, Policy, choose, predicted_ttft
+from kvoffload.routing.policies import BackendLoad, Policy, choose, predicted_ttft
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 
-__all__ = ["Backend", "BackendSpec", "Router", "Ticket"]
+__all__ = ["Backend", "BackendSpec", "Ranking", "Router", "Ticket"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,31 +273,40 @@ class Router:
             return None
         return None
 
-    def rank(
-        self, token_ids: list[int] | None, session_key: str | None
-    ) -> list[tuple[Backend, float, Match | None]]:
-        """Healthy backends, best first, each with its predicted prefill seconds and match."""
+    def rank(self, token_ids: list[int] | None, session_key: str | None) -> Ranking:
+        """Healthy backends, the policy's choice first, with what each holds of the prompt.
+        Allocation-light: a handful of small objects per decision, none per block (a decision
+        that allocates little rarely trips a garbage collection)."""
         healthy = [b for b in self.backends if b.healthy and b.index_id is not None]
         if not healthy:
-            return []
-        matches: dict[int, Match] = {}
+            return Ranking(healthy, {}, 0)
         data = token_bytes(token_ids) if token_ids else b""
+        matches: dict[int, Match] = {}
         if token_ids and self.policy.needs_match:
+            ids = [b.index_id for b in healthy]
             with self.lock:
-                matches = self.index.match(data, [b.index_id for b in healthy])  # type: ignore[misc]
-        total = len(data) // (self.block_size * 4)
-        candidates = [
-            Candidate(b.url, b.load, b.costs, matches.get(b.index_id, Match(total=total)))  # type: ignore[arg-type]
-            for b in healthy
-        ]
-        best, _ = choose(self.policy, candidates, session_key)
-        order = [best] + [i for i in range(len(healthy)) if i != best]
-        ranked = []
-        for i in order:
-            c = candidates[i]
-            measured = predicted_ttft(c, "measured") - c.load.prefilling_s
-            ranked.append((healthy[i], measured, c.match))
-        return ranked
+                matches = self.index.match(data, ids)  # type: ignore[arg-type]
+        best = choose(self.policy, healthy, matches, session_key)
+        healthy[0], healthy[best] = healthy[best], healthy[0]
+        return Ranking(healthy, matches, len(data) // (self.block_size * 4))
+
+
+@dataclass(slots=True)
+class Ranking:
+    """A decision: ``backends`` healthy, best first (the rest: retries, in order); ``matches``
+    what each holds of the prompt (by index id; none when the policy does not look);
+    ``total`` the prompt's full blocks."""
+
+    backends: list[Backend]
+    matches: dict[int, Match]
+    total: int
+
+    def prefill_s(self, backend: Backend) -> float:
+        """The request's predicted prefill seconds on ``backend`` (its queue aside)."""
+        m = self.matches.get(backend.index_id) if backend.index_id is not None else None
+        load, costs = backend.load, backend.costs
+        m = m if m is not None else Match(total=self.total)
+        return predicted_ttft(load, costs, m, "measured") - load.prefilling_s
 
 
 def _short(seconds: float = 2.0) -> aiohttp.ClientTimeout:
