@@ -1,10 +1,12 @@
 """``kvoffload bench serve --compare-routing``: the same workload through one router per policy
-over N fresh ``kvoffload serve`` instances, and through one instance with N times the device
-cache, interleaved over ``--repeats``; figures as median [min-max].
+over N fresh ``kvoffload serve`` instances, and through one instance with N times their caches (device, host,
+disk), interleaved over ``--repeats``; figures as median [min-max], and the per-block costs the
+routers measured.
 
-Every run starts fresh servers (a run never finds the previous run's cache) on free loopback
-ports, and stops them at the end. ``--compare-routing-redis`` adds a shared ``redis-server``
-(started here) as every instance's remote tier.
+Every run starts fresh servers (a run never finds the previous run's cache: each instance gets an
+empty disk directory of its own, the shared Redis is flushed) on free loopback ports, and stops
+them at the end. ``--compare-routing-redis`` adds a shared ``redis-server`` (started here) as
+every instance's remote tier.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import redis
 
 from kvoffload.servebench.run import run_once
 
@@ -79,27 +83,43 @@ def _process(args: list[str], port: int) -> Iterator[str]:
                 proc.wait()
 
 
-def _serve_args(args: argparse.Namespace, blocks: int, remote: str | None) -> list[str]:
-    out = ["serve", "--model", args.model, "--num-device-blocks", str(blocks),
-           "--kv-events-config", _events(), *shlex.split(args.serve_args)]
+def _serve_args(args: argparse.Namespace, scale: int, remote: str | None,
+                disk: str | None) -> list[str]:
+    """One instance's flags; ``scale`` multiplies its device, host and disk sizes."""
+    out = ["serve", "--model", args.model, "--num-device-blocks",
+           str(args.num_device_blocks * scale), "--kv-offloading-size",
+           f"{args.compare_routing_host_size * scale:g}", "--kv-events-config", _events(),
+           *shlex.split(args.serve_args or "")]
+    if disk is not None:
+        out += ["--kv-disk-path", disk, "--kv-disk-size",
+                f"{args.compare_routing_disk_size * scale:g}"]
     if remote:
         out += ["--kv-remote-url", remote]
     return out
 
 
+def _instance(stack: contextlib.ExitStack, args: argparse.Namespace, scale: int,
+              remote: str | None) -> str:
+    """Start one fresh instance (its own empty disk tier, if any); returns its URL."""
+    disk = None
+    if args.compare_routing_disk_size:
+        disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-disk-"))
+    port = _port()
+    return stack.enter_context(_process([*_serve_args(args, scale, remote, disk), "--port",
+                                         str(port)], port))
+
+
 def _one_config(args: argparse.Namespace, name: str, flags: list[str], remote: str | None) -> dict:
+    if remote:  # every run starts from empty caches, the shared tier's included
+        client = redis.Redis.from_url(remote)
+        try:
+            client.flushall()
+        finally:
+            client.close()
     with contextlib.ExitStack() as stack:
         if name == "one_instance_Nx_cache":
-            port = _port()
-            url = stack.enter_context(_process(
-                [*_serve_args(args, args.num_device_blocks * args.compare_routing, remote),
-                 "--port", str(port)], port))
-            return run_once(args, url, quiet=True)
-        backends = []
-        for _ in range(args.compare_routing):
-            port = _port()
-            backends.append(stack.enter_context(_process(
-                [*_serve_args(args, args.num_device_blocks, remote), "--port", str(port)], port)))
+            return run_once(args, _instance(stack, args, args.compare_routing, remote), quiet=True)
+        backends = [_instance(stack, args, 1, remote) for _ in range(args.compare_routing)]
         port = _port()
         route = ["route", "--model", args.model, "--port", str(port), *flags]
         for b in backends:
@@ -110,6 +130,7 @@ def _one_config(args: argparse.Namespace, name: str, flags: list[str], remote: s
         with urllib.request.urlopen(f"{url}/router/stats", timeout=10) as resp:
             stats = json.loads(resp.read())
         result["router"] = {k: stats[k] for k in ("decision_us_p50", "decision_us_p99", "counters")}
+        result["router"]["measured_costs"] = [b["costs"] for b in stats["backends"]]
         return result
 
 
@@ -121,15 +142,31 @@ def compare_routing(args: argparse.Namespace) -> dict[str, Any]:
         remote_ctx = standalone_server()
     configs = [*CONFIGS, ("one_instance_Nx_cache", [])]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
-    with remote_ctx as redis:
-        remote = None if redis is None else redis.url
+    with remote_ctx as server:
+        remote = None if server is None else server.url
         for repeat in range(args.repeats):
             for name, flags in configs:  # interleaved: every config once per repeat
                 print(f"repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
                 runs[name].append(_one_config(args, name, flags, remote))
     summary = {name: _spread(results) for name, results in runs.items()}
     _print(summary, args)
+    _print_costs(runs)
     return {"configs": summary, "runs": runs, "loadavg": os.getloadavg()}
+
+
+def _print_costs(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """What the routers measured, per block, over every backend of every run (median)."""
+    costs = [c for results in runs.values() for r in results
+             for c in r.get("router", {}).get("measured_costs", [])]
+    parts = []
+    for key, label in (("compute_token_s", "compute per token"), ("load_host_s", "host load"),
+                       ("promotion_disk_s", "disk promotion"),
+                       ("promotion_remote_s", "remote promotion")):
+        values = [c[key] for c in costs if c.get(key) is not None]
+        if values:
+            parts.append(f"{label} {np.median(values) * 1e3:.3g} ms")
+    if parts:
+        print("measured per block (median over backends and runs): " + ", ".join(parts))
 
 
 def _spread(results: list[dict[str, Any]]) -> dict[str, Any]:
