@@ -16,7 +16,7 @@ from serve_cases import metric, serve
 from kvoffload.benchmark import traces
 from kvoffload.cli.flagspec import resolve_flags
 from kvoffload.cli.main import build_parser
-from kvoffload.servebench.client import RequestResult
+from kvoffload.servebench.client import RequestResult, replay_gaps
 from kvoffload.servebench.metrics import PERCENTILE_METRICS, parse_goodput, summarize
 from kvoffload.servebench.run import build_requests
 
@@ -136,6 +136,10 @@ def test_generated_suite_workloads_read_as_a_trace_file(name: str, tmp_path) -> 
             m = min(shared, len(a.prompt), len(b.prompt))
             assert a.prompt[:m] == b.prompt[:m]
             assert len(a.prompt) <= 48
+
+
+def test_trace_timestamps_replay_as_gaps() -> None:
+    assert replay_gaps([0.0, 0.5, 0.5, 2.0], 2.0) == [0.0, 1.0, 0.0, 3.0]
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -13,15 +13,11 @@ from kvoffload.benchmark.traces import SUITE
 from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
+from kvoffload.cli.workload_flags import TRACE, add_workload_flags
 
 __all__ = ["add_parser"]
 
 SUITE_NAMES = tuple(sorted(SUITE))
-DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")
-
-
-def _dataset(name: str) -> Needs:
-    return Needs(f"--dataset-name {name}", lambda f, _: f.dataset_name == name)
 
 
 def _request_rate(text: str) -> float:
@@ -33,54 +29,27 @@ def _request_rate(text: str) -> float:
 
 _request_rate.bound = "> 0 or inf"  # type: ignore[attr-defined]
 
-RANDOM, PREFIXES, TURNS, TRACE = (_dataset(n) for n in ("random", "prefix_repetition",
-                                                        "multi_turn", "trace"))
 COMPARE = Needs("--compare-routing", lambda f, _: f.compare_routing is not None)
 
-#: bench serve's flags (vLLM's names where vLLM has the flag); --goodput is added on its own
-#: (vLLM's KEY:MS list).
+#: bench serve's own flags (vLLM's names where vLLM has the flag); the workload's come from
+#: ``workload_flags`` (bench throughput's table), --goodput is added on its own (vLLM's KEY:MS
+#: list).
 BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("base_url", "server or router URL", default="http://127.0.0.1:8000", unit="URL"),
     Flag("model", "the served model: a preset or checkpoint directory (its vocabulary)",
          default="tiny", unit="MODEL"),
     Flag("served_model_name", "the model name sent in requests", unit="NAME", unset="--model"),
-    Flag("dataset_name", "the workload", choices=DATASETS, default="prefix_repetition"),
-    Flag("dataset_path", "a Mooncake-format trace, e.g. "
-         "../shared/traces/conversation_trace.jsonl", unit="FILE", needs=TRACE, unset="none"),
-    Flag("generate", "a workload of the generated trace suite instead of a file (as bench trace "
-         "--generate)", choices=SUITE_NAMES, needs=TRACE, unset="none"),
-    Flag("num_prompts", "requests to send", parse=int_in(1), default=64, unit="N"),
-    Flag("request_rate", "mean arrivals per second (gamma process)", parse=_request_rate,
-         default=math.inf, unit="RPS"),
+    Flag("generate", "a workload of the generated trace suite instead of --dataset-path (as "
+         "bench trace --generate)", choices=SUITE_NAMES, needs=TRACE, unset="none"),
+    Flag("max_prompt_len", "keep a trace prompt's first N tokens (shared prefixes stay shared)",
+         parse=int_in(1), unit="TOKENS", needs=TRACE, unset="all"),
+    Flag("request_rate", "mean arrivals per second (gamma process; --honor-timestamps replays "
+         "the trace's instead)", parse=_request_rate, default=math.inf, unit="RPS"),
     Flag("burstiness", "gamma shape of the arrivals: 1 = Poisson", parse=real_in(0, positive=True),
          default=1.0, unit="X"),
     Flag("max_concurrency", "requests in flight at most", parse=int_in(1), unit="N",
          unset="no cap"),
     Flag("seed", "seed of the workload and the arrivals", parse=int_in(0), default=0, unit="N"),
-    Flag("random_input_len", "prompt tokens", parse=int_in(1), default=256, unit="TOKENS",
-         needs=RANDOM),
-    Flag("random_output_len", "output tokens", parse=int_in(1), default=16, unit="TOKENS",
-         needs=RANDOM),
-    Flag("prefix_repetition_prefix_len", "shared prefix tokens", parse=int_in(1), default=256,
-         unit="TOKENS", needs=PREFIXES),
-    Flag("prefix_repetition_suffix_len", "tokens after the prefix", parse=int_in(0), default=16,
-         unit="TOKENS", needs=PREFIXES),
-    Flag("prefix_repetition_num_prefixes", "distinct prefixes", parse=int_in(1), default=8,
-         unit="N", needs=PREFIXES),
-    Flag("prefix_repetition_output_len", "output tokens", parse=int_in(1), default=8,
-         unit="TOKENS", needs=PREFIXES),
-    Flag("multi_turn_num_sessions", "sessions, interleaved", parse=int_in(1), default=8,
-         unit="N", needs=TURNS),
-    Flag("multi_turn_system_len", "shared system prompt tokens", parse=int_in(0), default=128,
-         unit="TOKENS", needs=TURNS),
-    Flag("multi_turn_turn_len", "tokens of each user turn", parse=int_in(1), default=32,
-         unit="TOKENS", needs=TURNS),
-    Flag("output_len", "output tokens (multi_turn; trace: a cap)", parse=int_in(1),
-         unit="TOKENS", unset="16 (multi_turn), the trace's (trace)"),
-    Flag("trace_block_size", "tokens per trace block", parse=int_in(1), default=16,
-         unit="TOKENS", needs=TRACE),
-    Flag("max_prompt_len", "keep a trace prompt's first N tokens (shared prefixes stay shared)",
-         parse=int_in(1), unit="TOKENS", needs=TRACE, unset="all"),
     Flag("percentile_metrics", "metrics to report: ttft, tpot, itl, e2el, client_queue_time, "
          "e2el_including_client_queue", default="ttft,tpot,itl,e2el", unit="NAME,..."),
     Flag("metric_percentiles", "percentiles to report", default="50,90,99", unit="P,..."),
@@ -115,6 +84,7 @@ def add_parser(sub: Any) -> None:
         "arrivals and report vLLM's serving figures, plus the prefix-hit rate by source from the "
         "servers' /metrics. --compare-routing N compares routing policies over N fresh instances.",
     )
+    add_workload_flags(p)
     add_flags(p, BENCH_SERVE_FLAGS)
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                    help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's "
@@ -124,12 +94,15 @@ def add_parser(sub: Any) -> None:
 
 @command
 def _run(args: argparse.Namespace) -> int:
+    from kvoffload.benchmark.trace_file import check_trace_path
     from kvoffload.errors import ConfigError
 
     args = resolve_flags(args)
     if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
         raise ConfigError("dataset_path",
                           "--dataset-name trace needs --dataset-path or --generate (one)")
+    if args.dataset_path is not None:
+        check_trace_path(args.dataset_path)
     _check_metrics(args)
     for setting in ("output_json", "plot"):
         if getattr(args, setting):

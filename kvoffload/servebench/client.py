@@ -5,8 +5,9 @@ Requests go to ``/v1/completions`` with the prompt as token ids, ``stream`` and
 chunk carrying ``choices`` minus the send time, ITL the gaps between later such chunks, latency
 the last such chunk minus the send time; output tokens (and the prompt length) come from the
 server's ``usage``. A 200 stream without any such chunk is a failure. Arrivals are a gamma
-process at ``request_rate`` (``burstiness`` 1: Poisson; ``inf``: all at once), with at most
-``max_concurrency`` in flight; a request's ``queue_time`` is how long it waited for a slot.
+process at ``request_rate`` (``burstiness`` 1: Poisson; ``inf``: all at once) or a trace's
+timestamps, with at most ``max_concurrency`` in flight; a request's ``queue_time`` is how long
+it waited for a slot.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from kvoffload.benchmark.datasets import BenchRequest
 
-__all__ = ["RequestResult", "arrival_gaps", "run_requests"]
+__all__ = ["RequestResult", "arrival_gaps", "replay_gaps", "run_requests"]
 
 
 @dataclass
@@ -103,17 +104,26 @@ def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> l
     return list(rng.gamma(shape=burstiness, scale=theta, size=n))
 
 
+def replay_gaps(arrivals: Sequence[float], scale: float) -> list[float]:
+    """Seconds before each request to send them at ``arrivals`` (a trace's, sorted) x ``scale``."""
+    out, last = [], 0.0
+    for at in arrivals:
+        out.append(max(0.0, at * scale - last))
+        last = max(last, at * scale)
+    return out
+
+
 async def run_requests(
     url: str,
     model: str,
     requests: Sequence[BenchRequest],
-    request_rate: float,
-    burstiness: float,
+    gaps: Sequence[float],
     max_concurrency: int | None,
-    seed: int,
     sessions: Sequence[str | None] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Run every request; returns the results (in request order) and the wall duration."""
+    """Run every request, ``gaps[i]`` seconds after the previous one was sent (at most
+    ``max_concurrency`` in flight); returns the results (in request order) and the wall
+    duration."""
     gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
         asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     )
@@ -130,7 +140,6 @@ async def run_requests(
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
         tasks = []
-        gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
         for i, (req, gap) in enumerate(zip(requests, gaps, strict=True)):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(limited(i, req)))

@@ -13,9 +13,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvoffload.benchmark import datasets, traces
+from kvoffload.benchmark import traces
 from kvoffload.benchmark.datasets import BenchRequest
-from kvoffload.servebench.client import run_requests
+from kvoffload.servebench.client import arrival_gaps, replay_gaps, run_requests
 from kvoffload.servebench.metrics import (
     DETAILED_KEYS,
     hit_rates_by_source,
@@ -27,48 +27,38 @@ from kvoffload.servebench.metrics import (
 __all__ = ["build_requests", "run_once"]
 
 
-def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[str | None]]:
-    """The workload and, per request, its session (multi-turn workloads: turns of one session
-    share the ``x-session-id`` header)."""
+def build_requests(flags: argparse.Namespace) -> tuple[list[BenchRequest], list[str | None]]:
+    """The workload of the resolved flags (bench throughput's workload table, so both commands
+    build the same requests) and, per request, its session (multi-turn workloads: turns of one
+    session share the ``x-session-id`` header)."""
+    from kvoffload.cli.workload_flags import workload_requests
     from kvoffload.engine.loader import load_model_config
 
-    model = load_model_config(args.model)
-    vocab, eos = model.vocab_size, model.eos_token_id
-    name, seed, n = args.dataset_name, args.seed, args.num_prompts
-    if name == "random":
-        reqs = datasets.random_prompts(n, args.random_input_len, args.random_output_len,
-                                       vocab, eos, seed)
-        return reqs, [None] * len(reqs)
-    if name == "prefix_repetition":
-        reqs = datasets.prefix_repetition(
-            n, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, vocab, eos,
-            seed)
-        return reqs, [None] * len(reqs)
-    if name == "multi_turn":
-        reqs = datasets.multi_turn(n, args.multi_turn_num_sessions, args.multi_turn_system_len,
-                                   args.multi_turn_turn_len, args.output_len or 16, vocab, eos, seed)
-        return reqs, [f"s{i % args.multi_turn_num_sessions}" for i in range(len(reqs))]
-    reqs = _trace_requests(args, vocab, eos)
-    limit = args.max_prompt_len
-    reqs = [BenchRequest(r.prompt[:limit] if limit else r.prompt, r.output_len, r.arrival_s)
-            for r in reqs]
+    model = load_model_config(flags.model)
+    if flags.dataset_name == "trace" and flags.generate is not None:
+        reqs = _generated(flags, model.vocab_size, model.eos_token_id)
+    else:
+        reqs = workload_requests(flags, model.vocab_size, model.eos_token_id)
+    if flags.dataset_name == "multi_turn":
+        n = flags.multi_turn_num_sessions
+        return reqs, [f"s{i % n}" for i in range(len(reqs))]
+    limit = flags.max_prompt_len if flags.dataset_name == "trace" else None
+    if limit:
+        reqs = [BenchRequest(r.prompt[:limit], r.output_len, r.arrival_s) for r in reqs]
     return reqs, [None] * len(reqs)
 
 
-def _trace_requests(args: argparse.Namespace, vocab: int, eos: int) -> list[BenchRequest]:
-    """A trace's requests: the file of ``--dataset-path``, or the generated suite's workload
-    ``--generate`` (written out and read back by the one trace reader, so both take the same
-    path from hash ids to token ids)."""
-    if args.generate is None:
-        return datasets.trace_prompts(args.dataset_path, args.num_prompts, args.trace_block_size,
-                                      args.output_len, vocab, eos, args.seed)
-    records = traces.generate(args.generate, args.seed, args.num_prompts)
+def _generated(flags: argparse.Namespace, vocab: int, eos: int) -> list[BenchRequest]:
+    """The generated suite's workload ``--generate``, written out and read back as
+    ``--dataset-path`` (one path from hash ids to token ids for suite and file traces)."""
+    from kvoffload.cli.workload_flags import workload_requests
+
+    records = traces.generate(flags.generate, flags.seed, flags.num_prompts)
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
-        path = Path(tmp) / f"{args.generate}.jsonl"
+        path = Path(tmp) / f"{flags.generate}.jsonl"
         traces.write(records, path)
-        return datasets.trace_prompts(path, args.num_prompts, args.trace_block_size,
-                                      args.output_len, vocab, eos, args.seed)
+        return workload_requests(argparse.Namespace(**{**vars(flags), "dataset_path": path}),
+                                 vocab, eos)
 
 
 def metrics_urls(url: str) -> list[str]:
@@ -86,9 +76,13 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
     requests, sessions = build_requests(args)
     urls = metrics_urls(url)
     before = scrape_sources(urls)
+    if args.honor_timestamps:
+        gaps = replay_gaps([r.arrival_s for r in requests], args.timestamp_scale)
+    else:
+        gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
     results, duration = asyncio.run(run_requests(
-        url, args.served_model_name or args.model, requests, args.request_rate, args.burstiness,
-        args.max_concurrency, args.seed, sessions))
+        url, args.served_model_name or args.model, requests, gaps, args.max_concurrency,
+        sessions))
     after = scrape_sources(urls)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     out: dict[str, Any] = {
