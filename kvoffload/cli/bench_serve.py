@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
 from kvoffload.benchmark.traces import SUITE
@@ -20,10 +19,10 @@ __all__ = ["add_parser"]
 SUITE_NAMES = tuple(sorted(SUITE))
 
 
-def _request_rate(text: str) -> float:
-    """Requests per second, > 0; ``inf`` sends every request at once (as vLLM)."""
+def _request_rate(text: str) -> float | None:
+    """Requests per second, > 0; ``inf`` (``None``) sends every request at once, as vLLM's."""
     if text.strip().lower() in ("inf", "infinity"):
-        return math.inf
+        return None
     return real_in(0, positive=True)(text)
 
 
@@ -44,7 +43,7 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("max_prompt_len", "keep a trace prompt's first N tokens (shared prefixes stay shared)",
          parse=int_in(1), unit="TOKENS", needs=TRACE, unset="all"),
     Flag("request_rate", "mean arrivals per second (gamma process; --honor-timestamps replays "
-         "the trace's instead)", parse=_request_rate, default=math.inf, unit="RPS"),
+         "the trace's instead)", parse=_request_rate, unit="RPS", unset="inf: all at once"),
     Flag("burstiness", "gamma shape of the arrivals: 1 = Poisson", parse=real_in(0, positive=True),
          default=1.0, unit="X"),
     Flag("max_concurrency", "requests in flight at most", parse=int_in(1), unit="N",

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -61,6 +62,10 @@ def _generated(flags: argparse.Namespace, vocab: int, eos: int) -> list[BenchReq
                                  vocab, eos)
 
 
+def _rate(args: argparse.Namespace) -> float:
+    return math.inf if args.request_rate is None else args.request_rate
+
+
 def metrics_urls(url: str) -> list[str]:
     """Where hit rates are read: the backends behind a kvoffload router, else ``url`` itself."""
     try:
@@ -79,7 +84,7 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
     if args.honor_timestamps:
         gaps = replay_gaps([r.arrival_s for r in requests], args.timestamp_scale)
     else:
-        gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
+        gaps = arrival_gaps(len(requests), _rate(args), args.burstiness, args.seed)
     results, duration = asyncio.run(run_requests(
         url, args.served_model_name or args.model, requests, gaps, args.max_concurrency,
         sessions))
@@ -93,11 +98,11 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
         "model_id": args.model,
         "tokenizer_id": args.model,
         "num_prompts": len(requests),
-        "request_rate": args.request_rate,
+        "request_rate": "inf" if args.request_rate is None else args.request_rate,  # as vLLM
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         **summarize(results, duration, percentiles, args.percentile_metrics.split(","),
-                    parse_goodput(args.goodput or []), args.max_concurrency, args.request_rate),
+                    parse_goodput(args.goodput or []), args.max_concurrency, _rate(args)),
         **hit_rates_by_source(before, after),
     }
     if not quiet:
