@@ -71,8 +71,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="table refresh period (default: %(default)s s)",
     )
-    listen.add_argument("--max-batches", type=int_in(1), metavar="N", help="stop after N batches")
-    listen.add_argument("--timeout", type=real_in(0), metavar="S", help="stop after S seconds")
+    listen.add_argument(
+        "--max-batches",
+        type=int_in(1),
+        metavar="N",
+        help="stop after N batches (default: no limit)",
+    )
+    listen.add_argument(
+        "--timeout",
+        type=real_in(0),
+        metavar="S",
+        help="stop after S seconds (default: none, Ctrl-C)",
+    )
     listen.set_defaults(func=_listen, parser=listen)
 
 
