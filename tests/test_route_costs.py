@@ -17,7 +17,7 @@ from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.metrics import EngineMetrics
 from kvoffload.routing.costs import PRIOR_LOAD_FRACTION, BackendCosts, parse_metrics
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
 HOST_BLOCKS = 4
 
@@ -59,7 +59,7 @@ def test_promotions_are_timed_per_tier_and_the_router_reads_each(
     layout = make_layout()
     pool = host_pool(HOST_BLOCKS, layout.block_bytes)  # the host's slots, both tiers' source
     host = CPUOffloadingManager(HOST_BLOCKS, "lru")
-    disk = DiskTier(pool, layout, tmp_path, 1 << 20, rescan_interval=0)
+    disk = DiskTier(pool, layout, DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))
     remote = make_tier(redis_server.url, pool, layout)
     manager = TieringOffloadingManager(host, [disk, remote])
     costs = BackendCosts(block_size=16)

@@ -188,7 +188,7 @@ class _Followed:
     def writing(self) -> set[HeldKey]:
         """Blocks whose Redis store the engine has not applied yet (so not announced): the
         scheduler thread's own state, read on that thread between steps."""
-        return {_held_key(k) for k in self.remote._writing}
+        return {_held_key(k) for k in self.remote._answers.writing}
 
 
 def _held_key(key: bytes) -> HeldKey:
