@@ -49,25 +49,31 @@ def _cascade_modes() -> tuple[str, ...]:
     return CASCADE_MODES
 
 
+# What a flag needs is read from the resolved flags; a flag a command leaves out is absent.
 def _has_disk(flags: argparse.Namespace, provided: Collection[str]) -> bool:
-    return "disk" in provided or flags.kv_disk_path is not None
+    return "disk" in provided or getattr(flags, "kv_disk_path", None) is not None
 
 
 def _has_remote(flags: argparse.Namespace, provided: Collection[str]) -> bool:
-    return "remote" in provided or flags.kv_remote_url is not None
+    return "remote" in provided or getattr(flags, "kv_remote_url", None) is not None
 
 
-HOST = Needs("the host tier (--kv-offloading-size > 0)", lambda f, _: f.kv_offloading_size > 0)
+HOST = Needs(
+    "the host tier (--kv-offloading-size > 0)",
+    lambda f, _: getattr(f, "kv_offloading_size", 0) > 0,
+)
 DISK = Needs("--kv-disk-path", _has_disk)
 REMOTE = Needs("--kv-remote-url", _has_remote)
 SECONDARY = Needs(
     "a disk or remote tier (--kv-disk-path, --kv-remote-url)",
     lambda f, p: _has_disk(f, p) or _has_remote(f, p),
 )
-METRICS = Needs("--metrics-port", lambda f, _: f.metrics_port is not None)
+METRICS = Needs("--metrics-port", lambda f, _: getattr(f, "metrics_port", None) is not None)
 
 _CONFIG_DEFAULTS = {
-    f.name: f.default for f in dataclasses.fields(EngineConfig) if f.init and f.default is not None
+    f.name: f.default
+    for f in dataclasses.fields(EngineConfig)
+    if f.init and f.default not in (None, dataclasses.MISSING)
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["Flag", "Needs", "add_flags", "flag_defaults", "resolve_flags"]
+__all__ = ["Flag", "Needs", "add_flags", "resolve_flags"]
 
 #: Where a parser keeps its tables' rules: ``[(Flag, default), ...]`` (a parser default).
 _RULES = "_flag_rules"
@@ -169,11 +169,6 @@ def _argument(flag: Flag, default: Any) -> dict[str, Any]:
         if flag.kind == "append":
             kwargs["action"] = "append"
     return kwargs
-
-
-def flag_defaults(args: argparse.Namespace) -> dict[str, Any]:
-    """Every table flag's default as its parser has it (setting -> value)."""
-    return {flag.dest: default for flag, default in getattr(args, _RULES, [])}
 
 
 def resolve_flags(args: argparse.Namespace, provided: Collection[str] = ()) -> argparse.Namespace:
