@@ -1,5 +1,6 @@
 """Eviction policies for offloading tiers, registered by name (``--eviction-policy``)."""
 
+from kvoffload.eviction._request_state import RequestUses
 from kvoffload.eviction.adaptive import AdaptivePolicy
 from kvoffload.eviction.arc import ARCPolicy
 from kvoffload.eviction.base import (
@@ -22,6 +23,7 @@ __all__ = [
     "LRUPolicy",
     "OffloadedBlock",
     "PrefixPolicy",
+    "RequestUses",
     "S3FIFOPolicy",
     "available_eviction_policies",
     "create_eviction_policy",

@@ -7,7 +7,6 @@ from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction._request_state import request_serial
 from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
@@ -155,7 +154,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Count one use per key per request, learn reuse ages, remember chain parents."""
-        serial = request_serial(ctx)
+        serial = ctx.serial
         held, history, hits = self._held, self._history, self._hits
         shift, last_age = self._shift, self._num_ages - 1
         clock = self._clock
@@ -285,7 +284,7 @@ class PrefixPolicy(EvictionPolicy):
         self._rng = rng
         return bar
 
-    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+    def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         e = self._history.pop(key, None)
         if e is None:
             e = _Entry(key, self._clock)
@@ -392,6 +391,7 @@ class PrefixPolicy(EvictionPolicy):
         self._held.clear()
         self._history.clear()
         self._leaves.clear()
+        self.generation += 1
 
     def __len__(self) -> int:
         return len(self._blocks)
