@@ -50,7 +50,7 @@ KVOFFLOAD_CACHE ?= $(HOME)/.cache/kvoffload
 VLLM_REQS := requirements/vllm-plugin.txt
 VLLM_STAMP := $(VENV)/.vllm-plugin-installed
 VLLM_TESTS := tests/test_vllm_policies.py tests/test_vllm_tiers.py tests/test_vllm_spec.py \
-	tests/test_vllm_connector.py
+	tests/test_vllm_connector.py tests/test_vllm_parity.py
 
 vllm-setup: $(VLLM_STAMP)
 
