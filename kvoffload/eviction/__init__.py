@@ -6,6 +6,7 @@ from kvoffload.eviction.arc import ARCPolicy
 from kvoffload.eviction.base import (
     ENTRY_POINT_GROUP,
     EvictionPolicy,
+    HeldBlocksPolicy,
     OffloadedBlock,
     available_eviction_policies,
     create_eviction_policy,
@@ -20,6 +21,7 @@ __all__ = [
     "ARCPolicy",
     "AdaptivePolicy",
     "EvictionPolicy",
+    "HeldBlocksPolicy",
     "LRUPolicy",
     "OffloadedBlock",
     "PrefixPolicy",

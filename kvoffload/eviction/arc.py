@@ -7,7 +7,7 @@ from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import GroupWatch, RequestUses
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]
@@ -23,7 +23,7 @@ def _next_evictable(
 
 
 @register_eviction_policy
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(HeldBlocksPolicy):
     """ARC as vLLM 0.33's ``ARCCachePolicy``: a recency list and a frequency list whose split
     adapts to ghost hits.
 
@@ -59,18 +59,12 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
         self._t1: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.target = 0.0
         self._groups = GroupWatch()
-
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         self._groups.saw((key,))
@@ -193,12 +187,6 @@ class ARCPolicy(EvictionPolicy):
         self.target = 0.0
         self._groups.clear()
         self.generation += 1
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._blocks)
 
     def check_invariants(self) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2

@@ -22,6 +22,7 @@ from kvoffload.keys import OffloadKey
 __all__ = [
     "ENTRY_POINT_GROUP",
     "EvictionPolicy",
+    "HeldBlocksPolicy",
     "OffloadedBlock",
     "available_eviction_policies",
     "create_eviction_policy",
@@ -165,6 +166,26 @@ class EvictionPolicy(ABC):
 
     def check_invariants(self) -> None:  # noqa: B027 - optional hook
         """Raise ``AssertionError`` if internal structures disagree (tests only)."""
+
+
+class HeldBlocksPolicy(EvictionPolicy):
+    """A policy whose held blocks live in one dict, ``_blocks`` (key -> record), besides its own
+    order: :meth:`get` (one C call: it runs once per block per lookup), ``len`` and iteration
+    come from it. Subclasses keep ``_blocks`` in step with their lists."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
+        self.get = self._blocks.get  # type: ignore[method-assign]
+
+    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
+        return self._blocks.get(key)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self._blocks)
 
 
 def requeue_tail_first(queue: OrderedDict[Any, Any], keys: Sequence[OffloadKey]) -> None:

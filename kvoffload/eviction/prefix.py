@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Sequence
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["PrefixPolicy"]
@@ -64,7 +64,7 @@ class _Entry:
 
 
 @register_eviction_policy
-class PrefixPolicy(EvictionPolicy):
+class PrefixPolicy(HeldBlocksPolicy):
     """Evict the held *leaf* with the lowest learned hit density; admit only what beats it.
 
     **What it knows that a generic cache doesn't.** Keys arrive in prefix order, so each key's
@@ -121,9 +121,6 @@ class PrefixPolicy(EvictionPolicy):
         seed: int = 0,
     ) -> None:
         super().__init__(capacity)
-        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
         self._held: dict[OffloadKey, _Entry] = {}  # same keys as _blocks
         self._history: OrderedDict[OffloadKey, _Entry] = OrderedDict()  # not held; oldest use first
         # Measured on the conversation trace (docs/eviction-policies.md): remembering 3/4 as
@@ -146,9 +143,6 @@ class PrefixPolicy(EvictionPolicy):
         self.recompute_every = max(4096, NUM_CLASSES * num_ages)
         self._next_recompute = self.recompute_every
         self._clock = 0
-
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)
 
     # -- learning --------------------------------------------------------------------------------
 
@@ -392,12 +386,6 @@ class PrefixPolicy(EvictionPolicy):
         self._history.clear()
         self._leaves.clear()
         self.generation += 1
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._blocks)
 
     def check_invariants(self) -> None:
         assert self._blocks.keys() == self._held.keys(), "get() and the held records disagree"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Sequence
 from typing import ClassVar
 
 from kvoffload.base import ReqContext
@@ -14,7 +14,7 @@ from kvoffload.eviction._request_state import (
     request_state,
     take_request_state,
 )
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["S3FIFOPolicy"]
@@ -31,7 +31,7 @@ def taken_from_small(
 
 
 @register_eviction_policy
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(HeldBlocksPolicy):
     """S3-FIFO (Yang et al., SOSP 2023) over request-level uses.
 
     Three FIFOs, oldest first: ``small`` (new blocks; its target size is ``small_ratio`` of the
@@ -69,16 +69,10 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int, small_ratio: float = 0.1) -> None:
         super().__init__(capacity)
-        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
         self._small: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._main: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self.small_target = max(1, int(capacity * small_ratio))
-
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         block.freq = 0
@@ -271,12 +265,6 @@ class S3FIFOPolicy(EvictionPolicy):
         for d in (self._blocks, self._small, self._main, self._ghost):
             d.clear()
         self.generation += 1
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._blocks)
 
     def check_invariants(self) -> None:
         small, main, ghost = self._small, self._main, self._ghost
