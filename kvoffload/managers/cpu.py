@@ -54,7 +54,7 @@ class CPUOffloadingManager(OffloadingManager):
     def __init__(
         self,
         num_blocks: int,
-        eviction_policy: str | EvictionPolicy = "lru",
+        eviction_policy: str | EvictionPolicy = "adaptive",
         enable_events: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:

@@ -108,7 +108,7 @@ class DiskTier(SecondaryTier):
         layout: KVLayout,
         path: str | os.PathLike[str],
         capacity_bytes: int,
-        eviction_policy: str | EvictionPolicy = "lru",
+        eviction_policy: str | EvictionPolicy = "adaptive",
         num_threads: int = 4,
         o_direct: bool = False,
         rescan_interval: float = 2.0,
