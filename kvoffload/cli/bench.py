@@ -346,7 +346,9 @@ def _output_len(args: argparse.Namespace, specific: int | None, default: int) ->
     return default if args.output_len is None else args.output_len
 
 
-def _requests(args: argparse.Namespace, vocab_size: int, eos: int, variant: int = 0) -> list[Any]:
+def _requests(
+    args: argparse.Namespace, vocab_size: int, eos: int, variant: int = 0
+) -> list[Any]:
     """The workload's requests; another ``variant`` (prefix_repetition and random only): fresh
     requests on the same shared prefixes."""
     from kvoffload.benchmark import datasets

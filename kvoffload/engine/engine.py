@@ -165,7 +165,9 @@ class EngineConfig:
                 self.kv_disk_eviction_policy,
                 available_eviction_policies(),
             )
-        validate_remote_settings(self.kv_remote_url, self.kv_remote_ttl, self.kv_remote_lookup_wait)
+        validate_remote_settings(
+            self.kv_remote_url, self.kv_remote_ttl, self.kv_remote_lookup_wait
+        )
         if self.kv_remote_url is not None and not self.offloading:
             raise ConfigError(
                 "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"

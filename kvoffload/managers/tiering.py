@@ -429,7 +429,9 @@ class TieringOffloadingManager(OffloadingManager):
         # still held (one that was not would get a slot reserved and never written).
         held = self.host.policy.get
         scan = (
-            [k for k in state.scan if held(k) is not None] if state.scan_step == self._step else []
+            [k for k in state.scan if held(k) is not None]
+            if state.scan_step == self._step
+            else []
         )
         # As many of the keys (a prefix: the rest is of no use without it) as the host has room
         # for; halving costs O(log n) refusals, each O(1) when nothing is evictable.

@@ -284,7 +284,9 @@ class DiskTier(SecondaryTier):
         for chunk in self._chunks(todo):
             self._pool.submit(self._load_blocks, running, chunk)
 
-    def _chunks(self, items: list[tuple[OffloadKey, int]]) -> list[list[tuple[OffloadKey, int]]]:
+    def _chunks(
+        self, items: list[tuple[OffloadKey, int]]
+    ) -> list[list[tuple[OffloadKey, int]]]:
         """``items`` split into one run of consecutive blocks per I/O thread."""
         n = len(items)
         size = max(1, -(-n // self._num_threads))
