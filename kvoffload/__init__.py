@@ -30,6 +30,7 @@ from kvoffload.keys import (
     offload_key_hash,
 )
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "TieringOffloadingManager",
     "TransferError",
     "__version__",
     "available_eviction_policies",

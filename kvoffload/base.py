@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -35,8 +35,9 @@ class ReqContext:
 
     The scheduler creates exactly one per request and passes the *same object* on every manager
     call for that request, so managers and policies may keep per-request scratch state on it
-    (:meth:`set_state` / :meth:`get_state`, keyed by the state's type) instead of in dicts keyed by
-    request id that they would have to clean up.
+    instead of in dicts keyed by request id that they would have to clean up:
+    :meth:`setdefault_state` gets or creates it (keyed by the state's type, or by its owner),
+    :meth:`pop_state` drops it; :meth:`get_state` / :meth:`set_state` read and replace by type.
     """
 
     req_id: str
@@ -49,7 +50,7 @@ class ReqContext:
     #: A number no other context of this process has: policies count a request's use of a
     #: block once by stamping the block with it.
     serial: int = field(default_factory=_serials.__next__, repr=False)
-    _state: dict[type, Any] = field(default_factory=dict, repr=False)
+    _state: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
         """Record that ``key``'s block ends at token ``end_token`` of this request."""
@@ -67,9 +68,23 @@ class ReqContext:
         """Attach ``state``, replacing any earlier state of the same type."""
         self._state[type(state)] = state
 
-    def pop_state(self, cls: type[_T]) -> _T | None:
-        """Detach and return the state of type ``cls`` (``None`` if there was none)."""
-        return self._state.pop(cls, None)
+    def setdefault_state(self, key: Hashable, factory: Callable[..., _T], *args: Any) -> _T:
+        """The scratch state filed under ``key``, made by ``factory(*args)`` and attached on first
+        use.
+
+        ``key`` is a state type (the state is shared by whoever uses that type, as with
+        :meth:`get_state`) or an owner object (a manager or policy instance: the state is that
+        instance's own, so two tiers sharing this context never read each other's).
+        """
+        state = self._state.get(key)
+        if state is None:
+            state = self._state[key] = factory(*args)
+        return state
+
+    def pop_state(self, key: Hashable) -> Any:
+        """Detach and return the state filed under ``key`` (a type or an owner; ``None`` if
+        there was none)."""
+        return self._state.pop(key, None)
 
 
 class LookupResult(enum.Enum):
@@ -137,6 +152,13 @@ class OffloadingManager(ABC):
     @abstractmethod
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """Say whether ``key`` is held, readable or being written. Changes no recency."""
+
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether :meth:`prepare_store` would skip ``key``: the tier that stores go to holds it
+        (readable or being written). A pure probe: no recency, no background work, no counters.
+        Default: :meth:`lookup` is not ``MISS``; managers whose lookup does more (a tiering
+        manager's promotions, a reuse filter's counting) override it."""
+        return self.lookup(key, ctx) is not LookupResult.MISS
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:

@@ -32,6 +32,7 @@ EXPORTED = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "TieringOffloadingManager",
     "TransferError",
     "__version__",
     "available_eviction_policies",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from tier_cases import host_pool, layout
+from tier_cases import key as tier_key
 
 from kvoffload import (
     ConfigError,
@@ -12,7 +16,9 @@ from kvoffload import (
     OffloadingEvent,
     OffloadKey,
     ReqContext,
+    TieringOffloadingManager,
 )
+from kvoffload.tiers.disk import DiskTier
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
@@ -190,3 +196,41 @@ def test_bad_thresholds_are_config_errors(kwargs: dict[str, object], field: str)
     with pytest.raises(ConfigError, match=field) as info:
         FilterReusedOffloadingManager(CPUOffloadingManager(4), **kwargs)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+def test_the_already_held_probe_promotes_nothing(tmp_path: Path) -> None:
+    """Over a tiering manager, k0 and k1 are on disk only. A first request offers them for
+    storing: they are below the threshold and the host does not hold them, so they are
+    filtered. The filter's "already held?" probe asks the host only: it queues no promotion
+    (none lands, nothing is pinned for the request) and counts no lookup."""
+    pool = host_pool(4)
+    host = CPUOffloadingManager(4, "lru")
+    tiering = TieringOffloadingManager(
+        host, [DiskTier(pool, layout(), tmp_path, 1 << 20, rescan_interval=0)]
+    )
+    m = FilterReusedOffloadingManager(tiering, store_threshold=2)
+    try:
+        k0, k1, *fillers = (tier_key(i) for i in range(6))
+        writer = ReqContext("writer")
+        for batch in ([k0, k1], fillers[:2], fillers[2:]):  # k0, k1 cascade, then leave the host
+            out = tiering.prepare_store(batch, writer)
+            assert out is not None
+            tiering.complete_store(batch, writer)
+            tiering.drain()
+        assert [host.lookup(k, writer) for k in (k0, k1)] == [MISS, MISS]
+
+        ctx = ReqContext("a")
+        out = m.prepare_store([k0, k1], ctx)
+        assert out is not None and out.keys_to_store == []
+        tiering.drain()
+        stats = m.stats()
+        assert stats["filtered_blocks"] == 2
+        assert stats["promoted_blocks"] == 0 and stats["promotions_in_flight"] == 0
+        assert stats["pinned_promoted_blocks"] == 0 and stats["retry_answers"] == 0
+        assert [host.lookup(k, ctx) for k in (k0, k1)] == [MISS, MISS]
+        assert [m.holds(k, ctx) for k in (k0, fillers[-1])] == [False, True]  # the host only
+        assert m.request_count(fillers[-1]) == 0  # a probe is not a sighting
+        m.request_finished(ctx)
+        tiering.check_invariants()
+    finally:
+        tiering.close()

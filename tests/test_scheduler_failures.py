@@ -39,7 +39,9 @@ def test_failed_load_recomputes(workers: int, failing: set[int]) -> None:
     assert engine.lookup_of("b")[0].external == 32
     assert engine.failed_load_reqs == ["b"]
     assert {w for _, w in engine.executor.failed_parts} == failing
-    assert engine.connector.stats()["failed_loads"] == 1
+    stats = engine.connector.stats()
+    assert stats["failed_loads"] == 1
+    assert stats["load_jobs"] == 1 and stats["loaded_blocks"] == 0  # blocks that did load
     assert b.status == FINISHED and len(b.output_token_ids) == 4
     engine.check_drained()
 
@@ -62,6 +64,10 @@ def test_failed_store_leaves_nothing_in_the_tier(workers: int, failing: set[int]
     assert b.status == FINISHED
     assert set(a_keys) <= engine.ready_keys(), "b's own stores offload the prefix"
     engine.check_drained()
+    # Blocks that were stored, as the tier counts them: a's failed stores are not among them.
+    stats = engine.connector.stats()
+    assert stats["failed_stores"] >= 1
+    assert stats["stored_blocks"] == stats["tier_stored_blocks"] == len(engine.ready_keys())
 
 
 def test_load_completes_only_when_every_worker_reported() -> None:

@@ -196,8 +196,16 @@ HOST_BLOCKS = 4
 TIERING_TOTALS: Counter[str] = Counter()  # summed over every run: the rules reach every path
 
 
+def _request(name: str) -> ReqContext:
+    """Requests 0 to 2 may cascade to every tier; request 3 to none (``kv_store_tiers: []``)."""
+    return ReqContext(name, {"kv_store_tiers": []} if name.startswith("req-3") else {})
+
+
 class TieringMachine(RuleBasedStateMachine):
     """The connector's and the worker's part, played by the machine."""
+
+    CASCADE = "write_through"
+    EVICT_HEADROOM = 0.125  # on_evict: cascade once fewer than this share of slots is free
 
     def __init__(self) -> None:
         super().__init__()
@@ -212,12 +220,15 @@ class TieringMachine(RuleBasedStateMachine):
             rescan_interval=0,
             enable_events=True,
         )
-        self.manager = TieringOffloadingManager(self.host, [self.disk])
-        self.ctxs = [ReqContext(f"req-{i}") for i in range(3)]
+        self.manager = TieringOffloadingManager(
+            self.host, [self.disk], self.CASCADE, self.EVICT_HEADROOM
+        )
+        self.ctxs = [_request(f"req-{i}") for i in range(4)]
         self.device_pins: list[tuple[ReqContext, list[bytes]]] = []
         self.stores: list[tuple[ReqContext, list[bytes]]] = []  # prepared device stores
         self.in_host: set[bytes] = set()  # replayed from host events
         self.on_disk: set[bytes] = set()  # replayed from disk events
+        self.may_cascade: set[bytes] = set()  # written into the host by a request allowing disk
 
     def teardown(self) -> None:
         try:
@@ -244,7 +255,7 @@ class TieringMachine(RuleBasedStateMachine):
         held = {k.hex(): b.ref_cnt for k, b in self.host.items() if b.ref_cnt != 0}
         assert not held, f"host blocks left pinned or pending: {held}"
 
-    @rule(r=st.integers(0, 2), keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=4))
+    @rule(r=st.integers(0, 3), keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=4))
     def lookup_chain(self, r: int, keys: list[bytes]) -> None:
         """The connector's scan: on past RETRY answers, stop at MISS / HIT_PENDING."""
         ctx = self.ctxs[r]
@@ -256,7 +267,7 @@ class TieringMachine(RuleBasedStateMachine):
                 break
 
     @rule(
-        r=st.integers(0, 2),
+        r=st.integers(0, 3),
         keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=3),
         now=st.sampled_from([True, True, False]),
     )
@@ -270,6 +281,7 @@ class TieringMachine(RuleBasedStateMachine):
             write_slot(self.pool, slot, content(k))  # the worker's device -> host copy
         if now:
             self.manager.complete_store(out.keys_to_store, ctx)
+            self._stored(ctx, out.keys_to_store)
         else:
             self.stores.append((ctx, out.keys_to_store))
 
@@ -278,8 +290,14 @@ class TieringMachine(RuleBasedStateMachine):
     def complete_device_store(self, i: int, ok: bool) -> None:
         ctx, keys = self.stores.pop(i % len(self.stores))
         self.manager.complete_store(keys, ctx, success=ok)
+        if ok:
+            self._stored(ctx, keys)
 
-    @rule(r=st.integers(0, 2), data=st.data())
+    def _stored(self, ctx: ReqContext, keys: list[bytes]) -> None:
+        if ctx.kv_transfer_params.get("kv_store_tiers") != []:
+            self.may_cascade.update(keys)
+
+    @rule(r=st.integers(0, 3), data=st.data())
     def device_load(self, r: int, data: st.DataObject) -> None:
         ctx = self.ctxs[r]
         readable = [k for k in UNIVERSE if self.manager.lookup(k, ctx) is HIT]
@@ -317,13 +335,13 @@ class TieringMachine(RuleBasedStateMachine):
         for k in self.on_disk:
             assert self.disk.lookup(k, probe) is not MISS
 
-    @rule(r=st.integers(0, 2))
+    @rule(r=st.integers(0, 3))
     def finish_request(self, r: int) -> None:
         ctx = self.ctxs[r]
         if any(c is ctx for c, _ in (*self.device_pins, *self.stores)):
             return
         self.manager.request_finished(ctx)
-        self.ctxs[r] = ReqContext(f"{ctx.req_id}+")
+        self.ctxs[r] = _request(f"{ctx.req_id}+")
 
     @invariant()
     def consistent(self) -> None:
@@ -335,6 +353,14 @@ class TieringMachine(RuleBasedStateMachine):
                 slot = self.host.policy.get(k).slot
                 assert slot_bytes(self.pool, slot) == content(k), f"host block {k.hex()} is wrong"
         assert self.disk.stats()["used_blocks"] <= DISK_BLOCKS
+        # A block reaches the disk only if a request that allowed it wrote it into the host.
+        on_disk = {k for k in UNIVERSE if self.disk.lookup(k, probe) in (HIT, HIT_PENDING)}
+        assert on_disk <= self.may_cascade, f"cascaded against kv_store_tiers: {on_disk}"
+
+
+class OnEvictTieringMachine(TieringMachine):
+    CASCADE = "on_evict"
+    EVICT_HEADROOM = 0.75  # 3 of 4 slots: most steps cascade, some blocks are lost first
 
 
 def test_tiering_manager_contract() -> None:
@@ -349,4 +375,11 @@ def test_tiering_manager_contract() -> None:
         "refused_promotion_blocks",
         "room_waits",
     ):
+        assert TIERING_TOTALS[path] > 0, f"no run reached {path}: {dict(TIERING_TOTALS)}"
+
+
+def test_tiering_manager_contract_on_evict() -> None:
+    TIERING_TOTALS.clear()
+    run_state_machine_as_test(OnEvictTieringMachine, settings=SETTINGS)
+    for path in ("promoted_blocks", "cascaded_blocks", "cascade_lost_blocks", "retry_answers"):
         assert TIERING_TOTALS[path] > 0, f"no run reached {path}: {dict(TIERING_TOTALS)}"

@@ -226,3 +226,29 @@ def test_without_host_room_a_request_waits_unless_it_has_promoted_blocks(tmp_pat
         manager.check_invariants()
     finally:
         manager.close()
+
+
+def test_a_promotion_that_does_not_fit_promotes_the_longest_head_that_does(tmp_path: Path) -> None:
+    """A looks up k0..k9 (on disk only) while the host has room for all ten; before the step
+    ends another request's device load pins one host block, so ten no longer fit but nine do.
+    The promotion takes the longest head that fits (nine: a binary search over head lengths;
+    halving promoted five); only k9 is refused, and A recomputes from there."""
+    manager = _tiering(tmp_path, host_blocks=10)
+    try:
+        ks = [key(i) for i in range(10)]
+        fillers = [key(i) for i in range(10, 20)]
+        _on_disk_only(manager, ks, fillers)
+        a, c = ReqContext("a"), ReqContext("c")
+        assert [manager.lookup(k, a) for k in ks] == [RETRY] * 10
+        assert manager.lookup(fillers[-1], c) is HIT
+        manager.prepare_load([fillers[-1]], c)  # one host slot fewer to reserve
+        manager.step_end()
+        manager.drain()
+        stats = manager.stats()
+        assert stats["promoted_blocks"] == 9
+        assert stats["refused_promotion_blocks"] == 1
+        assert [manager.lookup(k, a) for k in ks] == [HIT] * 9 + [LookupResult.MISS]
+        manager.complete_load([fillers[-1]], c)
+        manager.check_invariants()
+    finally:
+        manager.close()

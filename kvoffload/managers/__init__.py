@@ -2,5 +2,6 @@
 
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse import FilterReusedOffloadingManager
+from kvoffload.managers.tiering import TieringOffloadingManager
 
-__all__ = ["CPUOffloadingManager", "FilterReusedOffloadingManager"]
+__all__ = ["CPUOffloadingManager", "FilterReusedOffloadingManager", "TieringOffloadingManager"]

@@ -19,17 +19,6 @@ from kvoffload.keys import OffloadKey
 __all__ = ["FilterReusedOffloadingManager"]
 
 
-class _KeysSeenByRequest:
-    """Per-request scratch state (on the ReqContext): per filter, the keys this request was already
-    counted for. Keyed by filter so that filters sharing a context (one per tier, or stacked) count
-    independently."""
-
-    __slots__ = ("by_filter",)
-
-    def __init__(self) -> None:
-        self.by_filter: dict[FilterReusedOffloadingManager, set[OffloadKey]] = {}
-
-
 class FilterReusedOffloadingManager(OffloadingManager):
     """Wraps any manager; lets a block be stored only once ``store_threshold`` distinct requests
     have seen it.
@@ -72,13 +61,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._counts.get(key, 0)
 
     def _record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        seen_state = ctx.get_state(_KeysSeenByRequest)
-        if seen_state is None:
-            seen_state = _KeysSeenByRequest()
-            ctx.set_state(seen_state)
-        seen = seen_state.by_filter.get(self)
-        if seen is None:
-            seen = seen_state.by_filter[self] = set()
+        # Per request and filter (filters sharing a context, one per tier or stacked, count
+        # independently): the keys this request was already counted for.
+        seen: set[OffloadKey] = ctx.setdefault_state(self, set)
         counts = self._counts
         for key in keys:
             if key in seen:
@@ -97,6 +82,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._record((key,), ctx)
         return self._backing.lookup(key, ctx)
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        return self._backing.holds(key, ctx)  # a probe is not a sighting: nothing recorded
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         return self._backing.prepare_load(keys, ctx)
 
@@ -110,14 +98,12 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
         self._record(keys, ctx)
-        counts, threshold, backing = self._counts, self._threshold, self._backing
-        passed = [
-            k
-            for k in keys
-            if counts.get(k, 0) >= threshold or backing.lookup(k, ctx) is not LookupResult.MISS
-        ]
+        # Held keys pass so that the backing manager protects them; asked with the side-effect
+        # free probe (a lookup may start a promotion into the host, or count as a lookup).
+        counts, threshold, holds = self._counts, self._threshold, self._backing.holds
+        passed = [k for k in keys if counts.get(k, 0) >= threshold or holds(k, ctx)]
         self._filtered += len(keys) - len(passed)
-        return backing.prepare_store(passed, ctx)
+        return self._backing.prepare_store(passed, ctx)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
@@ -128,11 +114,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.take_events()
 
     def request_finished(self, ctx: ReqContext) -> None:
-        seen_state = ctx.get_state(_KeysSeenByRequest)
-        if seen_state is not None:
-            seen_state.by_filter.pop(self, None)
-            if not seen_state.by_filter:
-                ctx.pop_state(_KeysSeenByRequest)
+        ctx.pop_state(self)
         self._backing.request_finished(ctx)
 
     def step_begin(self) -> None:

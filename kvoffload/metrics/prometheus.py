@@ -84,12 +84,12 @@ _OFFLOAD_COUNTERS = (
     (
         "kvoffload_offload_loaded_blocks",
         "loaded_blocks",
-        "Offloaded blocks whose load was planned.",
+        "Offloaded blocks loaded into the device (jobs that succeeded).",
     ),
     (
         "kvoffload_offload_stored_blocks",
         "stored_blocks",
-        "Offloaded blocks whose store was planned.",
+        "Blocks stored from the device into the host tier (jobs that succeeded).",
     ),
     (
         "kvoffload_offload_failed_loads",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kvoffload.base import OffloadingEvent
 from kvoffload.events.messages import BlockRemoved, BlockStored, KVCacheEvent, external_block_hash
 from kvoffload.keys import BlockHash, OffloadKey, offload_key_group, offload_key_hash
+from kvoffload.scheduler.state import RequestKVState
 
 __all__ = ["OffloadEventDescriber"]
 
@@ -60,6 +61,20 @@ class OffloadEventDescriber:
             self._pending[key] = _BlockDescription(parent, token_ids, block_size)
         else:
             desc.stores += 1
+
+    def record_request_blocks(
+        self, state: RequestKVState, keys: Sequence[OffloadKey], located: Sequence[tuple[int, int]]
+    ) -> None:
+        """Describe the request's blocks ``keys`` before they are stored; ``located[i]`` is
+        ``keys[i]``'s ``(group, offloaded block index)``. The parent of block ``i`` of a group
+        is its block ``i - 1``."""
+        tokens = state.request.all_token_ids
+        groups = state.config.groups
+        for key, (g, block) in zip(keys, located, strict=True):
+            obs = groups[g].offloaded_block_size
+            group_keys = state.group_states[g].offload_keys
+            parent = offload_key_hash(group_keys[block - 1]) if block else None
+            self.record(key, parent, list(tokens[block * obs : (block + 1) * obs]), obs)
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Drop descriptions of blocks whose store will never be announced."""
