@@ -1,10 +1,10 @@
 """Per-request state that managers and eviction policies keep on the ``ReqContext``.
 
-One context is shared by every tier a request goes through, and the context keys its state by
-type, so state is kept here per owner (a policy or manager instance) and per state class: two
-instances (two tiers, or a manager and its twin) never read each other's. A state is stamped
-with its owner's *generation* (bumped when the owner is cleared), so state a request kept from
-before a reset is dropped instead of being applied to the blocks stored after it.
+One context is shared by every tier a request goes through, so state is filed under its owner
+(a policy or manager instance, :meth:`ReqContext.setdefault_state`): two instances (two tiers,
+or a manager and its twin) never read each other's. A state is stamped with its owner's
+*generation* (bumped when the owner is cleared), so state a request kept from before a reset is
+dropped instead of being applied to the blocks stored after it.
 """
 
 from __future__ import annotations
@@ -20,66 +20,59 @@ from kvoffload.keys import OffloadKey
 __all__ = [
     "GroupWatch",
     "RequestChains",
+    "RequestState",
     "RequestUses",
     "in_one_group",
     "request_state",
     "take_request_state",
 ]
 
-_S = TypeVar("_S")
 _group_of = itemgetter(slice(-4, None))  # an OffloadKey's group bytes (big-endian: sorts as ints)
 _SEP = bytes.fromhex("9e3779b97f4a7c15f39cc0605cedc834")  # see in_one_group
 
 
-class _OwnedStates:
-    __slots__ = ("by_owner",)
+class RequestState:
+    """Base of a per-request state: the owner's generation it was made in."""
 
-    def __init__(self) -> None:
-        self.by_owner: dict[tuple[object, type], tuple[int, object]] = {}
+    __slots__ = ("generation",)
+
+    def __init__(self, generation: int = 0) -> None:
+        self.generation = generation
+
+
+_S = TypeVar("_S", bound=RequestState)
 
 
 def request_state(ctx: ReqContext, owner: object, cls: type[_S], generation: int = 0) -> _S:
-    """The (mutable) state of class ``cls`` that ``owner`` keeps for this request: made with
-    ``cls()`` on first use, and made anew when ``generation`` differs from the one it was made in."""
-    states = ctx.get_state(_OwnedStates)
-    if states is None:
-        states = _OwnedStates()
-        ctx.set_state(states)
-    slot = (owner, cls)
-    held = states.by_owner.get(slot)
-    if held is not None and held[0] == generation:
-        return held[1]  # type: ignore[return-value]
-    state = cls()
-    states.by_owner[slot] = (generation, state)
+    """The (mutable) state that ``owner`` keeps for this request: made with ``cls(generation)``
+    on first use, and made anew when it was made in another generation."""
+    state: _S = ctx.setdefault_state(owner, cls, generation)
+    if state.generation != generation:
+        ctx.pop_state(owner)
+        state = ctx.setdefault_state(owner, cls, generation)
     return state
 
 
-def take_request_state(
-    ctx: ReqContext, owner: object, cls: type[_S], generation: int = 0
-) -> _S | None:
-    """Detach and return ``owner``'s state of class ``cls`` for this request (``None`` if it kept
-    none in ``generation``)."""
-    states = ctx.get_state(_OwnedStates)
-    if states is None:
-        return None
-    held = states.by_owner.pop((owner, cls), None)
-    if not states.by_owner:
-        ctx.pop_state(_OwnedStates)
-    return held[1] if held is not None and held[0] == generation else None  # type: ignore[return-value]
+def take_request_state(ctx: ReqContext, owner: object, generation: int = 0) -> RequestState | None:
+    """Detach and return ``owner``'s state for this request (``None`` if it kept none in
+    ``generation``)."""
+    state = ctx.pop_state(owner)
+    return state if state is not None and state.generation == generation else None
 
 
-class RequestChains:
+class RequestChains(RequestState):
     """The key runs one request stored in a tier and the key lists it touched (each list once),
     in call order: what a FIFO policy's ``request_finished`` reorders."""
 
     __slots__ = ("stored", "touched")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int = 0) -> None:
+        super().__init__(generation)
         self.stored: list[Sequence[OffloadKey]] = []
         self.touched: list[Sequence[OffloadKey]] = []
 
 
-class RequestUses:
+class RequestUses(RequestState):
     """What one request did in one tier, recorded by the manager as vLLM 0.33's manager does.
 
     ``runs``: one per ``prepare_load`` and per ``prepare_store`` (in call order): ``keys``, the
@@ -92,7 +85,8 @@ class RequestUses:
 
     __slots__ = ("_first_misses", "_missed", "runs")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int = 0) -> None:
+        super().__init__(generation)
         self.runs: list[tuple[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey]]]
         self.runs = []
         self._first_misses: Sequence[OffloadKey] | None = None

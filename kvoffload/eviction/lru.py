@@ -8,6 +8,7 @@ from collections.abc import Container, Iterator, Sequence
 from kvoffload.base import ReqContext
 from kvoffload.eviction._request_state import (
     GroupWatch,
+    RequestState,
     RequestUses,
     request_state,
     take_request_state,
@@ -26,7 +27,7 @@ __all__ = ["LRUPolicy"]
 _PLACE = -2
 
 
-class _RequestPlace:
+class _RequestPlace(RequestState):
     """One request's place in the recency order (vLLM's *request rank*), taken at its first
     access or positioned store. Keys it stores or accesses at known token positions wait here,
     ordered tail first (``(-position, key)``), until they are used again or it finishes."""
@@ -34,7 +35,8 @@ class _RequestPlace:
     __slots__ = ("finished", "members", "rank", "seen")
     ref_cnt = _PLACE
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int = 0) -> None:
+        super().__init__(generation)
         self.rank = 0  # 0: not placed yet
         self.members: dict[OffloadKey, int] = {}  # key -> its end-token position
         self.seen: set[OffloadKey] = set()  # keys of the request's access so far
@@ -144,7 +146,7 @@ class LRUPolicy(EvictionPolicy):
             requeue_tail_first(self._blocks, keys)
         if not self._open:
             return
-        place = take_request_state(ctx, self, _RequestPlace, self.generation)
+        place = take_request_state(ctx, self, self.generation)
         if place is not None and place.rank:
             place.finished = True
             if not place.members:
