@@ -59,6 +59,7 @@ def _wait_sent(pub: ZmqEventPublisher, n: int) -> None:
 
 
 def _check_stream(pub: ZmqEventPublisher, sub: KVEventSubscriber, n: int = 50) -> None:
+    """``sub`` joined with ``start_seq=None``: the probes lost before it connected are no gap."""
     first = _sync(pub, sub)
     for i in range(n):
         pub.publish(_batch(i))
@@ -70,13 +71,16 @@ def _check_stream(pub: ZmqEventPublisher, sub: KVEventSubscriber, n: int = 50) -
 
 
 def test_tcp_stream_is_contiguous() -> None:
-    with ZmqEventPublisher(LOOPBACK) as pub, KVEventSubscriber(pub.endpoint) as sub:
+    with ZmqEventPublisher(LOOPBACK) as pub, KVEventSubscriber(pub.endpoint, start_seq=None) as sub:
         assert pub.endpoint.startswith("tcp://127.0.0.1:")
         _check_stream(pub, sub)
 
 
 def test_ipc_stream_is_contiguous(tmp_path: Path) -> None:
-    with ZmqEventPublisher(f"ipc://{tmp_path}/ev") as pub, KVEventSubscriber(pub.endpoint) as sub:
+    with (
+        ZmqEventPublisher(f"ipc://{tmp_path}/ev") as pub,
+        KVEventSubscriber(pub.endpoint, start_seq=None) as sub,
+    ):
         _check_stream(pub, sub)
 
 
@@ -85,7 +89,7 @@ def test_inproc_stream_with_a_shared_context() -> None:
     try:
         with (
             ZmqEventPublisher("inproc://kv-ev", context=ctx) as pub,
-            KVEventSubscriber("inproc://kv-ev", context=ctx) as sub,
+            KVEventSubscriber("inproc://kv-ev", context=ctx, start_seq=None) as sub,
         ):
             _check_stream(pub, sub, n=10)
     finally:
@@ -93,7 +97,7 @@ def test_inproc_stream_with_a_shared_context() -> None:
 
 
 def test_publisher_connects_to_a_subscriber_that_binds() -> None:
-    with KVEventSubscriber(LOOPBACK) as sub, ZmqEventPublisher(sub.endpoint) as pub:
+    with KVEventSubscriber(LOOPBACK, start_seq=None) as sub, ZmqEventPublisher(sub.endpoint) as pub:
         # The publisher's address has no wildcard: vLLM's rule says connect.
         _check_stream(pub, sub, n=10)
 
@@ -295,7 +299,7 @@ def test_publish_never_blocks_with_a_subscriber_that_never_reads() -> None:
 
 
 def test_queue_drops_show_up_as_lost_batches_at_the_subscriber() -> None:
-    with KVEventSubscriber(LOOPBACK) as sub:
+    with KVEventSubscriber(LOOPBACK, start_seq=None) as sub:  # the probes it joined on: no gap
         pub = ZmqEventPublisher(sub.endpoint, max_queue_size=1)
         first = _sync(pub, sub)
         for i in range(3000):
@@ -422,3 +426,50 @@ def test_replay_timeout_counts_the_gap_as_lost() -> None:
             pub.publish(_batch(1))
             received = sub.receive(5.0)
             assert received is not None and received.seq == first
+
+
+def test_a_subscriber_that_joins_late_counts_what_it_missed_as_a_gap() -> None:
+    """Issue 21: joined after batches 0..4 and without a replay address, the subscriber's first
+    batch has a sequence number above 0: that is a gap (lost), not "0 gaps"."""
+    with ZmqEventPublisher(LOOPBACK) as pub:
+        for i in range(5):  # before anyone listens
+            pub.publish(_batch(i))
+        _wait_sent(pub, 5)
+        with KVEventSubscriber(pub.endpoint) as sub:
+            first = _sync(pub, sub)
+            (gap,) = sub.take_gaps()
+            assert gap.first_seq == 0 and gap.recovered == 0 and gap.lost == gap.end_seq >= 5
+            assert sub.stats()["gaps"] == 1 and sub.stats()["lost"] == gap.lost
+            pub.publish(_batch(1))
+            received = sub.receive(5.0)
+            assert received is not None and received.seq == first
+
+
+def test_catch_up_before_the_publisher_starts_asks_nothing_and_the_first_batch_fills_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 21: a subscriber started before its engine has no one to replay from yet: catch_up
+    returns 0 at once, with no timeout and no warning; when the publisher comes up, the gap
+    before its first live batch is recovered through replay."""
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    with KVEventSubscriber(endpoint, replay_endpoint=replay, replay_timeout_s=0.3) as sub:
+        started = time.monotonic()
+        assert sub.catch_up() == 0
+        assert time.monotonic() - started < 5
+        assert sub.stats()["replay_timeouts"] == 0 and "replay" not in caplog.text
+        with ZmqEventPublisher(endpoint, replay_endpoint=replay) as pub:
+            for i in range(10):  # published before the subscription is connected: missed live
+                pub.publish(_batch(i))
+            _wait_sent(pub, 10)
+            got: list[ReceivedBatch] = []
+            for i in range(10, 210):  # live batches until one arrives and triggers the gap fill
+                pub.publish(_batch(i))
+                received = sub.receive(0.05)
+                if received is not None:
+                    got.append(received)
+                    break
+            last = pub.stats()["published"]
+            got += _receive(sub, last - 1 - got[0].seq)
+        assert [r.seq for r in got] == list(range(last))
+        assert all(r.replayed for r in got[:10])
+        assert sub.stats()["lost"] == 0 and sub.stats()["replay_timeouts"] == 0
