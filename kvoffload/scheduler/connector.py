@@ -166,10 +166,11 @@ class OffloadingConnectorScheduler:
         if not wait:
             self._counters["retry_timeouts"] += 1
         hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
+        if (hit_end is None or not wait) and self._events is not None:
+            # Promotions for it (its lookup met blocks on a secondary tier): describe them.
+            self._events.remember_request_blocks(state, num_computed_tokens)
         if hit_end is None:
             self._counters["retries"] += 1
-            if self._events is not None:  # promotions for it: their stored events need tokens
-                self._events.remember_request_blocks(state, num_computed_tokens)
             return None, False
         state.retry_since = None
         if not state.answered:
