@@ -10,7 +10,7 @@ dropped instead of being applied to the blocks stored after it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import TypeVar
 
@@ -135,10 +135,6 @@ class RequestUses(RequestState):
                 reused.update(set(ready).difference(inserted) if inserted else ready)
             inserted.update(stored)
         return reused, inserted
-
-    def stored(self) -> Iterator[Sequence[OffloadKey]]:
-        """The runs of keys the request stored, in call order."""
-        return (run[2] for run in self.runs if run[2])
 
 
 def in_one_group(keys: Sequence[OffloadKey], group: bytes) -> bool:

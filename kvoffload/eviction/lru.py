@@ -140,14 +140,12 @@ class LRUPolicy(EvictionPolicy):
 
     def request_finished(self, uses: RequestUses, ctx: ReqContext) -> None:
         keys = uses.head_to_tail(ctx, not self._groups.mixed)
-        if self._open:
-            self._renew_tail_first(keys)
-        else:
-            requeue_tail_first(self._blocks, keys)
         if not self._open:
+            requeue_tail_first(self._blocks, keys)
             return
+        self._renew_tail_first(keys)
         place = take_request_state(ctx, self, self.generation)
-        if place is not None and place.rank:
+        if place is not None and place.rank:  # it closes once no key waits there
             place.finished = True
             if not place.members:
                 self._close(place)
