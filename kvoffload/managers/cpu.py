@@ -44,6 +44,12 @@ class CPUOffloadingManager(OffloadingManager):
     one stored event per ``complete_store(success=True)`` that made blocks readable, removals of
     every readable block on :meth:`reset`; failed stores emit nothing (they were never announced).
 
+    Requests (only for policies with the request hooks, :mod:`kvoffload.eviction.base`): as vLLM
+    0.33's manager, it records each request's *access* (:class:`RequestUses`: the keys it loads,
+    and the keys it offers to store that it stores or finds stored and ready), tells the policy
+    of store misses (once per request and key) before evicting for them, and hands the record
+    over at :meth:`request_finished`; records made before a :meth:`reset` are dropped.
+
     Counters from :meth:`stats`: ``capacity_blocks``, ``used_blocks`` (gauges); ``stored_blocks``,
     ``failed_store_blocks``, ``loaded_blocks``, ``evicted_blocks``, ``rejected_stores`` (prepare_store
     answered ``None``), ``not_admitted_blocks`` (declined by the policy).
