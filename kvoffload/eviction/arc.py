@@ -154,8 +154,8 @@ class ARCPolicy(HeldBlocksPolicy):
             return []
         scans = (iter(self._t1.items()), iter(self._t2.items()))
         exhausted = [False, False]
-        victims: list[tuple[OffloadKey, OffloadedBlock]] = []  # in the order chosen
-        sides: list[int] = []
+        picks: tuple[list[tuple[OffloadKey, OffloadedBlock]], ...] = ([], [])
+        victims: list[tuple[OffloadKey, OffloadedBlock]] = []  # both, in the order chosen
         t1_left = len(self._t1)
         want_t1 = max(1, int(self.target))
         for _ in range(n):
@@ -164,19 +164,22 @@ class ARCPolicy(HeldBlocksPolicy):
                     continue
                 victim = _next_evictable(scans[side], protected)
                 if victim is not None:
+                    picks[side].append(victim)
                     victims.append(victim)
-                    sides.append(side)
                     t1_left -= side == 0
                     break
                 exhausted[side] = True
             else:
                 return None
-        blocks = self._blocks
-        lists, ghost_lists = (self._t1, self._t2), (self._b1, self._b2)
-        for (key, _), side in zip(victims, sides, strict=True):
-            del lists[side][key], blocks[key]
-            ghost_lists[side][key] = None
-        for ghosts in ghost_lists:
+        from_t1, from_t2 = picks
+        blocks, t1, t2, b1, b2 = self._blocks, self._t1, self._t2, self._b1, self._b2
+        for key, _ in from_t1:
+            del t1[key], blocks[key]
+            b1[key] = None
+        for key, _ in from_t2:
+            del t2[key], blocks[key]
+            b2[key] = None
+        for ghosts in (b1, b2):
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)
         return victims
