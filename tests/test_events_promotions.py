@@ -11,6 +11,7 @@ from pathlib import Path
 
 from engine_cases import (
     BLOCK_SIZE,
+    EventCollector,
     cycling_rounds,
     greedy,
     host_gib,
@@ -19,22 +20,10 @@ from engine_cases import (
 )
 
 from kvoffload.engine import Engine
-from kvoffload.events import BlockStored, KVEventBatch, NullEventPublisher
+from kvoffload.events import BlockStored
 
 PROMPTS = cycling_rounds(num_prefixes=3, prefix_blocks=6, num_rounds=1)[0]
 DISK_GIB = 64 * 8192 / 2**30  # 64 block files of the tiny preset
-
-
-class _Collector(NullEventPublisher):
-    """Keeps every published batch (the engine's events are real; the network is not needed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        super().publish(batch)
-        self.batches.append(batch)
 
 
 def _engine(path: Path, **kwargs: object) -> Engine:
@@ -63,7 +52,7 @@ def test_blocks_promoted_after_a_warm_restart_carry_their_tokens(tmp_path: Path)
         _serve_one_at_a_time(engine)
     events = {"enable_kv_cache_events": True, "publisher": "null"}
     with _engine(tmp_path, kv_events_config=events) as engine:
-        collector = _Collector()
+        collector = EventCollector()
         engine.publisher = collector
         sequences = _serve_one_at_a_time(engine)
         disk_hits = engine.stats()["offload_hit_tokens_disk"]

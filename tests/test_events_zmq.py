@@ -51,6 +51,19 @@ def _receive(sub: KVEventSubscriber, n: int, timeout_s: float = 10.0) -> list[Re
     return list(sub.iter_batches(max_batches=n, timeout_s=timeout_s))
 
 
+def _publish_until_the_gap_is_filled(
+    pub: ZmqEventPublisher, sub: KVEventSubscriber, first: int
+) -> list[ReceivedBatch]:
+    """Publish live batches from ``first`` on until one arrives (it triggers the gap fill of
+    what ``sub`` missed); return every batch delivered, through the last one published."""
+    for i in range(first, first + 200):
+        pub.publish(_batch(i))
+        received = sub.receive(0.05)
+        if received is not None:
+            return [received, *_receive(sub, pub.stats()["published"] - 1 - received.seq)]
+    raise AssertionError("no live batch arrived")
+
+
 def _wait_sent(pub: ZmqEventPublisher, n: int) -> None:
     deadline = time.monotonic() + 10
     while pub.stats()["sent"] < n and time.monotonic() < deadline:
@@ -122,15 +135,8 @@ def test_late_subscriber_recovers_missed_batches_through_replay() -> None:
         with KVEventSubscriber(
             pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0
         ) as sub:
-            got: list[ReceivedBatch] = []
-            for i in range(20, 220):  # live batches until one arrives and triggers the gap fill
-                pub.publish(_batch(i))
-                received = sub.receive(0.05)
-                if received is not None:
-                    got.append(received)
-                    break
+            got = _publish_until_the_gap_is_filled(pub, sub, first=20)
             last = pub.stats()["published"]
-            got += _receive(sub, last - 1 - got[0].seq)
             assert [r.seq for r in got] == list(range(last))
             assert [r.batch.events for r in got] == [_batch(i).events for i in range(last)]
             assert all(r.replayed for r in got[:20])
@@ -461,15 +467,8 @@ def test_catch_up_before_the_publisher_starts_asks_nothing_and_the_first_batch_f
             for i in range(10):  # published before the subscription is connected: missed live
                 pub.publish(_batch(i))
             _wait_sent(pub, 10)
-            got: list[ReceivedBatch] = []
-            for i in range(10, 210):  # live batches until one arrives and triggers the gap fill
-                pub.publish(_batch(i))
-                received = sub.receive(0.05)
-                if received is not None:
-                    got.append(received)
-                    break
+            got = _publish_until_the_gap_is_filled(pub, sub, first=10)
             last = pub.stats()["published"]
-            got += _receive(sub, last - 1 - got[0].seq)
         assert [r.seq for r in got] == list(range(last))
         assert all(r.replayed for r in got[:10])
         assert sub.stats()["lost"] == 0 and sub.stats()["replay_timeouts"] == 0
