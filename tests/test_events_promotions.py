@@ -29,7 +29,7 @@ DISK_GIB = 64 * 8192 / 2**30  # 64 block files of the tiny preset
 def _engine(path: Path, **kwargs: object) -> Engine:
     return tiny_engine(
         num_device_blocks=40,
-        kv_lookup_retry_seconds=600.0,  # wait for every promotion, however loaded the machine
+        kv_lookup_retry_s=600.0,  # wait for every promotion, however loaded the machine
         kv_offloading_size=host_gib(16),
         kv_disk_path=str(path),
         kv_disk_size=DISK_GIB,
