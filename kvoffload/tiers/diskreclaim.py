@@ -53,7 +53,10 @@ class OldNamespaces:
             except OSError:  # absent (the usual case), or unreadable: nothing to do
                 continue
             for entry in entries:
-                if not entry.is_dir(follow_symlinks=False):
+                try:
+                    if not entry.is_dir(follow_symlinks=False):
+                        continue
+                except OSError:
                     continue
                 if entry.name.startswith(_TRASH):
                     removed += _delete(Path(entry.path))
