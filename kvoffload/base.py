@@ -8,6 +8,7 @@ imports no torch. ``docs/manager-contract.md`` states the whole contract with it
 from __future__ import annotations
 
 import enum
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_serials = itertools.count(1)
 
 
 @dataclass(slots=True, eq=False)
@@ -42,7 +44,22 @@ class ReqContext:
     req_id: str
     #: Free-form per-request parameters (store policy, token caps, ...), owned by the caller.
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    #: End-token position of each of the request's keys (vLLM's ``set_offload_key_position``),
+    #: set before the key's first manager call; empty when the caller does not track them. A
+    #: recency policy orders a request's keys by them (see docs/eviction-policies.md).
+    offload_key_positions: dict[OffloadKey, int] = field(default_factory=dict, repr=False)
+    #: A number no other context of this process has: policies count a request's use of a
+    #: block once by stamping the block with it.
+    serial: int = field(default_factory=_serials.__next__, repr=False)
     _state: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        """Record that ``key``'s block ends at token ``end_token`` of this request."""
+        self.offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        """The end-token position recorded for ``key``, or ``None``."""
+        return self.offload_key_positions.get(key)
 
     def get_state(self, cls: type[_T]) -> _T | None:
         """Return the scratch state of type ``cls`` attached to this request, or ``None``."""

@@ -12,6 +12,8 @@ import torch
 
 from kvoffload.base import OffloadingManager
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
+from kvoffload.events.messages import KVEventBatch
+from kvoffload.events.publisher import NullEventPublisher
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.worker import DelayedCompletionHandler
@@ -209,3 +211,16 @@ def assert_quiescent(engine: Engine) -> None:
     pinned = {key.hex(): block.ref_cnt for key, block in manager.items() if block.ref_cnt != 0}
     assert not pinned, f"tier blocks still pinned or pending: {pinned}"
     manager.check_invariants()
+
+
+class EventCollector(NullEventPublisher):
+    """Keeps every published batch (stands in for the network; the engine's events are real):
+    set ``engine.publisher`` to one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        super().publish(batch)
+        self.batches.append(batch)

@@ -28,6 +28,7 @@ THROUGHPUT = re.compile(
     r"^Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, [\d.]+ output tokens/s$", re.M
 )
 LABELS = ["no offloading", "offloading", "unlimited device cache"]
+DISK_LINE = r"^Disk tier: \d+ blocks written, \d+ failed writes(?: \(.*\))?, \d+ promoted"
 
 
 def _mooncake(path: Path) -> Path:
@@ -145,7 +146,8 @@ def test_compare_with_a_disk_tier(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert [f"== {label} ==" for label in labels] == re.findall(
         r"^== (?!comparison).* ==$", stdout, re.M
     )
-    assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 1
+    assert len(re.findall(DISK_LINE, stdout, re.M)) == 1
+    assert len(re.findall(r"^Disk tier in .*/run-\w+: started empty$", stdout, re.M)) == 1
     payload = json.loads(out_json.read_text())
     runs = payload["all_runs"]
     assert [r["label"] for r in runs] == labels
@@ -172,7 +174,7 @@ def test_a_warm_disk_directory_serves_the_next_run(
     # A request waits for its promotion however slow the I/O threads are on a loaded machine.
     flags = [*COMMON, *args, "--max-num-seqs", "1", "--kv-offloading-size",
              str(12 * 2048 / 2**30), "--kv-disk-path", str(disk), "--kv-disk-size", "0.01",
-             "--kv-lookup-retry-seconds", "600"]  # fmt: skip
+             "--kv-lookup-retry-s", "600"]  # fmt: skip
     results = []
     for run in ("first", "second"):
         out_json = tmp_path / f"{run}.json"
@@ -181,8 +183,14 @@ def test_a_warm_disk_directory_serves_the_next_run(
         assert result["label"] == "offloading + disk"
         results.append(result["stats"])
     stdout, _ = capsys.readouterr()
-    assert len(re.findall(r"^Disk tier: \d+ blocks written, \d+ promoted", stdout, re.M)) == 2
+    assert len(re.findall(DISK_LINE, stdout, re.M)) == 2
     first, second = results
+    # The warm restart is visible: the second run found the first one's blocks on disk.
+    assert first["offload_tier_disk_scanned_blocks"] == 0
+    found = second["offload_tier_disk_scanned_blocks"]
+    assert found == first["offload_tier_disk_used_blocks"] > 0  # all it left there
+    assert f"Disk tier in {disk}: started empty" in stdout
+    assert f"Disk tier in {disk}: warm start, {found} blocks found on disk (scan " in stdout
     assert first["offload_tier_disk_stored_blocks"] > 0
     assert second["offload_tier_promoted_blocks"] > 0
     assert second["offload_tier_disk_loaded_blocks"] == second["offload_tier_promoted_blocks"]
@@ -224,10 +232,7 @@ BAD_FLAGS = {
         "colour",
     ),
     "disk path is a file": (["--kv-disk-path", __file__, "--kv-disk-size", "1"], "kv_disk_path"),
-    "zero disk size": (
-        ["--kv-disk-path", str(Path(__file__).parent), "--kv-disk-size", "0"],
-        "kv_disk_size",
-    ),
+    "disk path without its size": (["--kv-disk-path", str(Path(__file__).parent)], "kv_disk_size"),
     # every run's configuration is checked before the first run starts
     "missing model directory": (["--model", "/nonexistent/model"], "model"),
     "bad events endpoint": (
@@ -251,8 +256,14 @@ BAD_FLAGS = {
     ),
     "two instances with a disk tier": (
         [
-            "--instances", "2", "--random-prefix-len", "8",
-            "--kv-disk-path", str(Path(__file__).parent), "--kv-disk-size", "1",
+            "--instances",
+            "2",
+            "--random-prefix-len",
+            "8",
+            "--kv-disk-path",
+            str(Path(__file__).parent),
+            "--kv-disk-size",
+            "1",
         ],
         "kv_disk_path",
     ),
@@ -276,7 +287,8 @@ def _refused_before_running(
 @pytest.mark.parametrize("case", sorted(BAD_FLAGS))
 def test_bad_flags_exit_2_naming_the_field(case: str, capsys: pytest.CaptureFixture[str]) -> None:
     flags, field = BAD_FLAGS[case]
-    _refused_before_running([*COMMON, *SMALL_RANDOM, *flags], field, capsys)
+    workload = [] if "--dataset-name" in flags else SMALL_RANDOM  # (a dataset's own flags)
+    _refused_before_running([*COMMON, *workload, *flags], field, capsys)
 
 
 @pytest.mark.parametrize(
@@ -443,8 +455,8 @@ def test_with_a_remote_tier(
     runs = json.loads(out_json.read_text())["all_runs"]
     assert [r["label"] for r in runs] == ["offloading + remote"]
     assert runs[0]["stats"]["offload_tier_remote_stored_blocks"] > 0
-    assert main([*COMMON, *args, "--kv-remote-ttl", "5"]) == 2  # a TTL without a URL
-    assert "kv_remote_ttl" in capsys.readouterr().err
+    assert main([*COMMON, *args, "--kv-remote-ttl-s", "5"]) == 2  # a TTL without a URL
+    assert "kv_remote_ttl_s" in capsys.readouterr().err
 
 
 def test_two_instances_share_prefixes_through_redis(
@@ -457,7 +469,7 @@ def test_two_instances_share_prefixes_through_redis(
     args, num_requests = _dataset_args("prefix_repetition", tmp_path)
     out_json = tmp_path / "out.json"
     argv = [*COMMON, *args, "--instances", "2", "--repeats", "2", "--output-json", str(out_json),
-            "--kv-remote-lookup-wait", "60", "--kv-lookup-retry-seconds", "60"]  # fmt: skip
+            "--kv-remote-lookup-wait-s", "60", "--kv-lookup-retry-s", "60"]  # fmt: skip
     assert main(argv) == 0
     stdout, stderr = capsys.readouterr()
     assert "Traceback" not in stderr
@@ -498,8 +510,8 @@ def test_two_instances_with_compare_on_a_given_server(
         c.flushall()
     out_json = tmp_path / "out.json"
     argv = [*COMMON, *args, "--instances", "2", "--compare", "--kv-remote-url", redis_server.url,
-            "--output-json", str(out_json), "--kv-remote-lookup-wait", "60",
-            "--kv-lookup-retry-seconds", "60"]  # fmt: skip
+            "--output-json", str(out_json), "--kv-remote-lookup-wait-s", "60",
+            "--kv-lookup-retry-s", "60"]  # fmt: skip
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "Started redis-server" not in stdout
@@ -559,3 +571,66 @@ def test_dataset_variants_keep_the_prefixes_and_draw_new_suffixes() -> None:
     assert [len(r.prompt) for r in fresh] == [len(r.prompt) for r in rand]
     assert all(f.prompt[:16] == r.prompt[:16] != [] for f, r in zip(fresh, rand, strict=True))
     assert all(f.prompt[16:] != r.prompt[16:] for f, r in zip(fresh, rand, strict=True))
+
+
+def test_served_metrics_count_the_measured_requests_only() -> None:
+    """``/metrics`` scraped when the last request has finished counts what the summary counts,
+    not the warm-up request too (its TTFT count was one more than the prompts)."""
+    import urllib.request
+
+    from redis_servers import free_port
+
+    from kvoffload.benchmark.datasets import prefix_repetition
+    from kvoffload.benchmark.throughput import run_throughput
+    from kvoffload.engine.loader import load_model_config
+
+    port = free_port()
+    scraped: list[str] = []
+
+    class ScrapeWhenDone:
+        def update(self, n: int) -> None:
+            pass
+
+        def close(self) -> None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                scraped.append(r.read().decode())
+
+    model = load_model_config("tiny")
+    requests = prefix_repetition(6, 16, 4, 2, 3, model.vocab_size, model.eos_token_id, seed=0)
+    kwargs = {"model": "tiny", "block_size": 4, "num_device_blocks": 32,
+              "kv_offloading_size": 0.001, "metrics_port": port}  # fmt: skip
+    result = run_throughput(requests, "x", kwargs, lambda total, label: ScrapeWhenDone())
+    (text,) = scraped
+
+    def served(name: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    assert served("kvoffload_time_to_first_token_seconds_count") == len(requests) == 6
+    assert served("kvoffload_generation_tokens_total") == result.output_tokens
+    assert served("kvoffload_prompt_tokens_total") == result.prompt_tokens
+    sources = result.tokens_by_source
+    for source in ("computed", "device", "host"):
+        assert served(f'kvoffload_tokens_by_source_total{{source="{source}"}}') == sources[source]
+
+
+def test_failed_disk_writes_are_counted_in_the_summary() -> None:
+    """A full disk's failed writes are in the disk tier's line, by cause (it said "0 failed")."""
+    from kvoffload.benchmark.report import format_result
+    from kvoffload.benchmark.throughput import ThroughputResult
+
+    stats = {
+        "offload_tier_disk_stored_blocks": 40, "offload_tier_disk_failed_store_blocks": 9,
+        "offload_tier_disk_failed_store_full": 9, "offload_tier_disk_failed_store_io": 0,
+        "offload_tier_disk_scanned_blocks": 0, "offload_tier_promoted_blocks": 3,
+        "offload_tier_failed_promotion_blocks": 0, "offload_tier_refused_promotion_blocks": 0,
+        "offload_tier_disk_evicted_blocks": 0, "offload_retries": 2,
+    }  # fmt: skip
+    result = ThroughputResult("x", 1, 1.0, 1, 10, 2, 8, {}, stats, disk_path="/d")
+    latencies = {f"{s}_{n}_ms": 1.0 for s in ("mean", "median", "p99") for n in ("ttft", "itl")}
+    result.latencies = latencies
+    lines = format_result(result).splitlines()
+    assert "Disk tier in /d: started empty" in lines
+    assert (
+        "Disk tier: 40 blocks written, 9 failed writes (9 no space left), 3 promoted to the host "
+        "tier (0 failed, 0 refused), 0 evictions, 2 deferred lookups"
+    ) in lines

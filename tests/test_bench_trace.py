@@ -171,7 +171,6 @@ def test_bench_trace_references_bound_every_policy(
         (["--capacities", "1e400"], "capacities"),
         (["--policies", "nope"], "policies"),
         (["--generate", "nope"], "generate"),
-        (["--num-requests", "0"], "num_requests"),
         (["--output-json", "/nonexistent-dir/x.json"], "output_json"),
         (["--plot", "."], "plot"),
     ],
@@ -205,6 +204,43 @@ def test_trace_files_are_checked_line_by_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a file"):
         load_trace(tmp_path / "missing.jsonl")
     assert load_trace(bad, limit=1) == [[1, 2]]
+
+
+BAD_TRACE_LINES = [
+    b"[1, 2]\n",  # was "list indices must be integers or slices, not str" in bench trace
+    b'{"input_length": 5}\n',  # was "('hash_ids')"
+    b'{"hash_ids": "oops"}\n',
+    b'{"hash_ids": [1, 1e400]}\n',
+    b'{"hash_ids": [-1]}\n',
+    b'{"hash_ids": [9223372036854775808]}\n',  # 2**63: no 8-byte key
+    b'{"hash_ids": [1], "timestamp": "soon"}\n',
+    b"{not json\n",
+    b'{"hash_ids": [1]}\n\xff\xfe\n',
+    b"\n",
+]
+
+
+@pytest.mark.parametrize("line", BAD_TRACE_LINES)
+def test_bad_traces_get_the_same_words_from_both_commands(
+    line: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One trace reader: ``bench trace`` and ``bench throughput`` refuse a bad trace with the
+    same one line, naming the file and line, with no Python exception text."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(line)
+    replay = ["bench", "trace", "--dataset-path", str(trace), "--no-progress"]
+    throughput = ["bench", "throughput", "--model", "tiny", "--dataset-name", "trace",
+                  "--dataset-path", str(trace), "--no-progress"]  # fmt: skip
+    errors = []
+    for argv in (replay, throughput):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        errors.append(err)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"error: dataset_path: {trace}")
+    for leak in ("list indices", "('hash_ids')", "KeyError", "TypeError", "char "):
+        assert leak not in errors[0]
 
 
 def test_plot_without_matplotlib_is_refused_before_the_replay(

@@ -383,7 +383,7 @@ def test_touch_makes_the_head_of_a_prefix_the_most_valuable(
     keys: list[OffloadKey], ctx: ReqContext
 ) -> None:
     k = keys
-    m = CPUOffloadingManager(3)
+    m = CPUOffloadingManager(3, "lru")
     store(m, [k[1], k[2], k[3]], ctx)
     m.touch([k[1], k[2], k[3]], ctx)  # eviction order now 3, 2, 1
     out = m.prepare_store([k[4], k[5]], ctx)

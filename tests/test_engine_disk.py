@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from engine_cases import (
+    EventCollector,
     assert_quiescent,
     assert_same_outputs,
     cycling_rounds,
@@ -34,8 +35,7 @@ from kvoffload.base import LookupResult, ReqContext
 from kvoffload.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.events.index import BlockIndex
-from kvoffload.events.messages import BlockStored, KVEventBatch
-from kvoffload.events.publisher import NullEventPublisher
+from kvoffload.events.messages import BlockStored
 from kvoffload.keys import offload_key_hash
 from kvoffload.tiers.blockformat import CorruptBlockError, parse_header, verify_payload
 
@@ -427,22 +427,10 @@ def test_unwritable_disk_path_is_a_config_error(tmp_path: Path) -> None:
             disk_engine(mount / "tier")
 
 
-class _Collector(NullEventPublisher):
-    """Keeps every published batch (stands in for the network; the engine's events are real)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        super().publish(batch)
-        self.batches.append(batch)
-
-
 def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
     events = {"enable_kv_cache_events": True, "publisher": "null"}
     with disk_engine(tmp_path, kv_disk_size=disk_gib(30), kv_events_config=events) as engine:
-        collector = _Collector()
+        collector = EventCollector()
         engine.publisher = collector
         run_rounds(engine, ROUNDS, SAMPLING)
         engine.drain()
@@ -470,7 +458,7 @@ def test_events_after_a_warm_restart_show_the_blocks_already_on_disk(tmp_path: P
     found = {offload_key_hash(bytes.fromhex(p.stem)) for p in block_files(tmp_path)}
     events = {"enable_kv_cache_events": True, "publisher": "null"}
     with disk_engine(tmp_path, kv_events_config=events) as engine:
-        collector = _Collector()
+        collector = EventCollector()
         engine.publisher = collector
         one_at_a_time(engine, ROUNDS[1][:1])
         first = BlockIndex()

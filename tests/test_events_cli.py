@@ -181,3 +181,39 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
         listener.kill()
         listener.wait()
         listener.stdout.close()
+
+
+def test_listen_started_before_the_engine_recovers_its_first_batches(tmp_path: Path) -> None:
+    """Issue 21: ``events listen --replay`` started before the run printed "replay from seq 0
+    timed out" (its catch-up asked a replay socket nobody served yet); without --replay it
+    reported "0 gaps" although it missed the first batches. Now the catch-up waits for the
+    publisher quietly and the batches it missed live come through replay: none lost."""
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    argv = ["events", "listen", "--endpoint", endpoint, "--replay", replay, "--max-batches", "40"]
+    code = f"import sys; from kvoffload.cli.main import main; sys.exit(main({[*argv, '--timeout', '30']!r}))"
+    listener = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        time.sleep(1.5)  # the listener is up (and has tried its catch-up) before the publisher
+        with ZmqEventPublisher(endpoint, replay_endpoint=replay) as pub:
+            for i in range(200):  # the first ones go out before the listener is connected
+                pub.publish(_batch(i % 200))
+                if listener.poll() is not None:
+                    break
+                time.sleep(0.02)
+            out, err = listener.communicate(timeout=30)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.communicate()
+    assert listener.returncode == 0, err
+    assert "timed out" not in err
+    seqs = sorted({int(line.split()[0]) for line in out.splitlines() if not line.startswith("gap")})
+    assert seqs == list(range(40))
+    assert err.strip().splitlines()[-1].endswith(", 0 batches lost"), err

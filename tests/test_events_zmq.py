@@ -51,6 +51,19 @@ def _receive(sub: KVEventSubscriber, n: int, timeout_s: float = 10.0) -> list[Re
     return list(sub.iter_batches(max_batches=n, timeout_s=timeout_s))
 
 
+def _publish_until_the_gap_is_filled(
+    pub: ZmqEventPublisher, sub: KVEventSubscriber, first: int
+) -> list[ReceivedBatch]:
+    """Publish live batches from ``first`` on until one arrives (it triggers the gap fill of
+    what ``sub`` missed); return every batch delivered, through the last one published."""
+    for i in range(first, first + 200):
+        pub.publish(_batch(i))
+        received = sub.receive(0.05)
+        if received is not None:
+            return [received, *_receive(sub, pub.stats()["published"] - 1 - received.seq)]
+    raise AssertionError("no live batch arrived")
+
+
 def _wait_sent(pub: ZmqEventPublisher, n: int) -> None:
     deadline = time.monotonic() + 10
     while pub.stats()["sent"] < n and time.monotonic() < deadline:
@@ -59,6 +72,7 @@ def _wait_sent(pub: ZmqEventPublisher, n: int) -> None:
 
 
 def _check_stream(pub: ZmqEventPublisher, sub: KVEventSubscriber, n: int = 50) -> None:
+    """``sub`` joined with ``start_seq=None``: the probes lost before it connected are no gap."""
     first = _sync(pub, sub)
     for i in range(n):
         pub.publish(_batch(i))
@@ -70,13 +84,16 @@ def _check_stream(pub: ZmqEventPublisher, sub: KVEventSubscriber, n: int = 50) -
 
 
 def test_tcp_stream_is_contiguous() -> None:
-    with ZmqEventPublisher(LOOPBACK) as pub, KVEventSubscriber(pub.endpoint) as sub:
+    with ZmqEventPublisher(LOOPBACK) as pub, KVEventSubscriber(pub.endpoint, start_seq=None) as sub:
         assert pub.endpoint.startswith("tcp://127.0.0.1:")
         _check_stream(pub, sub)
 
 
 def test_ipc_stream_is_contiguous(tmp_path: Path) -> None:
-    with ZmqEventPublisher(f"ipc://{tmp_path}/ev") as pub, KVEventSubscriber(pub.endpoint) as sub:
+    with (
+        ZmqEventPublisher(f"ipc://{tmp_path}/ev") as pub,
+        KVEventSubscriber(pub.endpoint, start_seq=None) as sub,
+    ):
         _check_stream(pub, sub)
 
 
@@ -85,7 +102,7 @@ def test_inproc_stream_with_a_shared_context() -> None:
     try:
         with (
             ZmqEventPublisher("inproc://kv-ev", context=ctx) as pub,
-            KVEventSubscriber("inproc://kv-ev", context=ctx) as sub,
+            KVEventSubscriber("inproc://kv-ev", context=ctx, start_seq=None) as sub,
         ):
             _check_stream(pub, sub, n=10)
     finally:
@@ -93,7 +110,7 @@ def test_inproc_stream_with_a_shared_context() -> None:
 
 
 def test_publisher_connects_to_a_subscriber_that_binds() -> None:
-    with KVEventSubscriber(LOOPBACK) as sub, ZmqEventPublisher(sub.endpoint) as pub:
+    with KVEventSubscriber(LOOPBACK, start_seq=None) as sub, ZmqEventPublisher(sub.endpoint) as pub:
         # The publisher's address has no wildcard: vLLM's rule says connect.
         _check_stream(pub, sub, n=10)
 
@@ -118,15 +135,8 @@ def test_late_subscriber_recovers_missed_batches_through_replay() -> None:
         with KVEventSubscriber(
             pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0
         ) as sub:
-            got: list[ReceivedBatch] = []
-            for i in range(20, 220):  # live batches until one arrives and triggers the gap fill
-                pub.publish(_batch(i))
-                received = sub.receive(0.05)
-                if received is not None:
-                    got.append(received)
-                    break
+            got = _publish_until_the_gap_is_filled(pub, sub, first=20)
             last = pub.stats()["published"]
-            got += _receive(sub, last - 1 - got[0].seq)
             assert [r.seq for r in got] == list(range(last))
             assert [r.batch.events for r in got] == [_batch(i).events for i in range(last)]
             assert all(r.replayed for r in got[:20])
@@ -295,7 +305,7 @@ def test_publish_never_blocks_with_a_subscriber_that_never_reads() -> None:
 
 
 def test_queue_drops_show_up_as_lost_batches_at_the_subscriber() -> None:
-    with KVEventSubscriber(LOOPBACK) as sub:
+    with KVEventSubscriber(LOOPBACK, start_seq=None) as sub:  # the probes it joined on: no gap
         pub = ZmqEventPublisher(sub.endpoint, max_queue_size=1)
         first = _sync(pub, sub)
         for i in range(3000):
@@ -422,3 +432,43 @@ def test_replay_timeout_counts_the_gap_as_lost() -> None:
             pub.publish(_batch(1))
             received = sub.receive(5.0)
             assert received is not None and received.seq == first
+
+
+def test_a_subscriber_that_joins_late_counts_what_it_missed_as_a_gap() -> None:
+    """Issue 21: joined after batches 0..4 and without a replay address, the subscriber's first
+    batch has a sequence number above 0: that is a gap (lost), not "0 gaps"."""
+    with ZmqEventPublisher(LOOPBACK) as pub:
+        for i in range(5):  # before anyone listens
+            pub.publish(_batch(i))
+        _wait_sent(pub, 5)
+        with KVEventSubscriber(pub.endpoint) as sub:
+            first = _sync(pub, sub)
+            (gap,) = sub.take_gaps()
+            assert gap.first_seq == 0 and gap.recovered == 0 and gap.lost == gap.end_seq >= 5
+            assert sub.stats()["gaps"] == 1 and sub.stats()["lost"] == gap.lost
+            pub.publish(_batch(1))
+            received = sub.receive(5.0)
+            assert received is not None and received.seq == first
+
+
+def test_catch_up_before_the_publisher_starts_asks_nothing_and_the_first_batch_fills_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 21: a subscriber started before its engine has no one to replay from yet: catch_up
+    returns 0 at once, with no timeout and no warning; when the publisher comes up, the gap
+    before its first live batch is recovered through replay."""
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    with KVEventSubscriber(endpoint, replay_endpoint=replay, replay_timeout_s=0.3) as sub:
+        started = time.monotonic()
+        assert sub.catch_up() == 0
+        assert time.monotonic() - started < 5
+        assert sub.stats()["replay_timeouts"] == 0 and "replay" not in caplog.text
+        with ZmqEventPublisher(endpoint, replay_endpoint=replay) as pub:
+            for i in range(10):  # published before the subscription is connected: missed live
+                pub.publish(_batch(i))
+            _wait_sent(pub, 10)
+            got = _publish_until_the_gap_is_filled(pub, sub, first=10)
+            last = pub.stats()["published"]
+        assert [r.seq for r in got] == list(range(last))
+        assert all(r.replayed for r in got[:10])
+        assert sub.stats()["lost"] == 0 and sub.stats()["replay_timeouts"] == 0

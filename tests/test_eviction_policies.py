@@ -21,6 +21,7 @@ from kvoffload.eviction import (
     LRUPolicy,
     OffloadedBlock,
     PrefixPolicy,
+    RequestUses,
     S3FIFOPolicy,
     available_eviction_policies,
     create_eviction_policy,
@@ -269,6 +270,55 @@ class TestLRUOrder:
         victims = p.evict(1, ())
         assert victims is not None and victims[0][0] == K[1]
 
+    def test_a_request_with_key_positions_keeps_its_keys_at_its_place(self) -> None:
+        """vLLM's request rank: request 1 (positions 16, 32 for keys 0 and 2) takes its place at
+        its first access, raising held key 0 to it; key 1, stored by another request after that,
+        is newer than key 2, which request 1 stores last; within the place, the tail goes first.
+        (Checked against vLLM's ``LRUCachePolicy``: 3 2 0 1.)"""
+        p = LRUPolicy(8)
+        first = ctx("first")
+        first.set_offload_key_position(K[0], 16)
+        first.set_offload_key_position(K[2], 32)
+        fill(p, [K[3], K[0]])
+        p.request_accessed([K[0]], first)
+        fill(p, [K[1]])
+        p.insert(K[2], OffloadedBlock(99, 0), first)
+        p.check_invariants()
+        assert drain(p) == [K[3], K[2], K[0], K[1]]
+        p.check_invariants()
+
+    def test_a_key_used_after_a_request_took_its_place_stays_newer(self) -> None:
+        """The request's access raises only keys older than its place: key 1, touched after
+        request 1 took its place, stays newer when request 1 then accesses it (vLLM: 2 0 1)."""
+        p = LRUPolicy(8)
+        first = ctx("first")
+        first.set_offload_key_position(K[0], 16)
+        first.set_offload_key_position(K[1], 32)
+        fill(p, [K[2], K[0], K[1]])
+        p.request_accessed([K[0]], first)
+        p.touch([K[1]], ctx("other"))
+        p.request_accessed([K[1]], first)
+        p.check_invariants()
+        assert drain(p) == [K[2], K[0], K[1]]
+
+    def test_a_finished_request_renews_its_chain_tail_first(self) -> None:
+        """Finish walks what the request loaded and offered (stored or found ready), tail to
+        head: its place closes and the head ends newest."""
+        p = LRUPolicy(8)
+        request = ctx("r")
+        for i in range(3):
+            request.set_offload_key_position(K[i], 16 * (i + 1))
+        fill(p, [K[0], K[5]])
+        uses = RequestUses()
+        uses.runs = [([K[0]], [K[0]], ())]
+        p.request_accessed([K[0]], request)
+        for key in K[1:3]:
+            p.insert(key, OffloadedBlock(90 + len(p), 0), request)
+        uses.runs.append((K[1:3], (), K[1:3]))
+        p.request_finished(uses, request)
+        p.check_invariants()
+        assert drain(p) == [K[5], K[2], K[1], K[0]]
+
 
 # ------------------------------------------------------------------------------------------ ARC
 
@@ -282,38 +332,54 @@ class TestARCOrder:
         p.touch([K[0], K[1]], ctx())
         assert list(p._t1) == [K[0]] and list(p._t2) == [K[1]]
 
-    def test_a_request_counts_once(self) -> None:
-        """Touched twice by the request that stored it, a block is still seen once (T1); a second
-        request promotes it."""
+    def test_every_touch_of_a_ready_block_is_a_use(self) -> None:
+        """As vLLM's ``touch``: no once-per-request rule; the request that stored a block promotes
+        it by touching it once it is ready."""
         p = ARCPolicy(8)
         first = ctx("first")
-        p.touch([K[0]], first)
-        fill(p, [K[0]])
+        fill(p, [K[0]], ref_cnt=-1)
         p.touch([K[0]], first)
         assert list(p._t1) == [K[0]]
-        p.touch([K[0]], ctx("second"))
+        p.get(K[0]).ref_cnt = 0  # type: ignore[union-attr]
+        p.touch([K[0]], first)
         assert list(p._t2) == [K[0]]
 
+    def test_a_finished_request_promotes_what_it_reused_not_what_it_stored(self) -> None:
+        """vLLM's ``on_request_finished``: a ready block the request loaded or offered again moves
+        to T2; a block it only stored keeps its list (recency within it, tail first)."""
+        p = ARCPolicy(8)
+        fill(p, K[:4])
+        uses = RequestUses()
+        uses.runs = [(K[:2], K[:2], ()), (K[2:4], (), K[2:4])]  # loads 0 1, stores 2 3
+        p.request_finished(uses, ctx())
+        assert list(p._t2) == [K[1], K[0]] and list(p._t1) == [K[3], K[2]]
+
     def test_ghost_hits_move_the_target(self) -> None:
-        """T1 victims go to B1, T2 victims to B2; storing a B1 key again raises the target, a B2
-        key lowers it; touching a ghost key does nothing (touch ignores keys not held)."""
+        """T1 victims go to B1, T2 victims to B2; a store miss of a B1 key raises the target, of
+        a B2 key lowers it, and so does touching a ghost key (vLLM's ``on_store_miss`` and
+        ``touch``); storing it again puts it in T1. (The manager counts a store miss once per
+        request and key: test_eviction_chain_order.py.)"""
         p = ARCPolicy(4)
         fill(p, K[:4])
         p.touch([K[2], K[3]], ctx("a"))  # tail to head: T1 = 0 1, T2 = 3 2
         victims = p.evict(1, ())  # |T1| = 2 >= max(1, target 0): T1's oldest
         assert victims is not None and victims[0][0] == K[0] and list(p._b1) == [K[0]]
-        p.touch([K[0]], ctx("b"))
-        assert p.target == 0.0 and list(p._b1) == [K[0]]
+        p.touch([K[0]], ctx("b"))  # a ghost hit: target += max(1, |B2| / |B1|) = 1
+        assert p.target == 1.0 and list(p._b1) == [K[0]]
+        p.target = 0.0
         victims = p.evict(2, ())  # T1 = 1 >= 1: key 1 to B1; T1 empty: T2's oldest, 3, to B2
         assert victims is not None and [key for key, _ in victims] == [K[1], K[3]]
         assert list(p._b1) == [K[0], K[1]] and list(p._b2) == [K[3]]
-        fill(p, [K[0]])  # B1 hit: target += max(1, |B2| / |B1|) = 1
-        assert p.target == 1.0 and list(p._b1) == [K[1]]
+        request = ctx("c")
+        p.store_missed([K[0]], request)  # B1: target += max(1, |B2| / |B1|) = 1
+        assert p.target == 1.0 and list(p._b1) == [K[1], K[0]]
+        fill(p, [K[0]])
+        assert list(p._b1) == [K[1]] and K[0] in p._t1
         p.target = 3.0
-        fill(p, [K[3]])  # B2 hit: target -= max(1, |B1| / |B2|) = 1
-        assert p.target == 2.0 and not p._b2
+        p.store_missed([K[3]], request)  # B2: target -= max(1, |B1| / |B2|) = 1
+        assert p.target == 2.0
         p.target = 4.0
-        fill(p, [K[1]])  # B1 hit, clamped at the capacity
+        p.store_missed([K[1]], ctx("d"))  # B1, clamped at the capacity
         assert p.target == 4.0
         p.check_invariants()
 
@@ -322,6 +388,7 @@ class TestARCOrder:
         p = ARCPolicy(2)
         fill(p, K[:2])
         assert p.evict(1, ()) is not None
+        p.store_missed([K[0]], ctx())
         fill(p, [K[0]])
         assert K[0] in p._t1 and K[0] not in p._b1 and p.target == 1.0
 

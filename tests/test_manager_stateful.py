@@ -47,6 +47,8 @@ STORE_THRESHOLD = 2
 TRACKER_SIZE = 6  # below the universe, so that tracked keys get dropped
 # Counters that record an attempt rather than a state: a rejected prepare_store may move them.
 ATTEMPT_COUNTERS = {"rejected_stores", "not_admitted_blocks", "filtered_blocks", "tracked_keys"}
+#: Policies that decide as vLLM 0.33's own (tests/test_vllm_parity.py).
+VLLM_POLICIES = {"lru", "arc"}
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
@@ -89,10 +91,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.wrapped = wrapped
         self.policy_admits = type(self.cpu.policy).admit is not EvictionPolicy.admit
         # The twin misses the rejected calls, so it needs a manager whose rejected calls leave no
-        # trace at all: not the filter (it counts the offer) nor a policy that learns from admit().
+        # trace at all: not the filter (it counts the offer), nor a policy that learns from admit(),
+        # nor lru and arc: as vLLM's, they count a rejected offer as the request's access (and ARC
+        # adapts to its ghost keys) before the eviction fails.
         self.twin = (
             None
-            if wrapped or self.policy_admits
+            if wrapped or self.policy_admits or policy in VLLM_POLICIES
             else CPUOffloadingManager(CAPACITY, policy, enable_events=True)
         )
         self.probe = ReqContext("probe")  # for invariant lookups, straight to the CPU manager

@@ -27,7 +27,7 @@ def make(
     num_blocks: int = 4, threshold: int = 2, tracker: int = 64
 ) -> FilterReusedOffloadingManager:
     return FilterReusedOffloadingManager(
-        CPUOffloadingManager(num_blocks, enable_events=True), threshold, tracker
+        CPUOffloadingManager(num_blocks, "lru", enable_events=True), threshold, tracker
     )
 
 

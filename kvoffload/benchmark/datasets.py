@@ -6,12 +6,12 @@ minus the EOS id, so a prompt never contains an early stop token.
 
 from __future__ import annotations
 
-import json
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvoffload.benchmark.trace_file import read_trace
+from kvoffload.benchmark.traces import BLOCK_TOKENS
 from kvoffload.errors import ConfigError
 from kvoffload.validation import check_int
 
@@ -182,77 +182,21 @@ def trace_prompts(
     _positive("trace_block_size", trace_block_size)
     if output_len is not None:
         _positive("output_len", output_len)
-    trace = Path(path)
-    if not trace.is_file():
-        raise ConfigError("dataset_path", f"{str(path)!r} is not a file")
     tokens = _Tokens(vocab_size, eos_token_id, seed)
     out: list[BenchRequest] = []
-    with trace.open(encoding="utf-8") as f:
-        line_no = 0
-        try:
-            for line_no, line in enumerate(f, 1):
-                if num_prompts is not None and len(out) >= num_prompts:
-                    break
-                if not line.strip():
-                    continue
-                hash_ids, input_length, trace_output, arrival_s = _trace_record(
-                    trace, line_no, line
-                )
-                if not hash_ids:
-                    continue
-                prompt: list[int] = []
-                for h in hash_ids:
-                    prompt.extend(tokens.draw(trace_block_size, random.Random(f"{seed}:{h}")))
-                tail_tokens = input_length - (len(hash_ids) - 1) * 512
-                if 0 < tail_tokens < 512:
-                    keep = max(1, -(-tail_tokens * trace_block_size // 512))
-                    del prompt[len(prompt) - trace_block_size + keep :]
-                n_out = max(
-                    1, trace_output if output_len is None else min(trace_output, output_len)
-                )
-                out.append(BenchRequest(prompt, n_out, arrival_s))
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                "dataset_path", f"{trace}: not UTF-8 text near line {line_no + 1} ({exc.reason})"
-            ) from None
-    if not out:
-        raise ConfigError("dataset_path", f"{trace} holds no requests")
+    for record in read_trace(path, num_prompts):
+        prompt: list[int] = []
+        for h in record.hash_ids:
+            prompt.extend(tokens.draw(trace_block_size, random.Random(f"{seed}:{h}")))
+        tail_tokens = record.input_length - (len(record.hash_ids) - 1) * BLOCK_TOKENS
+        if 0 < tail_tokens < BLOCK_TOKENS:
+            keep = max(1, -(-tail_tokens * trace_block_size // BLOCK_TOKENS))
+            del prompt[len(prompt) - trace_block_size + keep :]
+        trace_output = record.output_length
+        n_out = max(1, trace_output if output_len is None else min(trace_output, output_len))
+        out.append(BenchRequest(prompt, n_out, record.arrival_s))
     first = min(r.arrival_s for r in out)
     return [BenchRequest(r.prompt, r.output_len, r.arrival_s - first) for r in out]
-
-
-def _trace_record(trace: Path, line_no: int, line: str) -> tuple[list[int], int, int, float]:
-    """``(hash_ids, input_length, output_length, arrival seconds)`` of one trace line; every
-    count a JSON integer (``1e400`` or ``2.5`` or ``true`` is no token count) and the timestamp
-    (milliseconds) a finite number, else :class:`ConfigError`."""
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(
-            "dataset_path", f"{trace}:{line_no}: not a Mooncake trace record ({why})"
-        )
-
-    def integer(name: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise bad(f"{name} must be non-negative integers, got {value!r}")
-        return value
-
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise bad(str(exc)) from None
-    if not isinstance(record, dict) or not isinstance(record.get("hash_ids"), list):
-        raise bad("an object with a hash_ids list expected")
-    hash_ids = [integer("hash_ids", h) for h in record["hash_ids"]]
-    input_length = integer("input_length", record.get("input_length", len(hash_ids) * 512))
-    output_length = integer("output_length", record.get("output_length", 16))
-    timestamp_ms = record.get("timestamp", 0)
-    if (
-        isinstance(timestamp_ms, bool)
-        or not isinstance(timestamp_ms, int | float)
-        or not math.isfinite(timestamp_ms)
-    ):
-        raise bad(f"timestamp must be a finite number of milliseconds, got {timestamp_ms!r}")
-    return hash_ids, input_length, output_length, timestamp_ms / 1000
 
 
 DATASETS = ("random", "prefix_repetition", "multi_turn", "trace")

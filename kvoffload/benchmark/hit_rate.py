@@ -17,14 +17,13 @@ is hits / blocks over the whole trace. Two references run outside the manager:
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvoffload.base import ReqContext
 from kvoffload.benchmark.replay import serve_request
-from kvoffload.errors import ConfigError
+from kvoffload.benchmark.trace_file import read_trace
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.managers import CPUOffloadingManager
 
@@ -34,7 +33,6 @@ __all__ = [
     "gap_closed",
     "infinite_hit_ratio",
     "load_trace",
-    "parse_trace",
     "replay",
 ]
 
@@ -43,53 +41,10 @@ _NEVER = 1 << 62
 _PROGRESS_EVERY = 256
 
 
-def parse_trace(lines: Sequence[str], source: str) -> list[list[int]]:
-    """The ``hash_ids`` of every JSONL record of ``lines``; ``source`` names the input in errors."""
-    requests: list[list[int]] = []
-    for line_no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ids = json.loads(line)["hash_ids"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(
-                "dataset_path", f"{source}:{line_no}: not a JSON object with 'hash_ids' ({exc})"
-            ) from None
-        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < 1 << 63 for i in ids):
-            raise ConfigError(
-                "dataset_path",
-                f"{source}:{line_no}: 'hash_ids' must be a list of integers in [0, 2**63)",
-            )
-        if ids:
-            requests.append(ids)
-    return requests
-
-
 def load_trace(path: str | Path, limit: int | None = None) -> list[list[int]]:
-    """The requests of a Mooncake-format JSONL trace (at most ``limit`` of them)."""
-    trace = Path(path)
-    if not trace.is_file():
-        raise ConfigError("dataset_path", f"{str(path)!r} is not a file")
-    try:
-        with trace.open(encoding="utf-8") as f:
-            lines = f.readlines() if limit is None else _first_lines(f, limit)
-    except UnicodeDecodeError as exc:
-        raise ConfigError("dataset_path", f"{trace} is not UTF-8 text ({exc})") from None
-    requests = parse_trace(lines, str(trace))
-    if not requests:
-        raise ConfigError("dataset_path", f"{trace} holds no requests")
-    return requests if limit is None else requests[:limit]
-
-
-def _first_lines(f: object, limit: int) -> list[str]:
-    lines: list[str] = []
-    for line in f:  # type: ignore[attr-defined]
-        lines.append(line)
-        if line.strip():
-            limit -= 1
-            if limit == 0:
-                break
-    return lines
+    """The ``hash_ids`` of the first ``limit`` (default: all) requests of a Mooncake-format JSONL
+    trace (:func:`~kvoffload.benchmark.trace_file.read_trace`, its errors)."""
+    return [record.hash_ids for record in read_trace(path, limit)]
 
 
 def block_keys(requests: Sequence[Sequence[int]]) -> dict[int, OffloadKey]:

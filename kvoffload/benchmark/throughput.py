@@ -17,46 +17,19 @@ import numpy as np
 
 from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
-from kvoffload.errors import ConfigError
 from kvoffload.metrics import hit_rates, stats_delta, tokens_by_source
 
 __all__ = [
     "WIDE_SPREAD",
     "ConfigSummary",
     "ThroughputResult",
-    "format_comparison",
-    "format_result",
     "run_throughput",
     "summarize",
     "throughput_ratios",
-    "unlimited_device_blocks",
 ]
 
-_MIB = 2**20
 #: A figure whose repeats span more than this fraction of their median is too noisy to compare.
 WIDE_SPREAD = 0.25
-
-#: Figures compared across configurations: (key, row name in the table, format).
-COMPARED = (
-    ("requests_per_s", "requests/s", "{:.3f}"),
-    ("total_tokens_per_s", "total tokens/s", "{:.1f}"),
-    ("output_tokens_per_s", "output tokens/s", "{:.1f}"),
-    ("elapsed_s", "elapsed s", "{:.2f}"),
-    ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
-    ("median_ttft_ms", "median TTFT ms", "{:.0f}"),
-    ("p99_ttft_ms", "p99 TTFT ms", "{:.0f}"),
-    ("mean_itl_ms", "mean ITL ms", "{:.1f}"),
-    ("median_itl_ms", "median ITL ms", "{:.1f}"),
-    ("p99_itl_ms", "p99 ITL ms", "{:.1f}"),
-    ("prefix_cache_hit_rate_pct", "prefix cache hit rate %", "{:.1f}"),
-    ("external_hit_rate_pct", "external hit rate %", "{:.1f}"),
-    ("tokens_computed", "tokens computed", "{:.0f}"),
-    ("tokens_device", "tokens from device cache", "{:.0f}"),
-    ("tokens_host", "tokens from host tier", "{:.0f}"),
-    ("tokens_disk", "tokens from disk tier", "{:.0f}"),
-    ("tokens_remote", "tokens from remote tier", "{:.0f}"),
-    ("preemptions", "preemptions", "{:.0f}"),
-)
 
 
 def _ms_summary(name: str, seconds: Sequence[float]) -> dict[str, float]:
@@ -74,7 +47,8 @@ def _ms_summary(name: str, seconds: Sequence[float]) -> dict[str, float]:
 @dataclass
 class ThroughputResult:
     """One run's figures. Token counts cover the measured requests only (not the warm-up);
-    ``stats`` is what the engine counted during them (gauges: their value at the end)."""
+    ``stats`` is what the engine counted during them (gauges: their value at the end);
+    ``disk_path``: the disk tier's directory, if it had one."""
 
     label: str
     repeat: int
@@ -85,6 +59,7 @@ class ThroughputResult:
     num_device_blocks: int
     latencies: dict[str, float]
     stats: dict[str, float] = field(default_factory=dict)
+    disk_path: str | None = None
 
     @property
     def tokens_by_source(self) -> dict[str, int]:
@@ -124,25 +99,8 @@ class ThroughputResult:
             **figures,
             "tokens_by_source": self.tokens_by_source,
             "stats": self.stats,
+            "disk_path": self.disk_path,
         }
-
-
-def unlimited_device_blocks(requests: Sequence[BenchRequest], block_size: int) -> int:
-    """Device blocks that hold every distinct prompt block plus every request's own tail, so
-    that nothing is ever evicted (the "ideal" run)."""
-    if block_size <= 0:
-        raise ConfigError("block_size", f"must be a positive integer, got {block_size}")
-    block_ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, tokens) -> id
-    tails = 0
-    for r in requests:
-        full = len(r.prompt) // block_size
-        parent = -1
-        for b in range(full):
-            parent = block_ids.setdefault(
-                (parent, tuple(r.prompt[b * block_size : (b + 1) * block_size])), len(block_ids)
-            )
-        tails += -(-(len(r.prompt) - full * block_size + r.output_len) // block_size) + 1
-    return len(block_ids) + tails
 
 
 def _serve(
@@ -194,25 +152,20 @@ def run_throughput(
     if on_phase is not None:
         on_phase(f"{label}: loading model {engine_kwargs.get('model', 'small')}")
     with Engine(**engine_kwargs) as engine:
-        vocab = engine.model_config.vocab_size
-        # Warm up at full step size: torch's first large forward pass costs seconds (allocator
-        # growth, kernel selection) that would otherwise land on whichever run comes first.
         if on_phase is not None:
             on_phase(f"{label}: warming up")
-        longest = max(len(r.prompt) for r in requests)
-        capacity = engine.num_device_blocks * engine.config.block_size // 2
-        warm_len = max(1, min(engine.config.max_num_batched_tokens, longest, capacity - 2))
-        warm = [[(7 * i + 3) % (vocab - 2) + 1 for i in range(warm_len)]]
-        engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
-        engine.drain()
+        _warm_up(engine, requests)
         before = engine.stats()
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
-        bar = progress(len(requests), label) if progress is not None else None
-        start = time.perf_counter()
-        outputs = _serve(engine, requests, params, arrivals, bar)
-        elapsed = time.perf_counter() - start
-        if bar is not None:
-            bar.close()
+        bar = None
+        try:
+            bar = progress(len(requests), label) if progress is not None else None
+            start = time.perf_counter()
+            outputs = _serve(engine, requests, params, arrivals, bar)
+            elapsed = time.perf_counter() - start
+        finally:
+            if bar is not None:
+                bar.close()
         engine.drain()
         stats = stats_delta(before, engine.stats())
         num_device_blocks = engine.num_device_blocks
@@ -229,69 +182,23 @@ def run_throughput(
             **_ms_summary("itl", [t for o in outputs for t in o.inter_token_latencies]),
         },
         stats=stats,
+        disk_path=engine_kwargs.get("kv_disk_path"),
     )
 
 
-def _pct(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "n/a"
-
-
-def format_result(r: ThroughputResult) -> str:
-    """vLLM's three summary lines, then latencies, where tokens came from, and what offloading
-    moved; every number read from :meth:`ThroughputResult.figures` / ``stats``."""
-    f, s = r.figures(), r.stats
-    sources = r.tokens_by_source
-    admitted = sum(sources.values())
-    shown = [k for k, v in sources.items() if v or k in ("computed", "device", "host")]
-    names = {"device": "device prefix cache", "host": "host tier", "disk": "disk tier"}
-    lines = [
-        f"Throughput: {f['requests_per_s']:.2f} requests/s, {f['total_tokens_per_s']:.2f} total "
-        f"tokens/s, {f['output_tokens_per_s']:.2f} output tokens/s",
-        f"Total num prompt tokens:  {r.prompt_tokens}",
-        f"Total num output tokens:  {r.output_tokens}",
-        f"TTFT ms: mean {f['mean_ttft_ms']:.1f}, median {f['median_ttft_ms']:.1f}, "
-        f"p99 {f['p99_ttft_ms']:.1f}; ITL ms: mean {f['mean_itl_ms']:.1f}, "
-        f"median {f['median_itl_ms']:.1f}, p99 {f['p99_itl_ms']:.1f}",
-        "Tokens by source: "
-        + ", ".join(f"{sources[k]} {names.get(k, k)} ({_pct(sources[k], admitted)})" for k in shown)
-        + f" of {admitted} admitted ({int(f['preemptions'])} preemptions)",
-        f"Prefix cache hit rate: {f['prefix_cache_hit_rate_pct']:.1f}%"
-        + (
-            f", External prefix cache hit rate: {f['external_hit_rate_pct']:.1f}%"
-            if "offload_load_jobs" in s
-            else ""
-        ),
-    ]
-    if "offload_load_jobs" in s:
-        lines += [
-            f"Offloading: stored {int(s['offload_stored_blocks'])} blocks "
-            f"({s['offload_store_bytes'] / _MIB:.1f} MiB) in {s['offload_store_seconds']:.2f} s, "
-            f"loaded {int(s['offload_loaded_blocks'])} blocks "
-            f"({s['offload_load_bytes'] / _MIB:.1f} MiB) in {s['offload_load_seconds']:.2f} s",
-            f"Offloaded tier: {int(s['offload_tier_evicted_blocks'])} evictions, "
-            f"{int(s['offload_failed_loads'])} failed loads, "
-            f"{int(s['offload_failed_stores'])} failed stores, "
-            f"{int(s['offload_rejected_stores'])} stores refused (tier full)",
-        ]
-    if "offload_tier_disk_stored_blocks" in s:
-        lines.append(
-            f"Disk tier: {int(s['offload_tier_disk_stored_blocks'])} blocks written, "
-            f"{int(s['offload_tier_promoted_blocks'])} promoted to the host tier "
-            f"({int(s['offload_tier_failed_promotion_blocks'])} failed, "
-            f"{int(s['offload_tier_refused_promotion_blocks'])} refused), "
-            f"{int(s['offload_tier_disk_evicted_blocks'])} evictions, "
-            f"{int(s['offload_retries'])} deferred lookups"
-        )
-    if "offload_tier_remote_stored_blocks" in s:
-        lines.append(
-            f"Remote tier: {int(s['offload_tier_remote_stored_blocks'])} blocks stored, "
-            f"{int(s['offload_tier_remote_loaded_blocks'])} loaded "
-            f"({int(s['offload_tier_remote_failed_load_blocks'])} failed, "
-            f"{int(s['offload_tier_remote_vanished_blocks'])} vanished), "
-            f"{int(s['offload_tier_remote_dropped_store_blocks'])} stores dropped, "
-            f"{int(s['offload_tier_remote_lookups_sent'])} lookups sent"
-        )
-    return "\n".join(lines)
+def _warm_up(engine: Engine, requests: Sequence[BenchRequest]) -> None:
+    """One request at full step size: torch's first large forward pass costs seconds (allocator
+    growth, kernel selection) that would otherwise land on whichever run comes first. Its stores
+    are drained, and the engine's Prometheus series restart after it, so that ``/metrics``
+    counts the measured requests only, as the summary does."""
+    vocab = engine.model_config.vocab_size
+    longest = max(len(r.prompt) for r in requests)
+    capacity = engine.num_device_blocks * engine.config.block_size // 2
+    warm_len = max(1, min(engine.config.max_num_batched_tokens, longest, capacity - 2))
+    warm = [[(7 * i + 3) % (vocab - 2) + 1 for i in range(warm_len)]]
+    engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.drain()
+    engine.metrics.reset()
 
 
 @dataclass
@@ -345,64 +252,6 @@ def summarize(results: Sequence[ThroughputResult]) -> list[ConfigSummary]:
     return [ConfigSummary(label, runs) for label, runs in by_label.items()]
 
 
-def _cell(c: ConfigSummary, key: str, fmt: str) -> str:
-    med = fmt.format(c.median(key))
-    if len(c.runs) == 1:
-        return med
-    lo, hi = (fmt.format(v) for v in c.spread(key))
-    return med if lo == hi else f"{med} [{lo}-{hi}]"
-
-
-def format_comparison(summaries: Sequence[ConfigSummary]) -> str:
-    """The configurations side by side (median [min-max] of their repeats), the throughput
-    ratios against the first (no offloading) and the last (ideal), and what the spread allows
-    one to conclude."""
-    rows = [
-        (key, name, fmt)
-        for key, name, fmt in COMPARED
-        if not key.startswith("tokens_")
-        or key in ("tokens_computed", "tokens_device", "tokens_host")
-        or any(c.median(key) for c in summaries)
-    ]
-    cells = [[_cell(c, key, fmt) for c in summaries] for key, _, fmt in rows]
-    width = max(
-        12, *(len(c.label) + 2 for c in summaries), *(len(x) + 2 for row in cells for x in row)
-    )
-    name_width = max(len(name) for _, name, _ in rows) + 2
-    out = [f"{'':<{name_width}}" + "".join(f"{c.label:>{width}}" for c in summaries)]
-    for (_, name, _), row in zip(rows, cells, strict=True):
-        out.append(f"{name:<{name_width}}" + "".join(f"{x:>{width}}" for x in row))
-    out.append("")
-    ratios = throughput_ratios(summaries)
-    base, ideal = summaries[0], summaries[-1]
-    for i, c in enumerate(summaries[1:], start=1):
-        line = f"{c.label}: {_ratio_text(ratios[(c.label, base.label)])} the throughput of {base.label}"
-        if c is not ideal:
-            line += f", {_ratio_text(ratios[(c.label, ideal.label)], pct=True)} of {ideal.label}"
-            if i >= 2:
-                prev = summaries[i - 1].label
-                line += f", {_ratio_text(ratios[(c.label, prev)])} {prev}"
-        out.append(line)
-    if len(base.runs) == 1:
-        out.append("One run per configuration: no spread to judge (use --repeats 3 or more).")
-    key = "requests_per_s"
-    for c in summaries:
-        if c.is_wide(key):
-            lo, hi = c.spread(key)
-            out.append(
-                f"Spread too wide to conclude: {c.label} ran at {lo:.3f}-{hi:.3f} requests/s "
-                f"over {len(c.runs)} repeats (more than {100 * WIDE_SPREAD:.0f}% of its median); "
-                "rerun on a quieter machine or with more --repeats."
-            )
-    for (label, other), r in ratios.items():
-        if r["inconclusive"]:
-            out.append(
-                f"Cannot conclude whether {label} is faster than {other}: "
-                f"the ratio ranges {r['min']:.2f}x-{r['max']:.2f}x over the repeats."
-            )
-    return "\n".join(out)
-
-
 def throughput_ratios(summaries: Sequence[ConfigSummary]) -> dict[tuple[str, str], dict[str, Any]]:
     """Requests/s of each configuration against the first (no offloading), of the middle ones
     against the last (ideal), and of each middle one after the first against the one before it
@@ -424,16 +273,3 @@ def throughput_ratios(summaries: Sequence[ConfigSummary]) -> dict[tuple[str, str
             "inconclusive": len(c.runs) > 1 and lo < 1 < hi,
         }
     return out
-
-
-def _ratio_text(r: dict[str, Any], pct: bool = False) -> str:
-    """``2.88x (range 2.10x-3.40x)``, or as a percentage; no range when min == max."""
-    if pct:
-        text, lo, hi = (
-            f"{100 * r['median']:.1f}%",
-            f"{100 * r['min']:.0f}",
-            f"{100 * r['max']:.0f}%",
-        )
-    else:
-        text, lo, hi = f"{r['median']:.2f}x", f"{r['min']:.2f}x", f"{r['max']:.2f}x"
-    return text if r["min"] == r["max"] else f"{text} (range {lo}-{hi})"

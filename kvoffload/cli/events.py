@@ -55,8 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     listen.add_argument(
         "--from-seq",
         type=int_in(0),
+        default=0,
         metavar="N",
-        help="first batch wanted; with --replay, batches from N on are fetched at start",
+        help="first batch wanted (default: %(default)s, everything): batches from N on that "
+        "did not arrive live are a gap, fetched from --replay at start and whenever one opens",
     )
     listen.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     listen.add_argument(
@@ -71,8 +73,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="table refresh period (default: %(default)s s)",
     )
-    listen.add_argument("--max-batches", type=int_in(1), metavar="N", help="stop after N batches")
-    listen.add_argument("--timeout", type=real_in(0), metavar="S", help="stop after S seconds")
+    listen.add_argument(
+        "--max-batches",
+        type=int_in(1),
+        metavar="N",
+        help="stop after N batches (default: no limit)",
+    )
+    listen.add_argument(
+        "--timeout",
+        type=real_in(0),
+        metavar="S",
+        help="stop after S seconds (default: run until Ctrl-C or --max-batches)",
+    )
     listen.set_defaults(func=_listen, parser=listen)
 
 
@@ -89,7 +101,7 @@ def _listen(args: argparse.Namespace) -> int:
         print(f"kvoffload events listen: {exc}", file=sys.stderr)
         return 2
     with subscriber as sub:
-        if args.replay is not None and args.from_seq is not None:
+        if args.replay is not None:
             sub.catch_up()
         batches = replayed = 0
         next_refresh = start + args.refresh

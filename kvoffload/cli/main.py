@@ -11,15 +11,16 @@ import sys
 _COMMAND_GROUPS = {
     "bench": "kvoffload.cli.bench",
     "events": "kvoffload.cli.events",
+    "serve": "kvoffload.cli.serve",
+    "route": "kvoffload.cli.route",
 }
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     from kvoffload import __version__
+    from kvoffload.cli.args import CommandParser
 
-    parser = argparse.ArgumentParser(
-        prog="kvoffload", description="KV-cache offloading for LLM inference."
-    )
+    parser = CommandParser(prog="kvoffload", description="KV-cache offloading for LLM inference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(
         dest="group", required=True, metavar="{" + ",".join(_COMMAND_GROUPS) + "}"

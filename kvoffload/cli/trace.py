@@ -10,18 +10,59 @@ JSON and a plot of hit ratio against capacity.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvoffload.cli.args import check_output_path
+from kvoffload.cli.args import check_output_path, int_in
+from kvoffload.cli.command import command
+from kvoffload.cli.flagspec import Flag, add_flags, resolve_flags
 
-__all__ = ["add_parser", "run"]
+__all__ = ["TRACE_FLAGS", "add_parser", "run"]
 
 DEFAULT_CAPACITIES = "250,1000,4000,16000,64000"
 _WIDTH = 10
+
+
+TRACE_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "dataset_path",
+        "a Mooncake-format JSONL trace (repeatable)",
+        unit="TRACE.jsonl",
+        kind="append",
+        default=(),
+        unset="none",
+    ),
+    Flag(
+        "generate",
+        "a generated workload of the suite (repeatable; 'suite' = all of them)",
+        unit="NAME",
+        kind="append",
+        default=(),
+        unset="none",
+    ),
+    Flag("seed", "seed of the generated workloads", parse=int_in(0), default=0, unit="N"),
+    Flag(
+        "num_prompts",
+        "replay only the first N requests of a file / generate N requests",
+        parse=int_in(1),
+        unit="N",
+        aliases=("--num-requests",),
+        unset="a file's every request; each generator's own count",
+    ),
+    Flag(
+        "capacities",
+        "comma-separated tier sizes in blocks",
+        default=DEFAULT_CAPACITIES,
+        unit="BLOCKS,...",
+    ),
+    Flag("policies", "comma-separated policy names", unit="NAME,...", unset="all registered"),
+    Flag("no_references", "skip the infinite and belady references", kind="switch"),
+    Flag("output_json", "write the results here", unit="FILE", unset="none"),
+    Flag("plot", "plot hit ratio vs capacity", unit="FILE.png", unset="none"),
+    Flag("no_progress", "no progress bar", kind="switch"),
+)
 
 
 def add_parser(bench_subparsers: Any) -> None:
@@ -31,57 +72,21 @@ def add_parser(bench_subparsers: Any) -> None:
         help="prefix-hit ratio of eviction policies on traces (choose a policy)",
         description=__doc__.split("\n\n")[1].replace("\n", " ").replace("``", ""),
     )
-    p.add_argument(
-        "--dataset-path",
-        action="append",
-        default=[],
-        metavar="TRACE.jsonl",
-        help="a Mooncake-format JSONL trace (repeatable)",
-    )
-    p.add_argument(
-        "--generate",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a generated workload of the suite (repeatable; 'suite' = all of them)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated workloads")
-    p.add_argument(
-        "--num-requests",
-        type=int,
-        default=None,
-        help="replay only the first N requests of a file / generate N requests",
-    )
-    p.add_argument(
-        "--capacities",
-        default=DEFAULT_CAPACITIES,
-        help=f"comma-separated tier sizes in blocks (default {DEFAULT_CAPACITIES})",
-    )
-    p.add_argument(
-        "--policies", default=None, help="comma-separated policy names (default: all registered)"
-    )
-    p.add_argument(
-        "--no-references", action="store_true", help="skip the infinite and belady references"
-    )
-    p.add_argument("--output-json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot hit ratio vs capacity")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run, check=_check_args)
+    add_flags(p, TRACE_FLAGS)
+    p.set_defaults(func=run, check=_check_args, parser=p)
 
 
-def _check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+def _check_args(
+    args: argparse.Namespace,
+) -> tuple[argparse.Namespace, list[int], list[str], list[str]]:
     """Every check of the flags before anything runs (a :class:`ConfigError` naming the setting);
-    returns the capacities and the policies."""
-    from kvoffload.validation import check_int
-
-    check_int("seed", args.seed, 0)
-    if args.num_requests is not None:
-        check_int("num_requests", args.num_requests, 1)
-    for setting, path in (("output_json", args.output_json), ("plot", args.plot)):
+    returns the resolved flags, the capacities, the policies and the generated workloads."""
+    flags = resolve_flags(args)
+    for setting, path in (("output_json", flags.output_json), ("plot", flags.plot)):
         if path is not None:
             check_output_path(setting, path)
-    _plotting_available(args.plot)
-    return _capacities(args.capacities), _policies(args.policies)
+    _plotting_available(flags.plot)
+    return flags, _capacities(flags.capacities), _policies(flags.policies), _generated(flags)
 
 
 def _plotting_available(path: str | None) -> None:
@@ -124,25 +129,38 @@ def _policies(text: str | None) -> list[str]:
     return names
 
 
-def _traces(args: argparse.Namespace) -> list[tuple[str, list[list[int]]]]:
+def _generated(flags: argparse.Namespace) -> list[str]:
+    """The generated workloads asked for; :class:`ConfigError` for an unknown one or none at
+    all (and no file)."""
     from kvoffload.benchmark import traces
-    from kvoffload.benchmark.hit_rate import load_trace
     from kvoffload.errors import ConfigError
 
     names = []
-    for name in args.generate:
+    for name in flags.generate:
         names += sorted(traces.SUITE) if name == "suite" else [name]
     unknown = sorted(set(names) - set(traces.SUITE))
     if unknown:
         raise ConfigError("generate", f"unknown {unknown}; choose from {sorted(traces.SUITE)}")
-    if not names and not args.dataset_path:
+    if not names and not flags.dataset_path:
         raise ConfigError(
             "dataset_path", "give a trace with --dataset-path FILE or --generate NAME (or suite)"
         )
-    out = [(Path(p).stem, load_trace(p, args.num_requests)) for p in args.dataset_path]
+    return names
+
+
+def _traces(flags: argparse.Namespace, names: list[str]) -> list[tuple[str, list[list[int]]]]:
+    """Every trace: the files', read (saying so unless ``--no-progress``), then the generated."""
+    from kvoffload.benchmark import traces
+    from kvoffload.benchmark.hit_rate import load_trace
+
+    out = []
+    for path in flags.dataset_path:
+        if not flags.no_progress:
+            print(f"reading {path}", file=sys.stderr, flush=True)
+        out.append((Path(path).stem, load_trace(path, flags.num_prompts)))
     for name in names:
-        records = traces.generate(name, args.seed, args.num_requests)
-        out.append((f"{name} (seed {args.seed})", [r["hash_ids"] for r in records]))
+        records = traces.generate(name, flags.seed, flags.num_prompts)
+        out.append((f"{name} (seed {flags.seed})", [r["hash_ids"] for r in records]))
     return out
 
 
@@ -254,36 +272,47 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+@command
 def run(args: argparse.Namespace) -> int:
+    from kvoffload.benchmark.report import write_json
+
+    flags, capacities, policies, generated = _check_args(args)
+    traces = _traces(flags, generated)
+    results = _replay_all(flags, traces, capacities, policies)
+    if flags.output_json:
+        shown = {k: v for k, v in vars(flags).items() if k not in ("func", "check", "parser")}
+        write_json(flags.output_json, {"args": shown, "traces": results})
+    if flags.plot:
+        plot(results, flags.plot)
+    return 0
+
+
+def _replay_all(
+    flags: argparse.Namespace,
+    traces: list[tuple[str, list[list[int]]]],
+    capacities: list[int],
+    policies: list[str],
+) -> dict[str, dict[str, Any]]:
+    """Every trace replayed, its tables printed as it ends (a progress bar on stderr unless
+    ``--no-progress``, closed however the replay ends)."""
     from tqdm import tqdm
 
-    from kvoffload.errors import KVOffloadError
-
+    total = sum(len(reqs) for _, reqs in traces) * len(capacities) * len(policies)
+    bar = (
+        None
+        if flags.no_progress
+        else tqdm(total=total, desc="replay", unit="req", file=sys.stderr, leave=False)
+    )
+    results: dict[str, dict[str, Any]] = {}
     try:
-        capacities, policies = _check_args(args)
-        traces = _traces(args)
-        total = sum(len(reqs) for _, reqs in traces) * len(capacities) * len(policies)
-        bar = (
-            None
-            if args.no_progress
-            else tqdm(total=total, desc="replay", unit="req", file=sys.stderr, leave=False)
-        )
-        results: dict[str, dict[str, Any]] = {}
         for name, requests in traces:
             results[name] = replay_trace(
-                requests, capacities, policies, not args.no_references, bar
+                requests, capacities, policies, not flags.no_references, bar
             )
             if bar is not None:
                 bar.clear()
             print(format_trace(name, results[name]) + "\n", flush=True)
+    finally:
         if bar is not None:
             bar.close()
-        if args.output_json:
-            payload = {"args": vars(args) | {"func": None, "check": None}, "traces": results}
-            Path(args.output_json).write_text(json.dumps(payload, indent=2))
-        if args.plot:
-            plot(results, args.plot)
-    except KVOffloadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return results

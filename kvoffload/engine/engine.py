@@ -265,6 +265,13 @@ class Engine:
         if req is not None and not req.status.finished:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
 
+    def live_output(self, request_id: str) -> tuple[list[int], list[dict[int, float]]] | None:
+        """A live request's output so far: its generated token ids and their log-probabilities
+        (empty unless asked for), as the engine's own lists: read them between steps, never
+        change them (a server streams from them). ``None`` once the request finished."""
+        req = self._requests.get(request_id)
+        return None if req is None else (req.output_token_ids, req.logprobs)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 

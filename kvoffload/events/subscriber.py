@@ -1,10 +1,10 @@
 """``KVEventSubscriber``: receives event batches in order, filling sequence gaps from replay.
 
-The subscriber tracks the next sequence number it expects. A live batch further ahead means
-batches were missed (the subscriber joined late, a high-water mark dropped them, the publisher's
-queue overflowed): it asks the publisher's replay socket for them, delivers what comes back in
-order, then the live batch, and records a :class:`Gap` saying how many were recovered and how
-many are lost for good. A live batch behind the expected number was delivered already through
+The subscriber tracks the next sequence number it expects, from 0 (a publisher's first batch)
+unless told otherwise. A live batch further ahead means batches were missed (the subscriber
+joined late, a high-water mark dropped them, the publisher's queue overflowed): it asks the
+publisher's replay socket for them, delivers what comes back in order, then the live batch, and
+records a :class:`Gap` saying how many were recovered and how many are lost for good. A live batch behind the expected number was delivered already through
 replay (or precedes ``start_seq``) and is skipped. A live number at or below the previous live
 one means the publisher restarted (its numbers start again at 0).
 """
@@ -65,9 +65,10 @@ class KVEventSubscriber:
     """Subscribes to one publisher's events (``topic`` is a prefix filter; ``""`` takes all).
 
     ``endpoint`` is connected, or bound when it holds a wildcard (``*``), for publishers that
-    connect. ``start_seq`` is the first batch wanted (``None``: whatever arrives first); with
-    ``start_seq=0`` and a ``replay_endpoint``, batches published before the subscription took
-    effect are recovered when the first live batch arrives, or at once with :meth:`catch_up`.
+    connect. ``start_seq`` is the first batch wanted: 0 (the default) is everything the
+    publisher sent, so batches published before the subscription took effect are a gap, counted
+    when the first live batch arrives and recovered through ``replay_endpoint`` when given (or at
+    once with :meth:`catch_up`); ``None`` starts from whatever arrives first (no history wanted).
     A replay that does not finish within ``replay_timeout_s`` counts its missing batches as lost.
 
     Not thread-safe. ``stats()``: ``received`` (delivered live), ``replayed`` (delivered through
@@ -81,7 +82,7 @@ class KVEventSubscriber:
         topic: str = "",
         replay_endpoint: str | None = None,
         *,
-        start_seq: int | None = None,
+        start_seq: int | None = 0,
         replay_timeout_s: float = 1.0,
         hwm: int = 100_000,
         context: zmq.Context | None = None,
@@ -150,8 +151,7 @@ class KVEventSubscriber:
         deadline = time.monotonic() + timeout_s
         sub = self._sub
         while not self._ready:
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not sub.poll(wait_ms, zmq.POLLIN):
+            if not sub.poll(self._wait_ms(deadline), zmq.POLLIN):
                 return None
             self._on_live(sub.recv_multipart(zmq.NOBLOCK))
             if not self._ready and time.monotonic() >= deadline:
@@ -177,21 +177,22 @@ class KVEventSubscriber:
         """Fetch every buffered batch from the next expected one (0 if none) through replay.
 
         They are delivered by the next :meth:`receive` calls, before any later live batch; live
-        copies of them are then skipped. Returns how many were fetched.
+        copies of them are then skipped. Returns how many were fetched. When no publisher
+        serves the replay address yet (a subscriber started before its engine), nothing is
+        asked and 0 is returned: the first live batch's gap brings the history then.
         """
         if self._closed:
             raise ContractError("catch_up() on a closed subscriber")
         if self.replay_endpoint is None:
             raise ContractError("catch_up() needs a replay_endpoint")
-        first = 0 if self._next_seq is None else self._next_seq
         if self._next_seq is None:
             self._next_seq = 0
-        items = self._request_replay(first, None)
-        for seq, payload in items:
+        items = self._request_replay(self._next_seq, None, publisher_may_be_down=True)
+        for seq, payload in items or ():
             if seq > self._next_seq:
                 self._record_gap(self._next_seq, seq, 0)
             self._deliver(seq, payload, replayed=True)
-        return len(items)
+        return len(items or ())
 
     def take_gaps(self) -> list[Gap]:
         """Return and forget the gaps met since the last call (at most the last 1000)."""
@@ -246,10 +247,10 @@ class KVEventSubscriber:
             self._stats["skipped"] += 1
             return
         if seq > expected:
-            items = [] if self.replay_endpoint is None else self._request_replay(expected, seq)
-            for replayed_seq, payload in items:
+            items = None if self.replay_endpoint is None else self._request_replay(expected, seq)
+            for replayed_seq, payload in items or ():
                 self._deliver(replayed_seq, payload, replayed=True)
-            self._record_gap(expected, seq, len(items))
+            self._record_gap(expected, seq, len(items or ()))
         self._deliver(seq, frames[2], replayed=False)
 
     def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
@@ -270,18 +271,24 @@ class KVEventSubscriber:
         self._stats["gaps"] += 1
         self._stats["lost"] += gap.lost
 
-    def _request_replay(self, first_seq: int, end_seq: int | None) -> list[tuple[int, bytes]]:
-        """Return the buffered batches with ``first_seq <= seq < end_seq``, in order."""
+    def _request_replay(
+        self, first_seq: int, end_seq: int | None, publisher_may_be_down: bool = False
+    ) -> list[tuple[int, bytes]] | None:
+        """Return the buffered batches with ``first_seq <= seq < end_seq``, in order; ``None``
+        when no publisher serves the replay address within the timeout (nothing was asked).
+        That counts as a timeout unless ``publisher_may_be_down``."""
         sock = self._replay if self._replay is not None else self._open_replay_socket()
-        sock.send_multipart((b"", encode_seq(first_seq)))
         deadline = time.monotonic() + self._replay_timeout_s
+        if not sock.poll(self._wait_ms(deadline), zmq.POLLOUT):  # not connected (IMMEDIATE)
+            if not publisher_may_be_down:
+                self._replay_timed_out(first_seq, "no publisher answers at the replay address")
+            return None
+        sock.send_multipart((b"", encode_seq(first_seq)), zmq.NOBLOCK)
         items: list[tuple[int, bytes]] = []
         while True:
-            wait_ms = int((deadline - time.monotonic()) * 1000)
-            if wait_ms <= 0 or not sock.poll(wait_ms, zmq.POLLIN):
+            if not sock.poll(self._wait_ms(deadline), zmq.POLLIN):
                 # Late answers would be mistaken for the next request's: start a fresh socket.
-                self._stats["replay_timeouts"] += 1
-                logger.warning("KV event replay from seq %d timed out", first_seq)
+                self._replay_timed_out(first_seq, "timed out")
                 sock.close(linger=0)
                 self._replay = None
                 return items
@@ -295,8 +302,19 @@ class KVEventSubscriber:
             if seq >= first_seq and (end_seq is None or seq < end_seq):
                 items.append((seq, frames[3]))
 
+    @staticmethod
+    def _wait_ms(deadline: float) -> int:
+        return max(0, int((deadline - time.monotonic()) * 1000))
+
+    def _replay_timed_out(self, first_seq: int, why: str) -> None:
+        self._stats["replay_timeouts"] += 1
+        logger.warning("KV event replay from seq %d: %s", first_seq, why)
+
     def _open_replay_socket(self) -> zmq.Socket:
         sock = self._replay = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer must fit
+        # Requests go to a connected publisher only (never queued for one that may never come):
+        # writable (POLLOUT) means connected.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(self.replay_endpoint)
         return sock

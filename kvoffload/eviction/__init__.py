@@ -1,10 +1,12 @@
 """Eviction policies for offloading tiers, registered by name (``--eviction-policy``)."""
 
+from kvoffload.eviction._request_state import RequestUses
 from kvoffload.eviction.adaptive import AdaptivePolicy
 from kvoffload.eviction.arc import ARCPolicy
 from kvoffload.eviction.base import (
     ENTRY_POINT_GROUP,
     EvictionPolicy,
+    HeldBlocksPolicy,
     OffloadedBlock,
     available_eviction_policies,
     create_eviction_policy,
@@ -19,9 +21,11 @@ __all__ = [
     "ARCPolicy",
     "AdaptivePolicy",
     "EvictionPolicy",
+    "HeldBlocksPolicy",
     "LRUPolicy",
     "OffloadedBlock",
     "PrefixPolicy",
+    "RequestUses",
     "S3FIFOPolicy",
     "available_eviction_policies",
     "create_eviction_policy",

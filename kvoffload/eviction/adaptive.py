@@ -6,15 +6,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction._request_state import lists_touched_by
-from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy
+from kvoffload.eviction._request_state import RequestChains
+from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy, requeue_tail_first
 from kvoffload.eviction.s3fifo import S3FIFOPolicy, taken_from_small
 from kvoffload.keys import OffloadKey
 
 __all__ = ["AdaptivePolicy"]
-
-#: Reinsertion passes a block of ``main`` earns at most (S3-FIFO: 3).
-_MAX_FREQ = 2
 
 
 @register_eviction_policy
@@ -47,20 +44,22 @@ class AdaptivePolicy(S3FIFOPolicy):
       over fast (agent loops at a small tier) the reach shrinks to what ``main`` can use.
     * **Recency in ``main``, chains tail first.** On ``request_finished`` the keys the request
       stored, tail to head, move to the new end of ``small`` (or of ``main`` if unused since
-      entering it); then the blocks of ``main`` it used, tail to head, move to the new end of
+      entering it); then the blocks of ``main`` it touched, tail to head, move to the new end of
       ``main``. ``main`` is thus ordered by last use, and a block's frequency (capped at 2, not
       S3-FIFO's 3) buys it at most two extra passes: a context that stopped being used (a
       finished agent session) leaves after its last use ages out, as in LRU.
 
-    A use is counted once per request per touched key list (a scheduler re-touching the same list
-    each step counts once). Costs: ``touch``/``insert``/``request_finished`` O(1) per key;
-    ``evict`` as S3-FIFO's. The history is two generations of plain dicts: the older is dropped
+    A use is counted once per request and block, whichever list a scheduler touches it in (as in
+    S3-FIFO: the block is stamped with the request's serial). Costs: ``touch``/``insert``/
+    ``request_finished`` O(1) per key; ``evict`` as S3-FIFO's. The history is two generations of plain dicts: the older is dropped
     whole when the newer spans ``history_size`` evictions from ``small``, so a key is remembered
     for at least that many and nothing is trimmed key by key. Memory: up to ``2 x history_factor
     + 1`` remembered keys per block of capacity (plus one call's victims).
     """
 
     name = "adaptive"
+    #: Reinsertion passes a block of ``main`` earns at most (S3-FIFO: 3).
+    max_freq = 2
 
     def __init__(
         self, capacity: int, *, history_factor: int = 3, initial_small: float = 0.05
@@ -87,8 +86,14 @@ class AdaptivePolicy(S3FIFOPolicy):
 
     # -- the policy interface ------------------------------------------------------------------
 
-    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
-        block.freq = 0
+    def _remembers(self, keys: Sequence[OffloadKey]) -> bool:
+        return not (
+            self._ghost.keys().isdisjoint(keys)
+            and self._old_ghost.keys().isdisjoint(keys)
+            and self._main_ghost.keys().isdisjoint(keys)
+        )
+
+    def _enter(self, key: OffloadKey, block: OffloadedBlock) -> None:
         self._blocks[key] = block
         left = self._ghost.pop(key, None)
         if left is None:
@@ -108,51 +113,18 @@ class AdaptivePolicy(S3FIFOPolicy):
             return
         self._small[key] = block
 
-    def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
-        held, small = self._blocks, self._small
-        ghost, old_ghost, main_ghost = self._ghost, self._old_ghost, self._main_ghost
-        if (
-            ghost.keys().isdisjoint(keys)
-            and old_ghost.keys().isdisjoint(keys)
-            and main_ghost.keys().isdisjoint(keys)
-        ):  # none is remembered: all enter small, in order, in one loop without a call per key
-            for key, block in zip(keys, blocks, strict=True):
-                block.freq = 0
-                held[key] = small[key] = block
-            return
-        insert = self.insert  # some are: in order, a call for each of those
-        for key, block in zip(keys, blocks, strict=True):
-            if key in ghost or key in old_ghost or key in main_ghost:
-                insert(key, block)
-            else:
-                block.freq = 0
-                held[key] = small[key] = block
-
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        counted = lists_touched_by(ctx, self)
-        for seen in counted:
+        super().touch(keys, ctx)
+        touched = self._chains(ctx).touched
+        for seen in touched:  # the scheduler re-touches one list: keep it once
             if seen is keys:
                 return
-        counted.append(keys)
-        get = self._blocks.get
-        for key in keys:
-            block = get(key)
-            if block is not None and block.freq < _MAX_FREQ:
-                block.freq += 1
+        touched.append(keys)
 
-    def request_finished(
-        self,
-        touched: Sequence[Sequence[OffloadKey]],
-        stored: Sequence[Sequence[OffloadKey]],
-        ctx: ReqContext,
-    ) -> None:
-        super().request_finished(touched, stored, ctx)  # stored chains: tail first
-        main = self._main
-        move = main.move_to_end
-        for keys in reversed(touched):  # then the chains it used: main's recency, head last
-            for key in reversed(keys):
-                if key in main:
-                    move(key)
+    def _commit_request(self, chains: RequestChains) -> None:
+        super()._commit_request(chains)  # stored chains: tail first
+        for keys in reversed(chains.touched):  # then the blocks of main it touched, head last
+            requeue_tail_first(self._main, keys)
 
     def _commit(
         self,
@@ -220,4 +192,4 @@ class AdaptivePolicy(S3FIFOPolicy):
         for fifo in (small, main):
             for key, block in fifo.items():
                 assert block is self._blocks[key], f"{key.hex()}: two records"
-                assert 0 <= block.freq <= _MAX_FREQ, f"{key.hex()}: frequency {block.freq}"
+                assert 0 <= block.freq <= self.max_freq, f"{key.hex()}: frequency {block.freq}"

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction._request_state import keys_seen_by
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction._request_state import GroupWatch, RequestUses
+from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]
@@ -24,73 +23,99 @@ def _next_evictable(
 
 
 @register_eviction_policy
-class ARCPolicy(EvictionPolicy):
-    """ARC: a recency list and a frequency list whose split adapts to ghost hits.
+class ARCPolicy(HeldBlocksPolicy):
+    """ARC as vLLM 0.33's ``ARCCachePolicy``: a recency list and a frequency list whose split
+    adapts to ghost hits.
 
-    ``T1`` holds blocks used by one request, ``T2`` blocks used by two or more, each oldest first;
-    ``B1``/``B2`` remember the keys last evicted from ``T1``/``T2`` (at most ``capacity`` each,
-    oldest dropped first). ``target`` (0 <= target <= capacity) is the size ``T1`` should have.
+    ``T1`` holds blocks used by one request, ``T2`` blocks reused, each oldest first; ``B1``/``B2``
+    remember the keys last evicted from ``T1``/``T2`` (at most ``capacity`` each, oldest dropped
+    first). ``target`` (0 <= target <= capacity) is the size ``T1`` should have.
 
-    * ``insert``: the key enters the new end of ``T1``. A key remembered in ``B1`` (evicted from
-      ``T1`` recently and stored again) raises ``target`` by ``max(1, |B2| / |B1|)``, one in ``B2``
-      lowers it by ``max(1, |B1| / |B2|)`` (clamped); either way it leaves the ghost list. A ghost
-      hit is a store miss: it is seen where the block comes back, ``prepare_store``, as in vLLM.
-    * ``touch`` (tail to head, so the prefix head ends most recent; each key once per request;
-      keys not held are ignored): a ready (``ref_cnt >= 0``) ``T1`` block moves to the new end of
-      ``T2``, a pending one only to the new end of ``T1`` (its store, not a second use, put it
-      there); a ``T2`` block moves to the new end of ``T2``.
-    * ``request_finished``: the request's keys, walked tail to head, move to the new end of the
-      list they are in (no promotion: the use was counted by ``touch``), so that the chain it
-      stored or used leaves ``T1`` / ``T2`` tail first.
+    * Ghost hit (a key in ``B1`` or ``B2`` that a request is about to store again, once per
+      request and key, before the eviction that makes room for it, as vLLM's ``on_store_miss``;
+      or a key in ``B1``/``B2`` that is touched): ``B1`` raises ``target`` by
+      ``max(1, |B2| / |B1|)``, ``B2`` lowers it by ``max(1, |B1| / |B2|)`` (clamped); the key
+      moves to the new end of its ghost list. ``insert``: the key enters the new end of ``T1``
+      and leaves the ghost lists.
+    * ``touch`` (tail to head, every call): a ready ``T1`` block moves to the new end of ``T2``,
+      a pending one to the new end of ``T1`` (its store, not a second use, put it there); a ``T2``
+      block to the new end of ``T2``; a ghost key is a ghost hit.
+    * ``request_finished``: the keys the request loaded or offered to store, tail to head
+      (:meth:`RequestUses.head_to_tail`): a key it only stored moves to the new end of the list it
+      is in; a ready block it reused (loaded, or offered when already stored) moves from ``T1``
+      to the new end of ``T2``, or to the new end of ``T2``.
     * Eviction rule: for each victim, take the oldest evictable block of ``T1`` if ``T1`` (less
       the victims already taken from it) has at least ``max(1, int(target))`` blocks, else the
       oldest evictable of ``T2``; if the preferred list has none, the other one. Victims from
-      ``T1`` go to ``B1``, from ``T2`` to ``B2``. Atomic: the scans do not mutate; exactly ``n``
-      victims are committed, or none.
+      ``T1`` go to ``B1``, from ``T2`` to ``B2``; victims are returned in the order chosen.
+      Atomic: the scans do not mutate; exactly ``n`` victims are committed, or none.
 
-    Costs: O(1) per touched or inserted key; ``evict`` O(n + blocks skipped) with one monotonic
-    scan per list. Not thread-safe.
+    Costs: O(1) per touched, inserted or finished key; ``evict`` O(n + blocks skipped) with one
+    monotonic scan per list. Not thread-safe.
     """
 
     name = "arc"
+    reads_access = True
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
         self._t1: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.target = 0.0
+        self._groups = GroupWatch()
 
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)
-
-    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+    def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
+        self._groups.saw((key,))
         self._blocks[key] = block
         self._t1[key] = block
-        b1, b2 = self._b1, self._b2
-        if key in b1:
-            self.target = min(self.target + max(1.0, len(b2) / len(b1)), float(self.capacity))
-            del b1[key]
-        elif key in b2:
-            self.target = max(self.target - max(1.0, len(b1) / len(b2)), 0.0)
-            del b2[key]
+        self._b1.pop(key, None)
+        self._b2.pop(key, None)
+
+    def insert_n(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[OffloadedBlock],
+        ctx: ReqContext | None = None,
+    ) -> None:
+        self._groups.saw(keys)
+        pairs = list(zip(keys, blocks, strict=True))
+        self._blocks.update(pairs)
+        self._t1.update(pairs)
+        for ghosts in (self._b1, self._b2):
+            if not ghosts.keys().isdisjoint(keys):
+                for key in keys:
+                    ghosts.pop(key, None)
 
     def remove(self, key: OffloadKey) -> None:
         del self._blocks[key]
         if self._t1.pop(key, None) is None:
             del self._t2[key]
 
+    def store_missed(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        b1, b2 = self._b1, self._b2
+        if not (b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
+            self._ghost_hits(reversed(keys))
+
+    def _ghost_hits(self, keys: Iterable[OffloadKey]) -> None:
+        """Adapt ``target`` to a use of each key of ``keys`` that is a ghost, in order (see the
+        class docstring)."""
+        b1, b2 = self._b1, self._b2
+        capacity, target = float(self.capacity), self.target
+        for key in keys:
+            if key in b1:
+                target = min(target + max(1.0, len(b2) / len(b1)), capacity)
+                b1.move_to_end(key)
+            elif key in b2:
+                target = max(target - max(1.0, len(b1) / len(b2)), 0.0)
+                b2.move_to_end(key)
+        self.target = target
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        seen = keys_seen_by(ctx, self)
-        t1, t2 = self._t1, self._t2
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        ghosts: list[OffloadKey] = []  # in the order met (a hit moves only ghost lists)
         for key in reversed(keys):
-            if key in seen:
-                continue
-            seen.add(key)
             block = t1.get(key)
             if block is not None:
                 if block.ref_cnt >= 0:
@@ -100,21 +125,27 @@ class ARCPolicy(EvictionPolicy):
                     t1.move_to_end(key)
             elif key in t2:
                 t2.move_to_end(key)
+            elif key in b1 or key in b2:
+                ghosts.append(key)
+        if ghosts:
+            self._ghost_hits(ghosts)
 
-    def request_finished(
-        self,
-        touched: Sequence[Sequence[OffloadKey]],
-        stored: Sequence[Sequence[OffloadKey]],
-        ctx: ReqContext,
-    ) -> None:
+    def request_finished(self, uses: RequestUses, ctx: ReqContext) -> None:
+        reused, inserted = uses.reused_and_inserted()
         t1, t2 = self._t1, self._t2
-        # The stored runs first, then the touched chains (the whole request, head last).
-        for keys in itertools.chain(reversed(stored), reversed(touched)):
-            for key in reversed(keys):
-                if key in t1:
-                    t1.move_to_end(key)
+        t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
+        for key in reversed(uses.head_to_tail(ctx, not self._groups.mixed)):
+            if key in reused:  # a reuse: one more use of the block
+                block = t1_pop(key, None)
+                if block is not None:
+                    t2[key] = block
                 elif key in t2:
-                    t2.move_to_end(key)
+                    t2_move(key)
+            elif key in inserted:  # only stored: recency within its list, no promotion
+                if key in t1:
+                    t1_move(key)
+                elif key in t2:
+                    t2_move(key)
 
     def evict(
         self, n: int, protected: Container[OffloadKey]
@@ -124,6 +155,7 @@ class ARCPolicy(EvictionPolicy):
         scans = (iter(self._t1.items()), iter(self._t2.items()))
         exhausted = [False, False]
         picks: tuple[list[tuple[OffloadKey, OffloadedBlock]], ...] = ([], [])
+        victims: list[tuple[OffloadKey, OffloadedBlock]] = []  # both, in the order chosen
         t1_left = len(self._t1)
         want_t1 = max(1, int(self.target))
         for _ in range(n):
@@ -133,6 +165,7 @@ class ARCPolicy(EvictionPolicy):
                 victim = _next_evictable(scans[side], protected)
                 if victim is not None:
                     picks[side].append(victim)
+                    victims.append(victim)
                     t1_left -= side == 0
                     break
                 exhausted[side] = True
@@ -149,18 +182,14 @@ class ARCPolicy(EvictionPolicy):
         for ghosts in (b1, b2):
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)
-        return from_t1 + from_t2
+        return victims
 
     def clear(self) -> None:
         for d in (self._blocks, self._t1, self._t2, self._b1, self._b2):
             d.clear()
         self.target = 0.0
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._blocks)
+        self._groups.clear()
+        self.generation += 1
 
     def check_invariants(self) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Sequence
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction._request_state import request_serial
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["PrefixPolicy"]
@@ -65,7 +64,7 @@ class _Entry:
 
 
 @register_eviction_policy
-class PrefixPolicy(EvictionPolicy):
+class PrefixPolicy(HeldBlocksPolicy):
     """Evict the held *leaf* with the lowest learned hit density; admit only what beats it.
 
     **What it knows that a generic cache doesn't.** Keys arrive in prefix order, so each key's
@@ -122,9 +121,6 @@ class PrefixPolicy(EvictionPolicy):
         seed: int = 0,
     ) -> None:
         super().__init__(capacity)
-        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
         self._held: dict[OffloadKey, _Entry] = {}  # same keys as _blocks
         self._history: OrderedDict[OffloadKey, _Entry] = OrderedDict()  # not held; oldest use first
         # Measured on the conversation trace (docs/eviction-policies.md): remembering 3/4 as
@@ -148,14 +144,11 @@ class PrefixPolicy(EvictionPolicy):
         self._next_recompute = self.recompute_every
         self._clock = 0
 
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)
-
     # -- learning --------------------------------------------------------------------------------
 
     def _record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Count one use per key per request, learn reuse ages, remember chain parents."""
-        serial = request_serial(ctx)
+        serial = ctx.serial
         held, history, hits = self._held, self._history, self._hits
         shift, last_age = self._shift, self._num_ages - 1
         clock = self._clock
@@ -285,7 +278,7 @@ class PrefixPolicy(EvictionPolicy):
         self._rng = rng
         return bar
 
-    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+    def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         e = self._history.pop(key, None)
         if e is None:
             e = _Entry(key, self._clock)
@@ -392,12 +385,7 @@ class PrefixPolicy(EvictionPolicy):
         self._held.clear()
         self._history.clear()
         self._leaves.clear()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._blocks)
+        self.generation += 1
 
     def check_invariants(self) -> None:
         assert self._blocks.keys() == self._held.keys(), "get() and the held records disagree"

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Sequence
+from typing import ClassVar
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction._request_state import keys_seen_by
-from kvoffload.eviction.base import EvictionPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction._request_state import (
+    RequestChains,
+    RequestUses,
+    request_state,
+    take_request_state,
+)
+from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 
 __all__ = ["S3FIFOPolicy"]
-
-_MAX_FREQ = 3  # two bits
 
 
 def taken_from_small(
@@ -27,18 +31,19 @@ def taken_from_small(
 
 
 @register_eviction_policy
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(HeldBlocksPolicy):
     """S3-FIFO (Yang et al., SOSP 2023) over request-level uses.
 
     Three FIFOs, oldest first: ``small`` (new blocks; its target size is ``small_ratio`` of the
     capacity, at least 1), ``main`` (blocks used again), ``ghost`` (keys that left ``small``
     unused, at most ``capacity`` of them). Each held block has a frequency 0..3 (on its record:
-``OffloadedBlock.freq``; the FIFOs map keys to records, so a use or a scan step is one lookup).
+    ``OffloadedBlock.freq``; the FIFOs map keys to records, so a use or a scan step is one lookup).
 
     * ``insert``: a key remembered by ``ghost`` leaves it and enters ``main``; any other key
       enters ``small``. Frequency 0.
-    * ``touch``: each key once per request (so a block's own store-and-touch is one use):
-      frequency ``+1``, capped at 3. No reordering: FIFOs move only on eviction.
+    * ``touch``: each block once per request (its store is the storing request's use, so a
+      block's own store-and-touch is one use): frequency ``+1``, capped at 3. No reordering: FIFOs
+      move only on eviction.
     * ``request_finished``: the keys the request stored, walked tail to head, that are still in
       ``small``, or in ``main`` unused since they entered it (frequency 0: stored from the ghost),
       move to the new end of their FIFO, so that a chain leaves tail first (its head, which every
@@ -59,22 +64,49 @@ class S3FIFOPolicy(EvictionPolicy):
     """
 
     name = "s3fifo"
+    #: The highest frequency a block reaches (two bits).
+    max_freq: ClassVar[int] = 3
 
     def __init__(self, capacity: int, small_ratio: float = 0.1) -> None:
         super().__init__(capacity)
-        self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
         self._small: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._main: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self.small_target = max(1, int(capacity * small_ratio))
 
-    def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)
-
-    def insert(self, key: OffloadKey, block: OffloadedBlock) -> None:
+    def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         block.freq = 0
+        block.user = 0 if ctx is None else ctx.serial  # its store is the request's use
+        self._enter(key, block)
+        if ctx is not None:
+            self._chains(ctx).stored.append((key,))
+
+    def insert_n(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[OffloadedBlock],
+        ctx: ReqContext | None = None,
+    ) -> None:
+        user = 0 if ctx is None else ctx.serial
+        if self._remembers(keys):  # one by one: some enter main
+            enter = self._enter
+            for key, block in zip(keys, blocks, strict=True):
+                block.freq, block.user = 0, user
+                enter(key, block)
+        else:  # none is remembered: all enter small, in order, in one loop without a call per key
+            held, small = self._blocks, self._small
+            for key, block in zip(keys, blocks, strict=True):
+                block.freq, block.user = 0, user
+                held[key] = small[key] = block
+        if ctx is not None:
+            self._chains(ctx).stored.append(keys)
+
+    def _remembers(self, keys: Sequence[OffloadKey]) -> bool:
+        """Whether a key of ``keys`` is remembered (a store of it may enter ``main``)."""
+        return not self._ghost.keys().isdisjoint(keys)
+
+    def _enter(self, key: OffloadKey, block: OffloadedBlock) -> None:
+        """Place a new block: in ``main`` if ``ghost`` remembers its key, else in ``small``."""
         self._blocks[key] = block
         if key in self._ghost:
             del self._ghost[key]
@@ -82,15 +114,8 @@ class S3FIFOPolicy(EvictionPolicy):
         else:
             self._small[key] = block
 
-    def insert_n(self, keys: Sequence[OffloadKey], blocks: Sequence[OffloadedBlock]) -> None:
-        if not self._ghost.keys().isdisjoint(keys):
-            super().insert_n(keys, blocks)  # one by one: some enter main
-            return
-        # None is remembered: all enter small, in order, in one loop without a call per key.
-        held, small = self._blocks, self._small
-        for key, block in zip(keys, blocks, strict=True):
-            block.freq = 0
-            held[key] = small[key] = block
+    def _chains(self, ctx: ReqContext) -> RequestChains:
+        return request_state(ctx, self, RequestChains, self.generation)
 
     def remove(self, key: OffloadKey) -> None:
         del self._blocks[key]
@@ -98,25 +123,27 @@ class S3FIFOPolicy(EvictionPolicy):
             del self._main[key]
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        seen = keys_seen_by(ctx, self)
-        get = self._blocks.get
+        # A use counts once per request: a block stamped with the request's serial (used or
+        # stored by it already) is skipped.
+        get, max_freq, user = self._blocks.get, self.max_freq, ctx.serial
         for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
             block = get(key)
-            if block is not None and block.freq < _MAX_FREQ:
-                block.freq += 1
+            if block is not None and block.user != user:
+                block.user = user
+                if block.freq < max_freq:
+                    block.freq += 1
 
-    def request_finished(
-        self,
-        touched: Sequence[Sequence[OffloadKey]],
-        stored: Sequence[Sequence[OffloadKey]],
-        ctx: ReqContext,
-    ) -> None:
+    def request_finished(self, uses: RequestUses, ctx: ReqContext) -> None:
+        chains = take_request_state(ctx, self, self.generation)
+        if chains is not None:
+            self._commit_request(chains)
+
+    def _commit_request(self, chains: RequestChains) -> None:
+        """The keys the request stored, tail to head, that are still in ``small`` (or in ``main``
+        unused since they entered it) move to the new end of their FIFO."""
         small, main = self._small, self._main
         small_move, main_move, main_get = small.move_to_end, main.move_to_end, main.get
-        for keys in reversed(stored):
+        for keys in reversed(chains.stored):
             for key in reversed(keys):
                 if key in small:
                     small_move(key)
@@ -237,12 +264,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def clear(self) -> None:
         for d in (self._blocks, self._small, self._main, self._ghost):
             d.clear()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._blocks)
+        self.generation += 1
 
     def check_invariants(self) -> None:
         small, main, ghost = self._small, self._main, self._ghost
@@ -253,4 +275,4 @@ class S3FIFOPolicy(EvictionPolicy):
         for fifo in (small, main):
             for key, block in fifo.items():
                 assert block is self._blocks[key], f"{key.hex()}: two records"
-                assert 0 <= block.freq <= _MAX_FREQ, f"{key.hex()}: frequency {block.freq}"
+                assert 0 <= block.freq <= self.max_freq, f"{key.hex()}: frequency {block.freq}"

@@ -15,9 +15,9 @@ from kvoffload.base import (
     ReqContext,
 )
 from kvoffload.errors import ConfigError, ContractError
-from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
-from kvoffload.eviction._request_state import take_uses, uses_recorded_by
-from kvoffload.eviction.base import PENDING
+from kvoffload.eviction import EvictionPolicy, OffloadedBlock, RequestUses, create_eviction_policy
+from kvoffload.eviction._request_state import request_state, take_request_state
+from kvoffload.eviction.base import PENDING, overrides
 from kvoffload.keys import OffloadKey
 from kvoffload.mediums import CPULoadStoreSpec
 
@@ -28,6 +28,7 @@ _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 _slot_of = attrgetter("slot")
+_NO_USES = RequestUses()  # what a policy that does not read the request's access gets (read-only)
 
 
 class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
@@ -44,6 +45,12 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
     one stored event per ``complete_store(success=True)`` that made blocks readable, removals of
     every readable block on :meth:`reset`; failed stores emit nothing (they were never announced).
 
+    Requests (only for policies with the request hooks, :mod:`kvoffload.eviction.base`): as vLLM
+    0.33's manager, it records each request's *access* (:class:`RequestUses`: the keys it loads,
+    and the keys it offers to store that it stores or finds stored and ready), tells the policy
+    of store misses (once per request and key) before evicting for them, and hands the record
+    over at :meth:`request_finished`; records made before a :meth:`reset` are dropped.
+
     Counters from :meth:`stats`: ``capacity_blocks``, ``used_blocks`` (gauges); ``stored_blocks``,
     ``failed_store_blocks``, ``loaded_blocks``, ``evicted_blocks``, ``rejected_stores`` (prepare_store
     answered ``None``), ``not_admitted_blocks`` (declined by the policy).
@@ -54,7 +61,7 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
     def __init__(
         self,
         num_blocks: int,
-        eviction_policy: str | EvictionPolicy = "lru",
+        eviction_policy: str | EvictionPolicy = "adaptive",
         enable_events: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -68,15 +75,15 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         )
         self._policy = policy
         self._get = policy.get
-        # Admission is skipped entirely (not called as a no-op) for policies that admit everything.
-        self._admit = policy.admit if type(policy).admit is not EvictionPolicy.admit else None
-        # Likewise, a request's touches and stores are recorded only for policies that commit them
-        # when the request finishes (recency policies: the chain's tail must leave first).
-        self._commit = (
-            policy.request_finished
-            if type(policy).request_finished is not EvictionPolicy.request_finished
-            else None
-        )
+        # The optional hooks are skipped entirely (not called as no-ops) for policies that leave
+        # them alone, and a request's access is recorded only for policies that read it.
+        self._admit = policy.admit if overrides(policy, "admit") else None
+        self._missed = policy.store_missed if overrides(policy, "store_missed") else None
+        self._accessed = policy.request_accessed if overrides(policy, "request_accessed") else None
+        self._commit = policy.request_finished if overrides(policy, "request_finished") else None
+        self._reads = self._commit is not None and policy.reads_access
+        self._records = self._reads or self._accessed is not None or self._missed is not None
+        self._generation = 0  # bumped by reset(): a request's record from before it is dropped
         self._num_blocks = num_blocks
         self._num_allocated = 0  # bump pointer over never-used slot ids
         # Records of freed slots (each keeps its slot id), reused LIFO for the next blocks stored.
@@ -113,6 +120,13 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         spec = self.pin(keys)
         self._loaded += len(keys)
+        if self._records and keys:  # a load is the request's access, of reused blocks
+            loaded = list(keys)
+            if self._accessed is not None and ctx.offload_key_positions:
+                self._accessed(loaded, ctx)
+            if self._reads:
+                uses = request_state(ctx, self, RequestUses, self._generation)
+                uses.runs.append((loaded, loaded, ()))
         return spec
 
     def pin(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
@@ -141,13 +155,6 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys, ctx)
-        if self._commit is not None and keys:
-            touched = uses_recorded_by(ctx, self).touched
-            for seq in touched:  # the scheduler re-touches one list (a loop: no generator made)
-                if seq is keys:
-                    break
-            else:
-                touched.append(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         blocks = list(map(self._get, keys))
@@ -171,10 +178,43 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         # protected set of an eviction. The absent ones in one C-level pass (a record is truthy).
         offered = dict.fromkeys(keys)
         to_store = list(filterfalse(self._get, offered))
+        num_held = len(offered) - len(to_store)
         if self._admit is not None and to_store:
             admitted = self._admit(to_store, keys, ctx)
             self._not_admitted += len(to_store) - len(admitted)
             to_store = admitted
+        if not self._records:
+            return self._store(to_store, offered, ctx)
+        uses = request_state(ctx, self, RequestUses, self._generation)
+        if self._missed is not None and to_store:
+            missed = uses.first_misses(to_store)  # once per request and key, as vLLM's manager
+            if missed:
+                self._missed(missed, ctx)
+        # The request's access, as vLLM records it: what it stores or finds stored and ready.
+        ready = self._ready_among(offered) if num_held else []
+        access = to_store if not ready else self._access_of(offered, to_store, ready)
+        if access and self._accessed is not None and ctx.offload_key_positions:
+            self._accessed(access, ctx)
+        out = self._store(to_store, offered, ctx)
+        if access and self._reads:
+            uses.runs.append((access, ready, to_store if out is not None else ()))
+        return out
+
+    def _ready_among(self, offered: dict[OffloadKey, None]) -> list[OffloadKey]:
+        get = self._get
+        return [k for k in offered if (b := get(k)) is not None and b.ref_cnt >= 0]
+
+    @staticmethod
+    def _access_of(
+        offered: dict[OffloadKey, None], to_store: list[OffloadKey], ready: list[OffloadKey]
+    ) -> list[OffloadKey]:
+        wanted = {*to_store, *ready}
+        return [k for k in offered if k in wanted]
+
+    def _store(
+        self, to_store: list[OffloadKey], offered: dict[OffloadKey, None], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve slots for ``to_store`` (evicting what is needed, ``offered`` protected)."""
         if not to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
 
@@ -216,12 +256,8 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
             del free[-n:]
         for block in blocks:
             block.ref_cnt = PENDING
-        self._policy.insert_n(to_store, blocks)
-        if self._commit is not None:
-            uses_recorded_by(ctx, self).stored.append(to_store)
-        return PrepareStoreOutput(
-            to_store, CPULoadStoreSpec(list(map(_slot_of, blocks))), evicted
-        )
+        self._policy.insert_n(to_store, blocks, ctx)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(list(map(_slot_of, blocks))), evicted)
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
@@ -246,16 +282,18 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
                     self._failed += 1
 
     def request_finished(self, ctx: ReqContext) -> None:
-        """Hand the policy what the request touched and stored, so that it commits that use."""
+        """Hand the policy what the request loaded and offered to store, so that it commits that
+        use (vLLM's ``on_request_finished``)."""
+        gen = self._generation
+        uses = take_request_state(ctx, self, gen) if self._records else None
         if self._commit is not None:
-            uses = take_uses(ctx, self)
-            if uses is not None:
-                self._commit(uses.touched, uses.stored, ctx)
+            self._commit(uses if uses is not None and self._reads else _NO_USES, ctx)
 
     def reset(self) -> None:
         get = self._get
         readable = [k for k in self._policy if get(k).ref_cnt >= 0]  # type: ignore[union-attr]
         self._policy.clear()
+        self._generation += 1
         self._free.clear()
         self._num_allocated = 0
         self._num_evictable = 0

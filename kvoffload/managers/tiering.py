@@ -293,15 +293,17 @@ class TieringOffloadingManager(OffloadingManager):
             promotions_in_flight=len(promotions.in_flight),
             pinned_promoted_blocks=sum(map(len, promotions.pins.values())),
         )
-        for name, tier in zip(self.tier_names, self.tiers, strict=True):
-            for stat, value in tier.stats().items():
+        for i, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
+            for stat, value in {**tier.stats(), **promotions.tier_stats(i)}.items():
                 out[f"{name}_{stat}"] = value
         return out
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
+        """The host's stats and each secondary tier's, with its promotions' jobs, blocks and
+        microseconds (``promotion_jobs``, ``promotion_blocks``, ``promotion_us``)."""
         out = {"host": self.host.stats()}
-        for name, tier in zip(self.tier_names, self.tiers, strict=True):
-            out[name] = tier.stats()
+        for i, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
+            out[name] = {**tier.stats(), **self._promotions.tier_stats(i)}
         return out
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvoffload.metrics.stats import external_hits, tokens_by_source
+from kvoffload.metrics.stats import external_hits, stats_delta, tokens_by_source
 from kvoffload.transfer import TransferResult
 
 __all__ = ["EngineMetrics", "Snapshot"]
@@ -126,9 +126,25 @@ class _StatsCollector(Collector):
     def __init__(self, snapshot: Callable[[], Snapshot], block_bytes: int) -> None:
         self._snapshot = snapshot
         self._block_bytes = block_bytes
+        #: Counters are shown as counted since this snapshot (``None``: since the start).
+        self.baseline: Snapshot | None = None
+
+    def rebase(self) -> None:
+        """Count from now on."""
+        self.baseline = self._snapshot()
+
+    def snapshot(self) -> Snapshot:
+        """The figures shown: counters since the baseline, gauges as they are."""
+        stats, tiers = self._snapshot()
+        if self.baseline is None:
+            return stats, tiers
+        base_stats, base_tiers = self.baseline
+        return stats_delta(base_stats, stats), {
+            tier: stats_delta(base_tiers.get(tier, {}), s) for tier, s in tiers.items()
+        }
 
     def collect(self) -> Iterator[Metric]:
-        stats, tiers = self._snapshot()
+        stats, tiers = self.snapshot()
         for name, key, doc in _ENGINE_COUNTERS:
             yield _counter(name, doc, stats.get(key, 0))
         sources = CounterMetricFamily(
@@ -260,6 +276,30 @@ class _StatsCollector(Collector):
                 )
         if lookups.samples:
             yield lookups
+        yield from _promotion_metrics(tiers)
+
+
+def _promotion_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:
+    """Each secondary tier's promotions on their own (a router weighs a block by the tier it
+    would come from): jobs and seconds, and their blocks."""
+    seconds = SummaryMetricFamily(
+        "kvoffload_tier_promotion_job_seconds",
+        "Promotions from this tier into the host tier: time from submission to the tier's "
+        "result, per job.",
+        labels=["tier"],
+    )
+    blocks = CounterMetricFamily(
+        "kvoffload_tier_promotion_blocks",
+        "Blocks of this tier's promotion jobs (failed ones included).",
+        labels=["tier"],
+    )
+    for tier, s in tiers.items():
+        if "promotion_jobs" in s:
+            seconds.add_metric([tier], s["promotion_jobs"], s.get("promotion_us", 0) / 1e6)
+            blocks.add_metric([tier], s.get("promotion_blocks", 0))
+    if seconds.samples:
+        yield seconds
+        yield blocks
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -285,7 +325,14 @@ class EngineMetrics:
         directions: Iterable[tuple[str, str]] = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StatsCollector(snapshot, block_bytes))
+        self._stats = _StatsCollector(snapshot, block_bytes)
+        self.registry.register(self._stats)
+        self._directions: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._add_histograms()
+        for direction in directions:
+            self._children(direction)
+
+    def _add_histograms(self) -> None:
         reg = self.registry
         self.ttft = Histogram(
             "kvoffload_time_to_first_token_seconds",
@@ -319,8 +366,16 @@ class EngineMetrics:
             buckets=_TRANSFER_SIZE_BUCKETS,
             registry=reg,
         )
-        self._directions: dict[tuple[str, str], tuple[Any, Any]] = {}
-        for direction in directions:
+
+    def reset(self) -> None:
+        """Restart every series from zero now: counters count from this point (a scraper reads
+        the drop as a counter reset, as after a restart), histograms start empty. For what
+        what happened before does not count (a benchmark's warm-up). Call it on the engine thread."""
+        self._stats.rebase()
+        for histogram in (self.ttft, self.itl, self.e2e, self.transfer_seconds, self.transfer_size):
+            self.registry.unregister(histogram)
+        self._add_histograms()
+        for direction in list(self._directions):
             self._children(direction)
 
     def observe_token(self, ttft: float | None, itl: float | None) -> None:

@@ -47,6 +47,8 @@ _GAUGE_SUFFIXES = (
     "live_requests",
     "jobs_in_flight",
     "tracked_keys",
+    "scanned_blocks",  # what a tier's start-up scan found (a warm restart), not a count of runs
+    "scan_ms",
 )
 
 

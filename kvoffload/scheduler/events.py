@@ -33,6 +33,15 @@ class _BlockDescription:
         self.stores = 1
 
 
+def _what_block_holds(
+    state: RequestKVState, g: int, block: int
+) -> tuple[BlockHash | None, list[int], int]:
+    """Block ``block`` of the request's group ``g``: its parent's hash, its tokens, its size."""
+    obs = state.config.groups[g].offloaded_block_size
+    parent = offload_key_hash(state.group_states[g].offload_keys[block - 1]) if block else None
+    return parent, list(state.request.all_token_ids[block * obs : (block + 1) * obs]), obs
+
+
 class OffloadEventDescriber:
     """Remembers what each block being stored holds, and converts tier events into KV events.
 
@@ -68,13 +77,22 @@ class OffloadEventDescriber:
         """Describe the request's blocks ``keys`` before they are stored; ``located[i]`` is
         ``keys[i]``'s ``(group, offloaded block index)``. The parent of block ``i`` of a group
         is its block ``i - 1``."""
-        tokens = state.request.all_token_ids
-        groups = state.config.groups
         for key, (g, block) in zip(keys, located, strict=True):
-            obs = groups[g].offloaded_block_size
-            group_keys = state.group_states[g].offload_keys
-            parent = offload_key_hash(group_keys[block - 1]) if block else None
-            self.record(key, parent, list(tokens[block * obs : (block + 1) * obs]), obs)
+            parent, token_ids, block_size = _what_block_holds(state, g, block)
+            self.record(key, parent, token_ids, block_size)
+
+    def remember_request_blocks(self, state: RequestKVState, first_token: int) -> None:
+        """Describe the request's blocks from token ``first_token`` on for stored events that no
+        planned store describes: blocks a tiering manager promotes into the host tier because
+        this request's lookup met them on a secondary tier (it answered ``RETRY``). Kept with
+        the recent descriptions (bounded); a block already described there is skipped."""
+        recent, groups = self._recent, state.config.groups
+        for g, group_state in enumerate(state.group_states):
+            keys = group_state.offload_keys
+            for block in range(first_token // groups[g].offloaded_block_size, len(keys)):
+                key = keys[block]
+                if key not in recent:
+                    self._keep_recent(key, _BlockDescription(*_what_block_holds(state, g, block)))
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """Drop descriptions of blocks whose store will never be announced."""
@@ -97,13 +115,16 @@ class OffloadEventDescriber:
     def _describe(self, key: OffloadKey) -> _BlockDescription | None:
         """A stored event's description of ``key``: one planned store's, else a recent one's."""
         desc = self._take(key)
-        recent = self._recent
         if desc is None:
-            return recent.get(key)
+            return self._recent.get(key)
+        self._keep_recent(key, desc)
+        return desc
+
+    def _keep_recent(self, key: OffloadKey, desc: _BlockDescription) -> None:
+        recent = self._recent
         recent[key] = desc
         if len(recent) > RECENT_DESCRIPTIONS:
             del recent[next(iter(recent))]
-        return desc
 
     def convert(self, events: Sequence[OffloadingEvent]) -> list[KVCacheEvent]:
         """One ``BlockRemoved`` per group per removal event; one ``BlockStored`` per run of

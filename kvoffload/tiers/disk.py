@@ -85,7 +85,7 @@ class DiskTierSettings:
 
     path: str | os.PathLike[str]
     capacity_bytes: int
-    eviction_policy: str | EvictionPolicy = "lru"
+    eviction_policy: str | EvictionPolicy = "adaptive"
     num_threads: int = 4
     o_direct: bool = False
     rescan_interval: float = 2.0

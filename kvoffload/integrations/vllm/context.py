@@ -25,9 +25,15 @@ class _VllmReqContext(Protocol):
 
 
 def kvoffload_context(vllm_ctx: _VllmReqContext) -> ReqContext:
-    """Our context for ``vllm_ctx``, created on first use (duck-typed: no vLLM import)."""
+    """Our context for ``vllm_ctx``, created on first use (duck-typed: no vLLM import). It shares
+    vLLM's key positions (the same dict, which vLLM's scheduler fills as the request grows)."""
     ctx = vllm_ctx.get_state(ReqContext)
     if ctx is None:
-        ctx = ReqContext(vllm_ctx.req_id, dict(vllm_ctx.kv_transfer_params or {}))
+        positions = getattr(vllm_ctx, "_offload_key_positions", None)
+        ctx = ReqContext(
+            vllm_ctx.req_id,
+            dict(vllm_ctx.kv_transfer_params or {}),
+            positions if isinstance(positions, dict) else {},
+        )
         vllm_ctx.set_state(ctx)
     return ctx

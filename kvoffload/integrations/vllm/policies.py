@@ -12,11 +12,14 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
 * vLLM's scheduler never calls ``touch``; uses arrive as ``on_request_access`` (keys first
   seen by a request: its loaded hits, its offered stores), ``on_store_miss`` (absent keys
   about to be inserted) and ``on_request_finished`` (the request's keys per KV-cache group in
-  prefix order, and which of them it inserted). The first two are forwarded as our ``touch`` in
-  prefix order, with the key before the new ones so that prefix-aware policies link each key to
-  its parent; the last as our ``request_finished`` (touched: the request's keys per group;
-  stored: the ones it inserted; committed so that its tail leaves first) for policies that
-  commit, as ``touch`` for the others. Our policies count a use once per request
+  prefix order, which of them it only inserted and which it reused).
+* ``KVOffloadLRU`` and ``KVOffloadARC`` take the three as our policies' own request hooks
+  (``request_accessed``, ``store_missed``, ``request_finished``), which follow vLLM's: inside
+  vLLM's manager they decide exactly as vLLM's ``lru`` and ``arc`` (``tests/test_vllm_parity.py``).
+* The other adapters forward the first two as our ``touch`` in prefix order, with the key before
+  the new ones so that prefix-aware policies link each key to its parent, and the last as our
+  ``request_finished`` (the request's keys per group, the ones it inserted as stored runs) for
+  policies that commit, as ``touch`` for the others. Our policies count a use once per request
   (state on our :class:`~kvoffload.base.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
 * vLLM 0.32 (feature-detected) has no ``on_request_access`` and inserts without the request's
@@ -45,7 +48,8 @@ from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from kvoffload.base import ReqContext
-from kvoffload.eviction import EvictionPolicy, create_eviction_policy
+from kvoffload.eviction import EvictionPolicy, RequestUses, create_eviction_policy
+from kvoffload.eviction.base import overrides
 from kvoffload.integrations.vllm.compat import POLICY_HAS_REQUEST_ACCESS
 from kvoffload.integrations.vllm.context import kvoffload_context
 
@@ -55,6 +59,7 @@ __all__ = [
     "KVOffloadCachePolicy",
     "KVOffloadLRU",
     "KVOffloadPrefix",
+    "KVOffloadRequestHooks",
     "KVOffloadS3FIFO",
 ]
 
@@ -91,8 +96,8 @@ class KVOffloadCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._policy = self.make_policy(cache_capacity)
-        self._admits = type(self._policy).admit is not EvictionPolicy.admit
-        self._commits = type(self._policy).request_finished is not EvictionPolicy.request_finished
+        self._admits = overrides(self._policy, "admit")
+        self._commits = overrides(self._policy, "request_finished")
         # Stored by vLLM although our policy declined them: evicted first, oldest first.
         self._probation: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
         # vLLM 0.32 inserts without the request's context, right after ``on_store_miss`` of the
@@ -141,7 +146,7 @@ class KVOffloadCachePolicy(CachePolicy):
         for key in keys:
             chunk = probation.pop(key, None)
             if chunk is not None:
-                self._policy.insert(key, chunk)  # type: ignore[arg-type]
+                self._policy.insert(key, chunk)  # type: ignore[arg-type]  # by no request
 
     # -- CachePolicy -----------------------------------------------------------------------------
 
@@ -155,14 +160,16 @@ class KVOffloadCachePolicy(CachePolicy):
         self, key: OffloadKey, chunk: ChunkStatus, req_context: VllmReqContext | None = None
     ) -> None:
         if req_context is None:  # vLLM 0.32: the declines of the on_store_miss just before
+            ctx = None
             declined = self._declined_last
         else:
-            declined = self._chain(kvoffload_context(req_context)).declined
+            ctx = kvoffload_context(req_context)
+            declined = self._chain(ctx).declined
         if key in declined:
             declined.discard(key)
             self._probation[key] = chunk
         else:
-            self._policy.insert(key, chunk)  # type: ignore[arg-type]
+            self._policy.insert(key, chunk, ctx)  # type: ignore[arg-type]
 
     def remove(self, key: OffloadKey) -> None:
         if self._probation.pop(key, None) is None:
@@ -209,8 +216,11 @@ class KVOffloadCachePolicy(CachePolicy):
         if self._probation and reused_keys:  # vLLM 0.32 tells a request's uses only here
             self._admit_from_probation(reused_keys)
         if self._commits:
-            stored = [[k for k in keys if k in insertion_only_keys] for keys in touched]
-            self._policy.request_finished(touched, [keys for keys in stored if keys], ctx)
+            uses = RequestUses()
+            uses.runs = [
+                (keys, (), [k for k in keys if k in insertion_only_keys]) for keys in touched
+            ]
+            self._policy.request_finished(uses, ctx)
         else:
             for keys in touched:
                 self._policy.touch(keys, ctx)
@@ -249,14 +259,36 @@ class KVOffloadCachePolicy(CachePolicy):
         self._policy.check_invariants()
 
 
-class KVOffloadLRU(KVOffloadCachePolicy):
-    """kvoffload's LRU (prefix heads leave last)."""
+class KVOffloadRequestHooks(KVOffloadCachePolicy):
+    """A kvoffload policy that implements vLLM's request hooks itself (``store_missed``,
+    ``request_accessed``, ``request_finished``): each vLLM hook is forwarded as it is."""
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
+        self._policy.store_missed(list(keys), kvoffload_context(req_context))
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
+        self._policy.request_accessed(list(keys), kvoffload_context(req_context))
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: VllmReqContext,
+    ) -> None:
+        uses = RequestUses()  # one run: vLLM's access, its reuses, its insertions
+        uses.runs = [([k for keys in key_groups for k in keys], reused_keys, insertion_only_keys)]
+        self._policy.request_finished(uses, kvoffload_context(req_context))
+
+
+class KVOffloadLRU(KVOffloadRequestHooks):
+    """kvoffload's LRU: vLLM's ``lru``, decision for decision."""
 
     policy_name = "lru"
 
 
-class KVOffloadARC(KVOffloadCachePolicy):
-    """kvoffload's ARC (uses counted once per request)."""
+class KVOffloadARC(KVOffloadRequestHooks):
+    """kvoffload's ARC: vLLM's ``arc``, decision for decision."""
 
     policy_name = "arc"
 

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
+from kvoffload.benchmark.replay import serve_request as serve
+
 __all__ = ["serve_request"]
 
 
@@ -19,28 +21,22 @@ def serve_request(
     """Serve a request whose blocks are ``keys`` (prefix order); return its prefix hits.
 
     As vLLM 0.33's ``OffloadingConnectorScheduler``: record each key's end-token position,
-    ``on_new_request``, ``lookup`` until the first non-hit, ``prepare_load``/``complete_load``
-    the hits, ``prepare_store``/``complete_store`` the rest (one store, as after a whole
-    prefill), ``on_request_finished``; ``touch`` is never called (vLLM's scheduler doesn't).
+    ``on_new_request``, then the loop of :func:`kvoffload.benchmark.replay.serve_request`
+    (``lookup`` until the first non-hit, load the hits, store the rest as after a whole prefill)
+    without ``touch`` (vLLM's scheduler never calls it), ``on_request_finished``.
     """
     ctx = ReqContext(req_id=req_id)
     for i, key in enumerate(keys):
         ctx.set_offload_key_position(key, (i + 1) * tokens_per_block)
     manager.on_new_request(ctx)
-    n = 0
-    for key in keys:
-        if manager.lookup(key, ctx) is not LookupResult.HIT:
-            break
-        n += 1
-    if n:
-        loaded = keys[:n]
-        manager.prepare_load(loaded, ctx)
-        manager.complete_load(loaded, ctx)
-    out = manager.prepare_store(keys[n:], ctx)
-    if out is not None and out.keys_to_store:
-        manager.complete_store(out.keys_to_store, ctx)
-    manager.on_request_finished(ctx)
-    return n
+    return serve(
+        manager,  # type: ignore[arg-type]  # vLLM's manager: the same call names
+        keys,  # type: ignore[arg-type]
+        ctx,  # type: ignore[arg-type]
+        hit=LookupResult.HIT,
+        touch=False,
+        finish=manager.on_request_finished,
+    )
 
 
 #: vLLM's built-in cache policies and ours, by the names ``eviction_policy`` takes.

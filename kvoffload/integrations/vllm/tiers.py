@@ -324,7 +324,7 @@ def build_disk_tier(
     setting: str = "secondary_tiers",
 ) -> SecondaryTier:
     """Our :class:`~kvoffload.tiers.disk.DiskTier` from tier options: ``path`` and ``size_gib``
-    (required), ``eviction_policy`` ("lru"), ``num_threads`` (4), ``o_direct`` (false),
+    (required), ``eviction_policy`` ("adaptive"), ``num_threads`` (4), ``o_direct`` (false),
     ``rescan_interval`` (seconds, 2.0; 0 = never). Errors name ``<setting>.<option>``."""
     from kvoffload.tiers.disk import DiskTier, DiskTierSettings
     from kvoffload.tiers.factory import validate_disk_settings

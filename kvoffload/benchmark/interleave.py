@@ -1,0 +1,156 @@
+"""Running a run matrix: every run ``repeats`` times, interleaved (ABC ABC, so that drift on a
+shared machine hits every configuration alike), each on a fresh engine; a run's disk tier in a
+fresh directory when asked (so that no run starts warm from another's blocks); and one run in a
+process of its own (engine A of two instances, which shares nothing with the others but their
+Redis server)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kvoffload.benchmark.datasets import BenchRequest
+from kvoffload.benchmark.matrix import Run, actual_label
+from kvoffload.benchmark.throughput import ThroughputResult, run_throughput
+from kvoffload.errors import KVOffloadError
+
+__all__ = [
+    "Progress",
+    "fresh_disk_directory",
+    "run_in_own_process",
+    "run_interleaved",
+    "steady_threads",
+]
+
+
+def steady_threads() -> None:
+    """What the tests do for steady runs, unless the user chose: OpenMP threads that sleep when
+    idle (spinning ones slow everything down on a shared machine) and one torch thread per core
+    this process may use."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+@dataclass
+class Progress:
+    """What a caller hears while runs run: ``bar(total, name)`` returns a tqdm-like bar
+    (``update``, ``close``) or ``None``; ``phase(text)`` hears "loading model" and "warming up";
+    ``result(name, result)`` hears each run as it ends."""
+
+    bar: Callable[[int, str], Any] | None = None
+    phase: Callable[[str], Any] | None = None
+    result: Callable[[str, ThroughputResult], Any] | None = None
+
+
+@contextlib.contextmanager
+def fresh_disk_directory(kwargs: dict[str, Any], fresh: bool) -> Iterator[dict[str, Any]]:
+    """``kwargs`` for one run: with ``fresh``, its disk tier gets an empty subdirectory of
+    ``kv_disk_path`` (removed afterwards, also when the run fails or is interrupted)."""
+    path = kwargs.get("kv_disk_path")
+    if path is None or not fresh:
+        yield kwargs
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=path)
+    try:
+        yield {**kwargs, "kv_disk_path": run_dir}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_interleaved(
+    runs: Sequence[Run],
+    requests_of: Callable[[int], Sequence[BenchRequest]],
+    repeats: int,
+    *,
+    fresh_disk: bool = False,
+    arrivals: Sequence[float] | None = None,
+    progress: Progress | None = None,
+) -> list[ThroughputResult]:
+    """Every run ``repeats`` times, interleaved, on ``requests_of(repeat)`` (repeat from 1); the
+    results in order, each labelled as it ran (:func:`actual_label`)."""
+    progress = progress or Progress()
+    results: list[ThroughputResult] = []
+    for repeat in range(1, repeats + 1):
+        requests = requests_of(repeat)
+        for run in runs:
+            with fresh_disk_directory(run.engine_kwargs, fresh_disk) as kwargs:
+                result = run_throughput(
+                    requests,
+                    run.label,
+                    kwargs,
+                    _bar_for(progress, repeat, repeats),
+                    repeat,
+                    arrivals,
+                    progress.phase,
+                )
+            result.label = actual_label(run, result.stats)
+            results.append(result)
+            if progress.result is not None:
+                progress.result(_repeat_name(result.label, repeat, repeats), result)
+    return results
+
+
+def _repeat_name(label: str, repeat: int, repeats: int) -> str:
+    return f"{label} (repeat {repeat}/{repeats})" if repeats > 1 else label
+
+
+def _bar_for(progress: Progress, repeat: int, repeats: int) -> Callable[[int, str], Any] | None:
+    bar = progress.bar
+    if bar is None:
+        return None
+    return lambda total, label: bar(total, _repeat_name(label, repeat, repeats))
+
+
+def run_in_own_process(
+    requests: Sequence[BenchRequest], label: str, kwargs: dict[str, Any]
+) -> ThroughputResult:
+    """:func:`run_throughput` in a spawned process: its result, or its :class:`KVOffloadError`
+    raised here. The process ignores Ctrl-C; an interrupt here (or any exception) stops it."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_own_process, args=(send, requests, label, kwargs))
+    process.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"{label}: its process ended without a result") from None
+    finally:
+        if process.is_alive():
+            process.terminate()
+        process.join()
+        receive.close()
+    if not ok:
+        raise value
+    return value
+
+
+def _own_process(
+    send: Connection, requests: Sequence[BenchRequest], label: str, kwargs: dict[str, Any]
+) -> None:
+    """A run in a process of its own: ``(True, result)`` or ``(False, error)`` sent back."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C, and stops us
+    steady_threads()
+    try:
+        outcome: tuple[bool, Any] = (True, run_throughput(requests, label, kwargs))
+    except KVOffloadError as exc:
+        outcome = (False, exc)
+    except Exception as exc:  # a bug: its traceback here, its name there
+        traceback.print_exc()
+        outcome = (False, RuntimeError(f"{label} failed in its own process: {exc!r}"))
+    send.send(outcome)
+    send.close()

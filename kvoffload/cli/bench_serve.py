@@ -1,0 +1,163 @@
+"""``kvoffload bench serve``: an online benchmark against one OpenAI-compatible URL, with ``vllm
+bench serve``'s flags, metric definitions and JSON keys; ``--compare-routing N`` starts N
+``kvoffload serve`` instances and one ``kvoffload route`` per policy and compares them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvoffload.benchmark.traces import SUITE
+from kvoffload.cli.args import check_output_path, int_in, real_in
+from kvoffload.cli.command import command
+from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
+from kvoffload.cli.workload_flags import TRACE, add_workload_flags
+
+__all__ = ["add_parser"]
+
+SUITE_NAMES = tuple(sorted(SUITE))
+
+
+def _request_rate(text: str) -> float | None:
+    """Requests per second, > 0; ``inf`` (``None``) sends every request at once, as vLLM's."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return None
+    return real_in(0, positive=True)(text)
+
+
+_request_rate.bound = "> 0 or inf"  # type: ignore[attr-defined]
+
+COMPARE = Needs("--compare-routing", lambda f, _: f.compare_routing is not None)
+
+#: bench serve's own flags (vLLM's names where vLLM has the flag); the workload's come from
+#: ``workload_flags`` (bench throughput's table), --goodput is added on its own (vLLM's KEY:MS
+#: list).
+BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("base_url", "server or router URL", default="http://127.0.0.1:8000", unit="URL"),
+    Flag("model", "the served model: a preset or checkpoint directory (its vocabulary)",
+         default="tiny", unit="MODEL"),
+    Flag("served_model_name", "the model name sent in requests", unit="NAME", unset="--model"),
+    Flag("generate", "a workload of the generated trace suite instead of --dataset-path (as "
+         "bench trace --generate)", choices=SUITE_NAMES, needs=TRACE, unset="none"),
+    Flag("max_prompt_len", "keep a trace prompt's first N tokens (shared prefixes stay shared)",
+         parse=int_in(1), unit="TOKENS", needs=TRACE, unset="all"),
+    Flag("request_rate", "mean arrivals per second (gamma process; --honor-timestamps replays "
+         "the trace's instead)", parse=_request_rate, unit="RPS", unset="inf: all at once"),
+    Flag("burstiness", "gamma shape of the arrivals: 1 = Poisson", parse=real_in(0, positive=True),
+         default=1.0, unit="X"),
+    Flag("max_concurrency", "requests in flight at most", parse=int_in(1), unit="N",
+         unset="no cap"),
+    Flag("seed", "seed of the workload and the arrivals", parse=int_in(0), default=0, unit="N"),
+    Flag("percentile_metrics", "metrics to report: ttft, tpot, itl, e2el, client_queue_time, "
+         "e2el_including_client_queue", default="ttft,tpot,itl,e2el", unit="NAME,..."),
+    Flag("metric_percentiles", "percentiles to report", default="50,90,99", unit="P,..."),
+    Flag("save_detailed", "keep the per-request arrays (ttfts, itls, ...) in --output-json",
+         kind="switch"),
+    Flag("label", "the run's label in the JSON", unit="TEXT", unset="none"),
+    Flag("output_json", "write the results here", unit="FILE", unset="none"),
+    Flag("plot", "plot mean TTFT and hit rate (per configuration)", unit="FILE.png",
+         unset="none"),
+    Flag("compare_routing", "start N serve instances and one router per policy; compare",
+         parse=int_in(1), unit="N", unset="off"),
+    Flag("compare_routing_redis", "a shared Redis tier on every instance", kind="switch",
+         needs=COMPARE),
+    Flag("num_device_blocks", "each instance's device cache", parse=int_in(1), default=64,
+         unit="BLOCKS", needs=COMPARE),
+    Flag("compare_routing_host_size", "each instance's host tier", parse=real_in(0), default=0.05,
+         unit="GiB", needs=COMPARE),
+    Flag("compare_routing_disk_size", "each instance's own disk tier (a fresh directory per run)",
+         parse=real_in(0, positive=True), unit="GiB", needs=COMPARE, unset="no disk tier"),
+    Flag("serve_args", "more flags for every serve instance", unit="FLAGS",
+         needs=COMPARE, unset="none"),
+    Flag("repeats", "interleaved repeats of every configuration", parse=int_in(1), default=1,
+         unit="N", needs=COMPARE),
+)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="online serving benchmark (like vllm bench serve)",
+        description="Send a workload to an OpenAI-compatible server or router at Poisson "
+        "arrivals and report vLLM's serving figures, plus the prefix-hit rate by source from the "
+        "servers' /metrics. --compare-routing N compares routing policies over N fresh instances.",
+    )
+    add_workload_flags(p)
+    add_flags(p, BENCH_SERVE_FLAGS)
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's "
+                   "(default: none)")
+    p.set_defaults(func=_run, parser=p)
+
+
+@command
+def _run(args: argparse.Namespace) -> int:
+    from kvoffload.benchmark.trace_file import check_trace_path
+    from kvoffload.errors import ConfigError
+
+    args = resolve_flags(args)
+    if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
+        raise ConfigError("dataset_path",
+                          "--dataset-name trace needs --dataset-path or --generate (one)")
+    if args.dataset_path is not None:
+        check_trace_path(args.dataset_path)
+    _check_metrics(args)
+    for setting in ("output_json", "plot"):
+        if getattr(args, setting):
+            check_output_path(setting, getattr(args, setting))
+    if args.compare_routing:
+        from kvoffload.servebench.compare import compare_routing
+
+        result = compare_routing(args)
+    else:
+        from kvoffload.servebench.run import run_once
+
+        result = run_once(args, args.base_url.rstrip("/"))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if args.plot:
+        _plot(result, args.plot)
+    return 0 if not result.get("failed") else 1
+
+
+def _check_metrics(args: argparse.Namespace) -> None:
+    from kvoffload.errors import ConfigError
+    from kvoffload.servebench.metrics import PERCENTILE_METRICS, parse_goodput
+
+    unknown = set(args.percentile_metrics.split(",")) - set(PERCENTILE_METRICS)
+    if unknown:
+        raise ConfigError("percentile_metrics",
+                          f"unknown {sorted(unknown)}; choose from {','.join(PERCENTILE_METRICS)}")
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    except ValueError:
+        percentiles = []
+    if not percentiles or not all(0 < p <= 100 for p in percentiles):
+        raise ConfigError("metric_percentiles",
+                          f"give percentiles in (0, 100] like 50,99; got {args.metric_percentiles!r}")
+    try:
+        parse_goodput(args.goodput or [])
+    except ValueError as exc:
+        raise ConfigError("goodput", str(exc)) from None
+
+
+def _plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = result.get("configs") or {"run": {"mean_ttft_ms": {"median": result["mean_ttft_ms"]},
+                                                "prefix_hit_rate": {"median": result["prefix_hit_rate"] or 0}}}
+    names = list(configs)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(names, [configs[n]["mean_ttft_ms"]["median"] for n in names])
+    axes[0].set_ylabel("mean TTFT (ms)")
+    axes[1].bar(names, [configs[n].get("prefix_hit_rate", {}).get("median", 0) for n in names])
+    axes[1].set_ylabel("prefix hit rate")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,54 @@
+"""``kvoffload serve``: an OpenAI-compatible HTTP server over the reference engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from uvicorn.config import LOG_LEVELS
+
+from kvoffload.cli.args import int_in
+from kvoffload.cli.command import command
+from kvoffload.cli.engine_flags import add_engine_flags
+from kvoffload.cli.flagspec import Flag, add_flags
+
+__all__ = ["SERVE_FLAGS", "add_parser"]
+
+
+#: The server's own flags (the engine's and its tiers' come from ``engine_flags``).
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("host", "address to listen on", default="127.0.0.1", unit="HOST"),
+    Flag("port", "port to listen on", parse=int_in(0, 65535), default=8000, unit="PORT"),
+    Flag("served_model_name", "the model name clients use", unit="NAME", unset="--model"),
+    Flag("log_level", "server log level", choices=tuple(LOG_LEVELS), default="warning"),
+)
+#: Engine flags serve leaves out: /metrics is on the server's own port.
+_NOT_FOR_SERVE = ("metrics_port", "metrics_host")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible server over the reference engine",
+        description="Serve the reference engine over HTTP with OpenAI's API (/v1/completions, "
+        "/v1/chat/completions, /v1/models), plus /health, /metrics (Prometheus, same port) and "
+        "/kv_event_sources. Requests are batched continuously; SIGTERM finishes the requests in "
+        "flight, lets their stores reach the tiers, and exits 0.",
+    )
+    add_flags(p, SERVE_FLAGS)
+    add_engine_flags(p, exclude=_NOT_FOR_SERVE)
+    p.set_defaults(func=_run, parser=p)
+
+
+@command
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvoffload.cli.engine_flags import engine_config_from_args
+    from kvoffload.cli.flagspec import resolve_flags
+    from kvoffload.serving.server import serve
+
+    config = engine_config_from_args(args)  # a refused flag or bad setting: one line, exit 2
+    flags = resolve_flags(args)
+    logging.basicConfig(level=flags.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level)

@@ -1,0 +1,223 @@
+"""The HTTP front end of ``kvoffload route``: OpenAI's endpoints, proxied to the chosen backend.
+
+``/v1/completions`` and ``/v1/chat/completions`` are routed (the body is forwarded unchanged,
+streamed answers relayed chunk by chunk); ``/v1/models`` comes from a healthy backend;
+``/health`` is 200 while one backend is in rotation; ``/metrics`` has the router's own series
+(decisions per backend, decision time quantiles, retries, backends in rotation, index size,
+each backend's measured costs). A request whose backend cannot be reached, or fails before any
+byte of its answer was relayed, is retried on the next-best backend, which is then out of
+rotation; a request with no backend left gets 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvoffload.routing.index import TIERS
+from kvoffload.routing.router import Backend, Router, Ticket
+from kvoffload.serving.errors import APIError, error_body, install_error_handlers
+
+__all__ = ["build_app"]
+
+_RETRIABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
+              ConnectionError)
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+def build_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvoffload route", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    install_error_handlers(app)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_RouterCollector(router))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if any(b.healthy for b in router.backends) else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/stats")
+    async def stats() -> dict[str, Any]:
+        return router_stats(router)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for backend in router.backends:
+            if backend.healthy and router.session is not None:
+                with contextlib.suppress(*_RETRIABLE):
+                    async with router.session.get(f"{backend.url}/v1/models") as resp:
+                        return Response(await resp.read(), resp.status,
+                                        media_type="application/json")
+        raise APIError("no backend is available", status=503)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(raw: Request) -> Response:
+        return await _route(router, raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(raw: Request) -> Response:
+        return await _route(router, raw, "/v1/chat/completions")
+
+    return app
+
+
+def router_stats(router: Router) -> dict[str, Any]:
+    times = np.array(router.decision_us) if router.decision_us else np.zeros(1)
+    return {
+        "policy": router.policy.name,
+        "tier_weights": router.policy.tier_weights,
+        "decisions": len(router.decision_us),
+        "decision_us_p50": float(np.percentile(times, 50)),
+        "decision_us_p99": float(np.percentile(times, 99)),
+        "counters": dict(router.counters),
+        "index": {"keys": router.index.num_keys(), **router.index.counters},
+        "backends": [
+            {"url": b.url, "healthy": b.healthy, "requests": b.requests,
+             "in_flight": b.load.in_flight, "indexed_blocks": router.index.num_blocks(b.index_id)
+             if b.index_id is not None else 0, "costs": b.costs.measured()}
+            for b in router.backends
+        ],
+    }
+
+
+async def _route(router: Router, raw: Request, path: str) -> Response:
+    data = await raw.body()
+    try:
+        body = json.loads(data)
+    except ValueError as exc:
+        raise APIError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError("the body must be a JSON object")
+    start = time.perf_counter()
+    session_key = raw.headers.get("x-session-id") or (
+        body.get("user") if isinstance(body.get("user"), str) else None
+    )
+    ids = router.prompt_ids(path, body)
+    ranking = router.rank(ids, session_key)
+    router.decision_us.append((time.perf_counter() - start) * 1e6)
+    router.counters["requests"] += 1
+    stream = body.get("stream") is True
+    headers = {"Content-Type": "application/json"}
+    tried: set[str] = set()
+    while True:
+        backend = next((b for b in ranking.backends if b.url not in tried and b.healthy), None)
+        if backend is None:
+            router.counters["no_backend"] += 1
+            return JSONResponse(error_body("no backend is available", 503), status_code=503)
+        tried.add(backend.url)
+        ticket = Ticket(backend, ranking.prefill_s(backend), ranking.total)
+        backend.requests += 1
+        try:
+            return await _forward(router, backend, path, data, headers, stream, ticket)
+        except _RETRIABLE as exc:
+            ticket.done()
+            router.mark_dead(backend, f"request failed: {exc!r}")
+            router.counters["retries"] += 1
+
+
+async def _forward(
+    router: Router, backend: Backend, path: str, data: bytes, headers: dict[str, str],
+    stream: bool, ticket: Ticket,
+) -> Response:
+    assert router.session is not None
+    resp = await router.session.post(f"{backend.url}{path}", data=data, headers=headers)
+    try:
+        if not stream or resp.status != 200:
+            if not stream:  # no first token to see: count the predicted prefill as done
+                asyncio.get_running_loop().call_later(ticket.prefill_s, ticket.first_token)
+            payload = await resp.read()
+            ticket.done()
+            return Response(payload, resp.status, _headers(resp),
+                            media_type=resp.headers.get("Content-Type"))
+        first = await resp.content.readany()  # a failure here can still be retried
+        if not first:
+            raise aiohttp.ClientPayloadError("the backend closed the stream")
+    except BaseException:
+        resp.release()
+        raise
+    ticket.first_token()
+    return StreamingResponse(_relay(router, backend, resp, first, ticket), resp.status,
+                             _headers(resp), media_type="text/event-stream")
+
+
+async def _relay(
+    router: Router, backend: Backend, resp: aiohttp.ClientResponse, first: bytes, ticket: Ticket
+) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        while chunk := await resp.content.readany():
+            yield chunk
+    except _RETRIABLE as exc:  # tokens were sent already: end the stream with an error event
+        router.mark_dead(backend, f"stream failed: {exc!r}")
+        yield b"data: " + json.dumps(error_body("the backend failed mid-stream", 503)).encode()
+        yield b"\n\ndata: [DONE]\n\n"
+    finally:
+        ticket.done()
+        resp.close()  # a client that left: the backend sees the disconnect and aborts
+
+
+def _headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items()
+            if k.lower() not in _HOP_HEADERS and k.lower() != "content-type"}
+
+
+class _RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> list[Metric]:
+        r = self.router
+        stats = router_stats(r)
+        out: list[Metric] = [
+            CounterMetricFamily("kvoffload_route_requests", "Requests routed.",
+                                value=r.counters["requests"]),
+            CounterMetricFamily("kvoffload_route_retries",
+                                "Requests retried on another backend after a failure.",
+                                value=r.counters["retries"]),
+            GaugeMetricFamily("kvoffload_route_decision_p50_microseconds",
+                              "Median routing decision time (tokenize, match, choose).",
+                              value=stats["decision_us_p50"]),
+            GaugeMetricFamily("kvoffload_route_decision_p99_microseconds",
+                              "99th percentile routing decision time.",
+                              value=stats["decision_us_p99"]),
+            GaugeMetricFamily("kvoffload_route_index_keys", "Block keys in the index.",
+                              value=r.index.num_keys()),
+        ]
+        healthy = GaugeMetricFamily("kvoffload_route_backend_healthy", "1 while in rotation.",
+                                    labels=["backend"])
+        routed = CounterMetricFamily("kvoffload_route_backend_requests",
+                                     "Requests sent to each backend.", labels=["backend"])
+        costs = GaugeMetricFamily("kvoffload_route_backend_cost_seconds",
+                                  "Measured seconds per computed block and per loaded block.",
+                                  labels=["backend", "what"])
+        for b in r.backends:
+            healthy.add_metric([b.url], float(b.healthy))
+            routed.add_metric([b.url], b.requests)
+            costs.add_metric([b.url, "compute"], b.costs.compute_block_s)
+            for tier in TIERS[1:]:
+                costs.add_metric([b.url, f"load_{tier}"], b.costs.load_block_s(tier))
+        return [*out, healthy, routed, costs]

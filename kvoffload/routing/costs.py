@@ -1,0 +1,137 @@
+"""Each backend's measured costs, learned online from its ``/metrics``.
+
+* Computing: kvoffload's server exports its fitted step cost (``kvoffload_serve_token_compute_
+  seconds`` per forward token, ``kvoffload_serve_step_base_seconds`` per step); vLLM exports
+  prefill time (``vllm:request_prefill_time_seconds``) and prompt tokens, so seconds per computed
+  prompt token is their ratio over each scrape interval.
+* Loading from the host tier: seconds per block of its loads to the device
+  (``kvoffload_offload_load_seconds_total`` over ``kvoffload_offload_loaded_blocks_total``).
+* Loading from disk and remote: each tier's promotions into the host tier are timed on their
+  own (``kvoffload_tier_promotion_job_seconds{tier}`` over
+  ``kvoffload_tier_promotion_blocks_total{tier}``), so a tier's seconds per block is measured
+  directly, plus the host load that follows.
+
+Until a figure has been measured, its prior applies: compute :data:`PRIOR_TOKEN_S` per token,
+loads a fraction (:data:`PRIOR_LOAD_FRACTION`) of computing the block. Every estimate is an
+exponentially weighted mean over intervals (``alpha``) so it follows the backend's current load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts",
+           "parse_metrics"]
+
+PRIOR_TOKEN_S = 5e-4
+PRIOR_LOAD_FRACTION = {"host": 0.05, "disk": 0.3, "remote": 0.5}
+
+# Series read from a scrape, summed over labels unless keyed with a tier.
+_SERIES = {
+    "kvoffload_serve_token_compute_seconds": "token_s",
+    "kvoffload_serve_step_base_seconds": "step_s",
+    "kvoffload_offload_load_seconds_total": "host_load_s",
+    "kvoffload_offload_loaded_blocks_total": "host_load_blocks",
+    "kvoffload_num_requests_running": "running",
+    "kvoffload_num_requests_waiting": "waiting",
+    "vllm:request_prefill_time_seconds_sum": "vllm_prefill_s",
+    "vllm:prompt_tokens_total": "vllm_prompt_tokens",
+    "vllm:prefix_cache_hits_total": "vllm_prefix_hits",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+}
+# Per-tier series, keyed ``<key>_<tier>``.
+_TIER_SERIES = {
+    "kvoffload_tier_promotion_job_seconds_sum": "promotion_s",
+    "kvoffload_tier_promotion_blocks_total": "promotion_blocks",
+}
+SECONDARY_TIERS = ("disk", "remote")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The figures of a Prometheus text scrape that the cost model reads."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            key = _SERIES.get(name)
+            if key is None and name in _TIER_SERIES:
+                key = f"{_TIER_SERIES[name]}_{sample.labels.get('tier', '')}"
+            if key is not None and math.isfinite(sample.value):
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+@dataclass
+class BackendCosts:
+    """Seconds to compute one prompt token and to load one block from each tier."""
+
+    block_size: int = 16
+    alpha: float = 0.3
+    token_s: float | None = None
+    step_s: float = 0.0
+    host_load_s: float | None = None  # per block, host -> device
+    promotion_s: dict[str, float | None] = field(
+        default_factory=lambda: dict.fromkeys(SECONDARY_TIERS)
+    )  # per block, tier -> host
+    running: float = 0.0
+    waiting: float = 0.0
+    _last: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def compute_block_s(self) -> float:
+        """Seconds to compute one block (the prior until measured)."""
+        return (self.token_s if self.token_s is not None else PRIOR_TOKEN_S) * self.block_size
+
+    def load_block_s(self, tier: str) -> float:
+        """Seconds to load one block from ``tier`` into the device: a disk or remote block is
+        promoted into the host, then loaded from there (priors until measured)."""
+        if tier == "device":
+            return 0.0
+        if tier == "host":
+            measured = self.host_load_s
+        else:
+            promotion = self.promotion_s.get(tier)
+            measured = None if promotion is None else promotion + self.load_block_s("host")
+        if measured is not None:
+            return measured
+        return PRIOR_LOAD_FRACTION.get(tier, 0.0) * self.compute_block_s
+
+    def measured(self) -> dict[str, float | None]:
+        """What has been measured so far (``None``: not yet)."""
+        return {"compute_token_s": self.token_s, "load_host_s": self.host_load_s,
+                **{f"promotion_{t}_s": v for t, v in self.promotion_s.items()}}
+
+    def update(self, scrape: Mapping[str, float]) -> None:
+        """Fold in one scrape (figures from :func:`parse_metrics`)."""
+        last, self._last = self._last, dict(scrape)
+        self.running = scrape.get("running", 0.0)
+        self.waiting = scrape.get("waiting", 0.0)
+        if scrape.get("token_s", 0.0) > 0:
+            self.token_s = scrape["token_s"]
+            self.step_s = scrape.get("step_s", 0.0)
+        delta = {k: v - last.get(k, 0.0) for k, v in scrape.items()} if last else {}
+        if not delta:
+            return
+        computed = (
+            delta.get("vllm_prompt_tokens", 0.0) - delta.get("vllm_prefix_hits", 0.0)
+        )
+        if computed > 0 and delta.get("vllm_prefill_s", 0.0) > 0:
+            self.token_s = _ewma(self.token_s, delta["vllm_prefill_s"] / computed, self.alpha)
+        host_blocks = delta.get("host_load_blocks", 0.0)
+        if host_blocks > 0:
+            per_block = delta.get("host_load_s", 0.0) / host_blocks
+            self.host_load_s = _ewma(self.host_load_s, per_block, self.alpha)
+        for tier in SECONDARY_TIERS:
+            blocks = delta.get(f"promotion_blocks_{tier}", 0.0)
+            if blocks > 0:
+                per_block = delta.get(f"promotion_s_{tier}", 0.0) / blocks
+                self.promotion_s[tier] = _ewma(self.promotion_s[tier], per_block, self.alpha)

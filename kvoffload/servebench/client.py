@@ -1,0 +1,147 @@
+"""Sending the benchmark's requests and timing them as ``vllm bench serve`` does.
+
+Requests go to ``/v1/completions`` with the prompt as token ids, ``stream`` and
+``stream_options.include_usage``. On the client's clock (``perf_counter``): TTFT is the first
+chunk carrying ``choices`` minus the send time, ITL the gaps between later such chunks, latency
+the last such chunk minus the send time; output tokens (and the prompt length) come from the
+server's ``usage``. A 200 stream without any such chunk is a failure. Arrivals are a gamma
+process at ``request_rate`` (``burstiness`` 1: Poisson; ``inf``: all at once) or a trace's
+timestamps, with at most ``max_concurrency`` in flight; a request's ``queue_time`` is how long
+it waited for a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+from kvoffload.benchmark.datasets import BenchRequest
+
+__all__ = ["RequestResult", "arrival_gaps", "replay_gaps", "run_requests"]
+
+
+@dataclass
+class RequestResult:
+    """One request as ``vllm bench serve`` records it (seconds, ``perf_counter`` clock)."""
+
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    output_tokens: int = 0
+    start_time: float = 0.0
+    queue_time: float = 0.0
+    generated_text: str = ""
+    error: str = ""
+
+
+def _read_event(out: RequestResult, data: bytes, start: float, last: float) -> float:
+    """Fold one SSE payload into ``out``; returns the time of the latest token chunk."""
+    msg = json.loads(data)
+    if "error" in msg:
+        raise ValueError(str(msg["error"].get("message")))
+    if choices := msg.get("choices"):
+        now = time.perf_counter()
+        if out.ttft == 0.0:
+            out.ttft = now - start
+        else:
+            out.itl.append(now - last)
+        out.generated_text += choices[0].get("text") or ""
+        return now
+    if usage := msg.get("usage"):
+        out.output_tokens = int(usage.get("completion_tokens") or 0)
+        out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
+    return last
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, session_id: str | None
+) -> RequestResult:
+    body = {
+        "model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    headers = {"x-session-id": session_id} if session_id else {}
+    out = RequestResult(prompt_len=len(req.prompt))
+    start = last = out.start_time = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return out
+            buffer = b""
+            async for chunk in resp.content.iter_any():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    data = event.removeprefix(b"data: ").strip()
+                    if data and data != b"[DONE]" and not data.startswith(b":"):
+                        last = _read_event(out, data, start, last)
+        out.latency = last - start
+        out.success = out.ttft > 0
+        if not out.success:
+            out.error = "no token chunk in the stream"
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        out.error = repr(exc)
+    return out
+
+
+def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds before each request (vLLM's gamma arrivals; all at 0 when the rate is inf)."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return list(rng.gamma(shape=burstiness, scale=theta, size=n))
+
+
+def replay_gaps(arrivals: Sequence[float], scale: float) -> list[float]:
+    """Seconds before each request to send them at ``arrivals`` (a trace's, sorted) x ``scale``."""
+    out, last = [], 0.0
+    for at in arrivals:
+        out.append(max(0.0, at * scale - last))
+        last = max(last, at * scale)
+    return out
+
+
+async def run_requests(
+    url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    gaps: Sequence[float],
+    max_concurrency: int | None,
+    sessions: Sequence[str | None] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Run every request, ``gaps[i]`` seconds after the previous one was sent (at most
+    ``max_concurrency`` in flight); returns the results (in request order) and the wall
+    duration."""
+    gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
+        asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    )
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+
+    async def limited(i: int, req: BenchRequest) -> RequestResult:
+        arrival = time.perf_counter()
+        async with gate:
+            out = await _one(session, url, model, req, sessions[i] if sessions else None)
+        out.queue_time = out.start_time - arrival
+        return out
+
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        tasks = []
+        for i, (req, gap) in enumerate(zip(requests, gaps, strict=True)):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(i, req)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start

@@ -1,0 +1,125 @@
+"""Running ``kvoffload serve``: the engine, its loop thread, the app, uvicorn, and a clean end.
+
+SIGTERM (and a first Ctrl-C) stop the server gracefully: uvicorn stops accepting connections
+and waits for the requests in flight to finish; then the engine loop lets the stores of
+finished requests reach every tier (their KV events go out), closes the engine, and the process
+exits 0. After a Ctrl-C, :func:`serve` raises ``KeyboardInterrupt`` once all that is done (the
+command prints one line and exits 130).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry
+
+from kvoffload.engine import Engine, EngineConfig
+from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.serving.loop import EngineLoop
+from kvoffload.serving.metrics import ServerMetrics
+from kvoffload.serving.prompts import PromptTokenizer
+
+__all__ = ["max_model_len", "remote_tier_id", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+def max_model_len(engine: Engine) -> int:
+    """Tokens one request may hold: the device cache and the model's positions both bound it."""
+    capacity = engine.num_device_blocks * engine.config.block_size
+    return min(capacity, engine.model_config.max_position_embeddings)
+
+
+def remote_tier_id(url: str | None) -> str | None:
+    """The shared tier's identity without credentials: instances with equal ids share blocks."""
+    if not url:
+        return None
+    parts = urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{hosts}{parts.path or '/0'}"
+
+
+def kv_event_sources(engine: Engine) -> dict[str, Any]:
+    """vLLM's ``/kv_event_sources`` answer (publisher settings per data-parallel rank), with
+    the endpoints as bound and what a router needs to key blocks: ``block_size`` and the
+    shared tier's ``remote_tier`` id. ``{}`` when events are off."""
+    config = engine.config.events
+    if not config.enable_kv_cache_events:
+        return {}
+    publisher: Any = engine.publisher
+    source = {
+        "enable_kv_cache_events": True,
+        "publisher": config.publisher,
+        "endpoint": getattr(publisher, "endpoint", config.endpoint),
+        "replay_endpoint": getattr(publisher, "replay_endpoint", config.replay_endpoint),
+        "buffer_steps": config.buffer_steps,
+        "hwm": config.hwm,
+        "max_queue_size": config.max_queue_size,
+        "topic": config.topic,
+        "block_size": engine.config.block_size,
+        "remote_tier": remote_tier_id(engine.config.kv_remote_url),
+    }
+    return {"0": source}
+
+
+def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    log_level: str = "warning",
+    sock: socket.socket | None = None,
+) -> int:
+    """Build the engine and serve it until SIGTERM (returns the exit status) or Ctrl-C (raises
+    ``KeyboardInterrupt`` after the same graceful end)."""
+    import uvicorn
+
+    engine = Engine(**_engine_kwargs(config))
+    loop = EngineLoop(engine)
+    server_metrics = ServerMetrics(loop)
+    registries: list[CollectorRegistry] = [engine.metrics.registry, server_metrics.registry]
+    ctx = ServingContext(
+        loop=loop,
+        model_name=served_model_name or config.model,
+        max_model_len=max_model_len(engine),
+        tokenizer=PromptTokenizer(config.model),
+        registries=registries,
+        kv_event_sources=kv_event_sources(engine),
+    )
+    app = build_app(ctx)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.stop, True)
+
+    app.router.lifespan_context = lifespan
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
+    )
+    server = uvicorn.Server(uv_config)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if loop.alive:  # startup failed before the lifespan ran its shutdown
+            loop.stop(drain=False)
+        engine.close()
+    return 1 if loop.failed is not None or not server.started else 0
+
+
+def _engine_kwargs(config: EngineConfig) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}

@@ -1,0 +1,94 @@
+"""The router's measured costs: each secondary tier's promotions are timed on their own (a
+tiering manager over a real disk tier and a real Redis tier, promoting from each), exported per
+tier on ``/metrics``, and turned by the router into each tier's seconds per block directly."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from remote_cases import make_layout, make_tier
+from tier_cases import host_pool, key
+
+from kvoffload.base import LookupResult, ReqContext
+from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers.tiering import TieringOffloadingManager
+from kvoffload.metrics import EngineMetrics
+from kvoffload.routing.costs import PRIOR_LOAD_FRACTION, BackendCosts, parse_metrics
+from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+
+HOST_BLOCKS = 4
+
+
+def _store(manager: TieringOffloadingManager, keys: list, ctx: ReqContext) -> None:
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None and out.keys_to_store == keys
+    manager.complete_store(keys, ctx)
+    manager.drain()
+
+
+def _promote(manager: TieringOffloadingManager, keys: list, tier: str) -> None:
+    """A request allowed to load from ``tier`` only promotes ``keys`` from it."""
+    ctx = ReqContext(f"from-{tier}", {"kv_load_tiers": [tier]})
+    deadline = time.monotonic() + 30
+    while (answers := [manager.lookup(k, ctx) for k in keys]) != [LookupResult.RETRY] * len(keys):
+        assert time.monotonic() < deadline, answers
+        manager.step_end()
+        manager.drain()
+    manager.step_end()
+    manager.drain()
+    assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+    manager.request_finished(ctx)
+
+
+def _scrape(manager: TieringOffloadingManager) -> str:
+    def snapshot():
+        stats = {f"offload_{k}": v for k, v in manager.stats().items()}
+        stats["offload_load_jobs"] = 0
+        return stats, manager.tier_stats()
+
+    return generate_latest(EngineMetrics(snapshot, manager.tiers[0].layout.block_bytes).registry
+                           ).decode()
+
+
+def test_promotions_are_timed_per_tier_and_the_router_reads_each(
+    tmp_path: Path, redis_server
+) -> None:
+    layout = make_layout()
+    pool = host_pool(HOST_BLOCKS, layout.block_bytes)  # the host's slots, both tiers' source
+    host = CPUOffloadingManager(HOST_BLOCKS, "lru")
+    disk = DiskTier(pool, layout, DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))
+    remote = make_tier(redis_server.url, pool, layout)
+    manager = TieringOffloadingManager(host, [disk, remote])
+    costs = BackendCosts(block_size=16)
+    try:
+        costs.update(parse_metrics(_scrape(manager)))  # the baseline scrape
+        writer = ReqContext("writer")
+        for i in range(0, 8, 2):  # k0..k7 written through to both tiers; the host keeps k4..k7
+            _store(manager, [key(i), key(i + 1)], writer)
+        _promote(manager, [key(0), key(1)], "disk")
+        _promote(manager, [key(2), key(3), key(4)], "remote")
+        by_tier = manager.tier_stats()
+        assert {t: by_tier[t]["promotion_blocks"] for t in ("disk", "remote")} == {
+            "disk": 2, "remote": 3}
+        assert by_tier["disk"]["promotion_jobs"] == by_tier["remote"]["promotion_jobs"] == 1
+        stats = manager.stats()
+        assert stats["remote_promotion_us"] == by_tier["remote"]["promotion_us"] > 0
+        assert stats["promotion_us"] == sum(by_tier[t]["promotion_us"] for t in ("disk", "remote"))
+
+        text = _scrape(manager)
+        scraped = parse_metrics(text)
+        for tier in ("disk", "remote"):
+            assert scraped[f"promotion_s_{tier}"] == pytest.approx(
+                by_tier[tier]["promotion_us"] / 1e6)
+        costs.update(scraped)
+        # Each tier's seconds per block, measured on its own (no host load measured: the prior).
+        host_prior = PRIOR_LOAD_FRACTION["host"] * costs.compute_block_s
+        for tier, blocks in (("disk", 2), ("remote", 3)):
+            per_block = by_tier[tier]["promotion_us"] / 1e6 / blocks
+            assert costs.promotion_s[tier] == pytest.approx(per_block)
+            assert costs.load_block_s(tier) == pytest.approx(per_block + host_prior)
+    finally:
+        manager.close()

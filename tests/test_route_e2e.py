@@ -1,0 +1,106 @@
+"""``kvoffload route`` over real ``kvoffload serve`` processes: greedy outputs through the router
+equal one engine without offloading; kv_aware keeps a prefix where it is cached; a backend killed
+mid-run fails no request (they are retried elsewhere) and leaves the index; sticky sessions."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from serve_cases import Process, http_json, post_raw, route, serve
+
+from kvoffload.engine import Engine, SamplingParams
+from kvoffload.serving.prompts import PromptTokenizer
+
+pytestmark = pytest.mark.timeout(180)
+
+SHARED = "System: you answer questions about kvoffload, briefly and exactly. " * 3
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[list[Process]]:
+    with serve("--kv-offloading-size", "0.01") as a, serve("--kv-offloading-size", "0.01") as b:
+        yield [a, b]
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def test_outputs_through_route_equal_one_instance(backends: list[Process]) -> None:
+    prompts = [SHARED + f"Question {i}?" for i in range(4)] * 2
+    tok = PromptTokenizer("tiny")
+    with Engine("tiny", num_device_blocks=64) as engine:  # no offloading
+        want = [engine.tokenizer.decode(o.output_token_ids) for o in engine.generate(
+            [tok.encode(p) for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))]
+    with route(backends) as router, _client(router.url) as client:
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+               for p in prompts]
+        assert got == want
+        streamed = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in streamed) == want[0]
+        stats = http_json(f"{router.url}/router/stats")
+        # The shared prefix stays where it is cached: one backend took every request.
+        requests = sorted(b["requests"] for b in stats["backends"])
+        assert requests == [0, len(prompts) + 1]
+        assert stats["index"]["keys"] > 0 and stats["decision_us_p99"] > 0
+        status, answer = post_raw(f"{router.url}/v1/completions", b"{oops")
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+        status, answer = post_raw(f"{router.url}/v1/completions",
+                                  json.dumps({"prompt": "x", "max_tokens": 0}).encode())
+        assert status == 400 and answer["error"]["param"] == "max_tokens"  # the backend's answer
+
+
+def test_round_robin_and_sessions(backends: list[Process]) -> None:
+    with route(backends, "--policy", "round_robin") as rr:
+        with _client(rr.url) as client:
+            for i in range(4):
+                client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=1)
+        assert [b["requests"] for b in http_json(f"{rr.url}/router/stats")["backends"]] == [2, 2]
+    with route(backends, "--policy", "session") as sticky, _client(sticky.url) as client:
+        for user in ("alice", "bob", "carol", "dave"):
+            for _ in range(2):
+                client.completions.create(model="tiny", prompt="hi", max_tokens=1, user=user)
+        counts = [b["requests"] for b in http_json(f"{sticky.url}/router/stats")["backends"]]
+        assert sum(counts) == 8 and all(c % 2 == 0 for c in counts)
+
+
+def test_killed_backend_fails_no_request_and_leaves_the_index() -> None:
+    with (
+        serve("--kv-offloading-size", "0.01") as a,
+        serve("--kv-offloading-size", "0.01") as b,
+        route([a, b], "--policy", "round_robin") as router,
+        _client(router.url) as client,
+    ):
+        for i in range(4):  # both backends index blocks
+            client.completions.create(model="tiny", prompt=SHARED + str(i), max_tokens=2)
+        results: list[Any] = []
+
+        def worker(n: int) -> None:
+            for i in range(6):
+                try:
+                    results.append(client.completions.create(
+                        model="tiny", prompt=f"{SHARED} {n}/{i}", max_tokens=4))
+                except Exception as exc:  # asserted below
+                    results.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        b.kill()  # mid-run: requests in flight there are retried on a
+        for t in threads:
+            t.join(120)
+        assert len(results) == 18
+        assert [r for r in results if isinstance(r, Exception)] == []
+        stats = http_json(f"{router.url}/router/stats")
+        dead = next(s for s in stats["backends"] if s["url"] == b.url)
+        alive = next(s for s in stats["backends"] if s["url"] == a.url)
+        assert not dead["healthy"] and dead["indexed_blocks"] == 0
+        assert alive["healthy"] and alive["indexed_blocks"] > 0

@@ -1,0 +1,71 @@
+"""Routing policies on hand-made backends: the predicted time to first token of each tier
+weighting, and each policy's choice (ties in turn, sticky sessions that move only a lost
+backend's sessions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvoffload.routing.costs import BackendCosts
+from kvoffload.routing.index import Match
+from kvoffload.routing.policies import BackendLoad, Policy, choose, predicted_ttft
+
+
+@dataclass
+class _Backend:
+    url: str
+    index_id: int | None
+    load: BackendLoad = field(default_factory=BackendLoad)
+    costs: BackendCosts = field(default_factory=lambda: _costs())
+
+
+def _costs(token_s: float = 1e-3, host: float = 2e-3, disk: float = 5e-3,
+           remote: float = 9e-3) -> BackendCosts:
+    costs = BackendCosts(block_size=16, token_s=token_s, host_load_s=host)
+    costs.promotion_s.update(disk=disk - host, remote=remote - host)
+    return costs
+
+
+def test_predicted_ttft_of_each_weighting() -> None:
+    m = Match(device=2, host=3, disk=1, remote=2, total=10)  # 2 blocks to compute
+    load = BackendLoad(prefilling_s=0.5, prefill_blocks=4, decode_blocks=6)
+    costs = _costs()
+    compute = 2 * 16e-3
+    assert predicted_ttft(load, costs, m, "measured") == pytest.approx(
+        0.5 + compute + 3 * 2e-3 + 1 * 5e-3 + 2 * 9e-3)
+    assert predicted_ttft(load, costs, m, "blind") == pytest.approx(0.5 + compute)
+    credit = 2 * 1.0 + 3 * 0.75 + 1 * 0.25 + 2 * 0.5
+    assert predicted_ttft(load, costs, m, "dynamo") == pytest.approx(4 + 10 - credit + 6)
+
+
+def test_kv_aware_weighs_where_blocks_are_and_ties_go_in_turn() -> None:
+    a, b, c = _Backend("a", 0), _Backend("b", 1), _Backend("c", 2)
+    # b holds the prompt on its host, c in the remote tier: b loads faster.
+    matches = {0: Match(total=8), 1: Match(host=8, total=8), 2: Match(remote=8, total=8)}
+    policy = Policy()
+    assert {choose(policy, [a, b, c], matches) for _ in range(3)} == {1}
+    # Tier-blind scoring cannot tell b from c: the tie goes round between them.
+    blind = Policy(tier_weights="blind")
+    assert {choose(blind, [a, b, c], matches) for _ in range(6)} == {1, 2}
+    # A queue outweighs the cache: b's predicted prefill queue is long.
+    b.load.prefilling_s = 10.0
+    assert choose(policy, [a, b, c], matches) == 2
+
+
+def test_round_robin_least_load_and_sessions() -> None:
+    backends = [_Backend(u, i) for i, u in enumerate("abcd")]
+    rr = Policy("round_robin")
+    assert [choose(rr, backends, {}) for _ in range(8)] == [0, 1, 2, 3] * 2
+    backends[0].load.in_flight = backends[1].load.in_flight = 2
+    least = Policy("least_load")
+    assert {choose(least, backends, {}) for _ in range(4)} == {2, 3}
+    sticky = Policy("session")
+    users = [f"user{i}" for i in range(40)]
+    placed = {u: backends[choose(sticky, backends, {}, u)].url for u in users}
+    assert placed == {u: backends[choose(sticky, backends, {}, u)].url for u in users}
+    assert len(set(placed.values())) == 4
+    survivors = [b for b in backends if b.url != "c"]
+    moved = {u for u in users if survivors[choose(sticky, survivors, {}, u)].url != placed[u]}
+    assert moved == {u for u in users if placed[u] == "c"}
