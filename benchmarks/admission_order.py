@@ -31,7 +31,8 @@ from typing import Any
 
 from kvoffload.benchmark import datasets, traces
 from kvoffload.benchmark.datasets import BenchRequest
-from kvoffload.benchmark.throughput import run_throughput, unlimited_device_blocks
+from kvoffload.benchmark.matrix import unlimited_device_blocks
+from kvoffload.benchmark.throughput import run_throughput
 from kvoffload.engine.loader import load_model_config
 
 HOST_GIB = 0.0234375  # 96 blocks of the small model (16 tokens): issue 23's host tier
