@@ -480,7 +480,9 @@ def test_compare_repeats_start_every_remote_run_from_an_empty_namespace(
             "--repeats", "2", "--output-json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
     remote_runs = [
-        r for r in json.loads(out_json.read_text())["all_runs"] if r["label"] == "offloading + remote"
+        r
+        for r in json.loads(out_json.read_text())["all_runs"]
+        if r["label"] == "offloading + remote"
     ]
     assert len(remote_runs) == 2
     for run in remote_runs:

@@ -201,7 +201,6 @@ def _namespace(options: list[tuple[str, str]], url: str) -> str:
     if not value or len(value) > _NAMESPACE_MAX or not set(value) <= _NAMESPACE_CHARS:
         raise ConfigError(
             SETTING,
-            f"namespace must be 1-{_NAMESPACE_MAX} letters, digits, '-', '_' or '.', "
-            f"got {value!r}",
+            f"namespace must be 1-{_NAMESPACE_MAX} letters, digits, '-', '_' or '.', got {value!r}",
         )
     return value
