@@ -20,9 +20,9 @@ waiting request is filed under its *frontier* (the hash of its first non-residen
 block entering the device cache or an admission's in-flight set advances the requests filed under
 it (``O(blocks that changed)`` per step, no rescan of the queue). A score that fell (blocks
 evicted) is corrected when the request comes up: its run is re-walked then, once per pass.
-A request whose first non-cached blocks an admitted request is computing right now is passed over
-for this step when they are at least half of what it lacks (in-batch prefix sharing: next step
-they are cached and it computes only the rest).
+A request whose first non-cached block an admitted request is computing right now is passed over
+for this step (in-batch prefix sharing: once cached, it is a hit; admitted now, the request would
+compute it a second time).
 
 Bounded unfairness: no waiting request sees more than ``max_bypass`` requests that arrived after
 it admitted before it. The oldest waiting request has been passed over at least as often as any
@@ -227,10 +227,16 @@ class CacheAwareQueue(WaitingQueue):
 
     def remove(self, req: Request) -> None:
         entry = self._entries.pop(req.request_id, None)
-        if entry is not None:
-            entry.live = False
-        else:
+        if entry is None:
             self._preempted.remove(req)
+            return
+        entry.live = False
+        if entry.score < entry.limit:  # its filing (a hash that may never become resident)
+            frontier = entry.req.block_hashes[entry.score]
+            waiters = self._frontier.get(frontier, [])
+            self._frontier[frontier] = [e for e in waiters if e is not entry]
+            if not self._frontier[frontier]:
+                del self._frontier[frontier]
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._preempted)
@@ -437,18 +443,14 @@ class CacheAwareQueue(WaitingQueue):
                 del in_flight[h]
 
     def shares_in_flight(self, req: Request, num_hit_blocks: int) -> bool:
-        """In-batch prefix sharing: pass ``req`` over for this step when the blocks after its
-        hits that admitted requests are computing are at least half of what it lacks (never a
-        preempted request, nor one at its bound)."""
+        """In-batch prefix sharing: pass ``req`` over for this step when its first block after
+        its hits is one an admitted request is computing or loading now (next step it is a hit;
+        admitted now, ``req`` would compute it a second time). Never a preempted request, nor
+        one at its bound. One dict lookup."""
         if not self._caching or self._urgent or not isinstance(self._current, _Entry):
             return False
-        hashes, in_flight = req.block_hashes, self._in_flight
-        limit = self._current.limit
-        i = num_hit_blocks
-        while i < limit and hashes[i] in in_flight:
-            i += 1
-        shared = i - num_hit_blocks
-        return shared > 0 and 2 * shared >= limit - num_hit_blocks
+        hashes = req.block_hashes
+        return num_hit_blocks < self._current.limit and hashes[num_hit_blocks] in self._in_flight
 
 
 def make_waiting_queue(
