@@ -81,7 +81,7 @@ class EngineConfig:
     kv_cache_memory: float = 1.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
-    scheduling_policy: str = "cache_aware"
+    scheduling_policy: str = "fcfs"
     scheduling_max_bypass: int = 32
     enable_prefix_caching: bool = True
     kv_offloading_size: float = 0.0
