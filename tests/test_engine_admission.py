@@ -55,6 +55,15 @@ class AdmissionLog:
         for req_id, number in self._engine.scheduler._admitted.items():
             self._first.setdefault(req_id, number)
 
+    def run(self) -> None:
+        """Step until every request finished (bounded), logging after each step."""
+        for _ in range(MAX_STEPS):
+            self._engine.step()
+            self.after_step()
+            if not self._engine.has_unfinished():
+                return
+        raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
+
     @property
     def order(self) -> list[str]:
         return sorted(self._first, key=self._first.__getitem__)
@@ -178,11 +187,7 @@ def _admit_cold_among_hot(policy: str, max_bypass: int, num_hot: int = 6) -> tup
         cold_id = engine.add_request(cold, greedy(max_tokens=2))
         for prompt in hot:
             engine.add_request(prompt, greedy(max_tokens=2))
-        for _ in range(MAX_STEPS):
-            engine.step()
-            log.after_step()
-            if not engine.has_unfinished():
-                break
+        log.run()
         assert_quiescent(engine)
         return [r for r in log.order if r not in seen], cold_id
 
@@ -229,11 +234,7 @@ def test_no_reuse_admits_in_arrival_order() -> None:
                 engine.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
                 for p in prompts
             ]
-            for _ in range(MAX_STEPS):
-                engine.step()
-                log.after_step()
-                if not engine.has_unfinished():
-                    break
+            log.run()
             assert log.order == ids
             orders[policy] = log.order
     assert orders["fcfs"] == orders["cache_aware"]
