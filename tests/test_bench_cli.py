@@ -459,6 +459,42 @@ def test_with_a_remote_tier(
     assert "kv_remote_ttl_s" in capsys.readouterr().err
 
 
+def test_compare_repeats_start_every_remote_run_from_an_empty_namespace(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    """--compare --repeats 2 on a given server that already holds this workload's blocks (a
+    first run stored them): no remote run finds a block it did not store itself (each gets a
+    fresh namespace; the host tier holds the whole workload, so a remote hit could only be an
+    earlier run's block), and the server's earlier keys are left alone. Lookups wait long
+    enough that any block on the server would be found."""
+    args, _ = _dataset_args("prefix_repetition", tmp_path)
+    with redis_server.client() as c:
+        c.flushall()
+    wait = ["--kv-remote-lookup-wait-s", "60", "--kv-lookup-retry-s", "60"]
+    assert main([*COMMON, *args, *wait, "--kv-remote-url", redis_server.url]) == 0
+    with redis_server.client() as c:
+        before = set(c.keys("kvo:*"))
+    assert before
+    out_json = tmp_path / "out.json"
+    argv = [*COMMON, *args, *wait, "--kv-remote-url", redis_server.url, "--compare",
+            "--repeats", "2", "--output-json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    remote_runs = [
+        r
+        for r in json.loads(out_json.read_text())["all_runs"]
+        if r["label"] == "offloading + remote"
+    ]
+    assert len(remote_runs) == 2
+    for run in remote_runs:
+        assert run["stats"]["offload_tier_remote_stored_blocks"] > 0
+        assert run["tokens_by_source"].get("remote", 0) == 0
+    with redis_server.client() as c:
+        keys = set(c.keys("kvo:*"))
+    assert before < keys
+    spaces = {k.split(b":")[1] for k in keys - before}
+    assert len(spaces) == 2 and all(s.startswith(b"bench-") for s in spaces)
+
+
 def test_two_instances_share_prefixes_through_redis(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

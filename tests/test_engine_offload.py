@@ -25,8 +25,15 @@ from kvoffload.scheduler.policy import STORE_POLICIES
 PREFIX_BLOCKS = 6
 PREFIX_TOKENS = PREFIX_BLOCKS * BLOCK_SIZE
 # Four 6-block prefixes cycle through a 24-block device cache two requests at a time: each
-# prefix is evicted from the device before its next round. The host tier holds everything.
-CYCLING = {"num_device_blocks": 24, "max_num_seqs": 2, "kv_offloading_size": host_gib(64)}
+# prefix is evicted from the device before its next round (in arrival order: cache-aware order
+# runs a round's requests on the prefixes still held, test_engine_admission.py). The host tier
+# holds everything.
+CYCLING = {
+    "num_device_blocks": 24,
+    "max_num_seqs": 2,
+    "kv_offloading_size": host_gib(64),
+    "scheduling_policy": "fcfs",
+}
 
 ROUNDS = cycling_rounds(num_prefixes=4, prefix_blocks=PREFIX_BLOCKS, num_rounds=3)
 FLAT = [p for r in ROUNDS for p in r]

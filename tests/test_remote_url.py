@@ -45,9 +45,36 @@ def test_tls_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert dict(url.tls_options) == {"ssl_cert_reqs": "none", "ssl_ca_certs": str(ca)}
 
 
+def test_namespace_option_on_every_scheme(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``namespace=NAME`` names where the keys live; shown (it is no secret), default empty."""
+    assert parse_redis_url("redis://h", env={}).namespace == ""
+    url = parse_redis_url("redis://:pw@h:1/2?namespace=bench-1.a_b", env={})
+    assert (url.namespace, url.db, url.tls_options) == ("bench-1.a_b", 2, ())
+    assert url.redacted() == "redis://:***@h:1/2?namespace=bench-1.a_b"
+    assert parse_redis_url("redis+cluster://a:1,b:2?namespace=x", env={}).namespace == "x"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("a CA")
+    url = parse_redis_url(f"rediss://h?ssl_ca_certs={ca}&namespace=n", env={})
+    assert (url.namespace, dict(url.tls_options)) == ("n", {"ssl_ca_certs": str(ca)})
+
+
+def test_a_namespace_keeps_the_keys_apart() -> None:
+    from kvoffload.tiers.base import KVLayout
+    from kvoffload.tiers.remote_config import remote_key_prefix
+
+    layout = KVLayout("m", "float32", 4, 1, 1, 8, 64)
+    plain, spaced = remote_key_prefix(layout), remote_key_prefix(layout, "run-1")
+    assert spaced == b"kvo:run-1:" + plain[len(b"kvo:") :]
+    assert remote_key_prefix(layout, "run-2") != spaced
+
+
 @pytest.mark.parametrize(
     ("url", "match"),
     [
+        ("redis://h?namespace=", "namespace must be"),
+        ("redis://h?namespace=a:b", "namespace must be"),
+        ("redis://h?namespace=" + "n" * 65, "namespace must be"),
+        ("redis://h?namespace=a&namespace=b", "namespace is given 2 times"),
         ("http://h", "not a Redis URL"),
         ("h:6379", "not a Redis URL"),
         ("redis://", "no host"),

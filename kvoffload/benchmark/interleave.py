@@ -1,7 +1,8 @@
 """Running a run matrix: every run ``repeats`` times, interleaved (ABC ABC, so that drift on a
 shared machine hits every configuration alike), each on a fresh engine; a run's disk tier in a
-fresh directory when asked (so that no run starts warm from another's blocks); and one run in a
-process of its own (engine A of two instances, which shares nothing with the others but their
+fresh directory and its remote tier in a fresh namespace of the server when asked (so that no run
+starts warm from another's blocks, whatever the server held before); and one run in a process of
+its own (engine A of two instances, which shares nothing with the others but their
 Redis server)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 import signal
 import tempfile
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -27,6 +29,7 @@ from kvoffload.errors import KVOffloadError
 __all__ = [
     "Progress",
     "fresh_disk_directory",
+    "fresh_remote_namespace",
     "run_in_own_process",
     "run_interleaved",
     "steady_threads",
@@ -71,6 +74,19 @@ def fresh_disk_directory(kwargs: dict[str, Any], fresh: bool) -> Iterator[dict[s
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def fresh_remote_namespace(kwargs: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """``kwargs`` for one run: with ``fresh``, its remote tier (if any) stores and finds blocks
+    only in a namespace no run used before (the URL's ``namespace`` option, replaced). Nothing
+    on the server is deleted: its other keys stay, unread."""
+    url = kwargs.get("kv_remote_url")
+    if url is None or not fresh:
+        return kwargs
+    base, _, query = url.partition("?")
+    options = [o for o in query.split("&") if o and not o.startswith("namespace=")]
+    options.append(f"namespace=bench-{uuid.uuid4().hex[:16]}")
+    return {**kwargs, "kv_remote_url": base + "?" + "&".join(options)}
+
+
 def run_interleaved(
     runs: Sequence[Run],
     requests_of: Callable[[int], Sequence[BenchRequest]],
@@ -79,15 +95,18 @@ def run_interleaved(
     fresh_disk: bool = False,
     arrivals: Sequence[float] | None = None,
     progress: Progress | None = None,
+    fresh_remote: bool = False,
 ) -> list[ThroughputResult]:
     """Every run ``repeats`` times, interleaved, on ``requests_of(repeat)`` (repeat from 1); the
-    results in order, each labelled as it ran (:func:`actual_label`)."""
+    results in order, each labelled as it ran (:func:`actual_label`). ``fresh_disk`` /
+    ``fresh_remote``: every run starts from an empty disk directory / remote namespace."""
     progress = progress or Progress()
     results: list[ThroughputResult] = []
     for repeat in range(1, repeats + 1):
         requests = requests_of(repeat)
         for run in runs:
-            with fresh_disk_directory(run.engine_kwargs, fresh_disk) as kwargs:
+            own = fresh_remote_namespace(run.engine_kwargs, fresh_remote)
+            with fresh_disk_directory(own, fresh_disk) as kwargs:
                 result = run_throughput(
                     requests,
                     run.label,

@@ -267,7 +267,9 @@ def _run(args: argparse.Namespace) -> int:
             if flags.honor_timestamps
             else None
         )
-        all_runs = _interleaved(flags, runs, lambda _repeat: requests, arrivals, progress)
+        all_runs = _interleaved(
+            flags, runs, lambda _repeat: requests, arrivals, progress, flags.compare
+        )
     title = f"{flags.model}, {len(requests)} {flags.dataset_name} requests"
     _report(flags, lines, all_runs, engine_a, title)
     return 0
@@ -279,7 +281,10 @@ def _interleaved(
     requests_of: Callable[[int], Sequence[BenchRequest]],
     arrivals: list[float] | None,
     progress: Progress,
+    fresh_remote: bool,
 ) -> list[ThroughputResult]:
+    """The runs interleaved; with ``--compare`` each on a fresh disk directory, and with
+    ``fresh_remote`` also in a fresh remote namespace."""
     from kvoffload.benchmark.interleave import run_interleaved
 
     return run_interleaved(
@@ -289,6 +294,7 @@ def _interleaved(
         fresh_disk=flags.compare,
         arrivals=arrivals,
         progress=progress,
+        fresh_remote=fresh_remote,
     )
 
 
@@ -325,7 +331,8 @@ def _two_instances(
         def fresh(repeat: int) -> list[BenchRequest]:
             return workload_requests(flags, model.vocab_size, model.eos_token_id, repeat)
 
-        return engine_a, _interleaved(flags, runs, fresh, None, progress)
+        # Engines B must find engine A's blocks: one namespace for all.
+        return engine_a, _interleaved(flags, runs, fresh, None, progress, False)
 
 
 def _report(

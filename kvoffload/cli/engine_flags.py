@@ -19,6 +19,7 @@ from typing import Any
 from kvoffload.cli.args import int_in, real_in
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
 from kvoffload.engine import EngineConfig
+from kvoffload.engine.admission import SCHEDULING_POLICIES
 from kvoffload.engine.config import OFFLOADING_BACKENDS
 from kvoffload.errors import ConfigError
 
@@ -121,6 +122,17 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "max_num_batched_tokens", "tokens per engine step", parse=int_in(1), unit="TOKENS"
     ),
     _engine_flag("max_num_seqs", "requests per engine step", parse=int_in(1), unit="N"),
+    _engine_flag(
+        "scheduling_policy",
+        "order of admission: fcfs, or cache_aware (longest held prefix first, bounded bypass)",
+        choices=SCHEDULING_POLICIES,
+    ),
+    _engine_flag(
+        "scheduling_max_bypass",
+        "cache_aware: most later arrivals admitted before a waiting request",
+        parse=int_in(0),
+        unit="N",
+    ),
     _engine_flag("enable_prefix_caching", "the engine's own device prefix cache", kind="negatable"),
     _engine_flag(
         "kv_offloading_size",

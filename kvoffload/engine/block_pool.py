@@ -63,6 +63,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        """Whether the prefix cache holds a block with ``block_hash``."""
+        return block_hash in self._cached
+
     def take(self, blocks: Sequence[KVBlock]) -> None:
         """Add a reference to each of ``blocks`` (prefix-cache hits), removing free ones from the queue."""
         free = self._free

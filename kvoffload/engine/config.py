@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvoffload.engine.admission import SCHEDULING_POLICIES
 from kvoffload.engine.loader import DTYPES, resolve_device
 from kvoffload.errors import ConfigError
 from kvoffload.events import KVEventsConfig
@@ -51,7 +52,10 @@ class EngineConfig:
     """Everything an :class:`Engine` is built from. Invalid values raise :class:`ConfigError`.
 
     Device cache: ``num_device_blocks`` engine blocks of ``block_size`` tokens, or, when it is
-    ``None``, as many as ``kv_cache_memory`` GiB hold. Offloading is on when
+    ``None``, as many as ``kv_cache_memory`` GiB hold. ``scheduling_policy`` orders the waiting
+    requests (``fcfs``, or ``cache_aware``: longest resident prefix first, with at most
+    ``scheduling_max_bypass`` later arrivals admitted before any request;
+    :mod:`kvoffload.engine.admission`). Offloading is on when
     ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
     ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
     that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
@@ -77,6 +81,8 @@ class EngineConfig:
     kv_cache_memory: float = 1.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
+    scheduling_policy: str = "fcfs"
+    scheduling_max_bypass: int = 32
     enable_prefix_caching: bool = True
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
@@ -115,6 +121,8 @@ class EngineConfig:
         check_real(
             "kv_cache_memory", self.kv_cache_memory, maximum=_MAX_GIB, positive=True, unit="GiB"
         )
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        check_int("scheduling_max_bypass", self.scheduling_max_bypass, 0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_real(
             "kv_offloading_size",

@@ -131,6 +131,8 @@ class Engine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self.connector,
+            config.scheduling_policy,
+            config.scheduling_max_bypass,
         )
         self._requests: dict[str, Request] = {}  # live requests
         self._finished: list[RequestOutput] = []

@@ -1,8 +1,9 @@
 """Continuous batching over a paged KV cache, with the offloading connector's hooks.
 
 Each step: running requests first (decodes and unfinished prefill chunks, in admission order),
-then waiting requests (first come, first served) while the token budget, the sequence limit and
-free blocks allow. ``running`` stays in admission order (the order requests left ``waiting``): a
+then waiting requests, in the order of the waiting queue's policy (:mod:`~kvoffload.engine.admission`:
+first come, first served, or cache-aware), while the token budget, the sequence limit and free
+blocks allow. ``running`` stays in admission order (the order requests left ``waiting``): a
 request whose load lands goes back to its admission place, not to the end. When a running request
 needs a block and none is free, a request not yet scheduled this step is preempted (its blocks
 freed, recomputed later): the most recently admitted one, except that a request whose load just
@@ -27,9 +28,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
 from dataclasses import dataclass, field
 
+from kvoffload.engine.admission import HeldProbe, make_waiting_queue
 from kvoffload.engine.block_pool import BlockPool, KVBlock
 from kvoffload.engine.request import Request, RequestStatus
 from kvoffload.keys import BlockHash
@@ -69,13 +70,16 @@ class EngineScheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         connector: OffloadingConnectorScheduler | None = None,
+        scheduling_policy: str = "fcfs",
+        max_bypass: int = 32,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.connector = connector
-        self.waiting: deque[Request] = deque()
+        held: HeldProbe | None = connector.num_held_blocks if connector is not None else None
+        self.waiting = make_waiting_queue(scheduling_policy, pool, block_size, max_bypass, held)
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         # Block hashes being loaded into the engine right now (count of loads), and per loading
@@ -98,7 +102,7 @@ class EngineScheduler:
         self.prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     @property
     def has_work(self) -> bool:
@@ -192,24 +196,22 @@ class EngineScheduler:
         return running.pop()
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        deferred: list[Request] = []
+        self.waiting.begin_pass()
         try:
-            self._admit_waiting(plan, budget, deferred)
+            self._admit_waiting(plan, budget)
         finally:
-            self.waiting.extendleft(reversed(deferred))
+            self.waiting.end_pass()
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, deferred: list[Request]) -> None:
-        bs = self.block_size
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        bs, waiting = self.block_size, self.waiting
         # Free blocks the requests deferred this step for a promotion will need (their whole
         # prompts, an upper bound): the requests behind them only get the rest, so no lookup
         # starts a promotion for a request the pool could not admit now anyway.
         promised = 0
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(self.loading) < self.max_num_seqs
-        ):
-            req = self.waiting[0]
+        while budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
+            req = waiting.next_candidate()
+            if req is None:
+                break
             hits = self.pool.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
             prompt_blocks = _cdiv(req.num_tokens, bs) - len(hits)
             if promised and self.pool.num_free_blocks - promised < prompt_blocks:
@@ -218,11 +220,11 @@ class EngineScheduler:
                 self._loading_hashes
                 and len(hits) < len(req.block_hashes)
                 and req.block_hashes[len(hits)] in self._loading_hashes
-            ):
-                # Another request is loading this prefix into the engine right now: share that
-                # load (its blocks enter the prefix cache when it lands) instead of loading a
-                # second copy. Later requests are not held up.
-                deferred.append(self.waiting.popleft())
+            ) or waiting.shares_in_flight(req, len(hits)):
+                # Another request is loading (or computing) this prefix into the engine right
+                # now: share it (its blocks enter the prefix cache when they land) instead of
+                # making a second copy. Later requests are not held up.
+                waiting.defer(req)
                 continue
             num_local = len(hits) * bs
             num_external, load_async = 0, False
@@ -233,7 +235,7 @@ class EngineScheduler:
                     # next step; the requests behind it are admitted meanwhile, in the blocks
                     # it leaves.
                     promised += prompt_blocks
-                    deferred.append(self.waiting.popleft())
+                    waiting.defer(req)
                     continue
                 num_external = matched
             num_cached = num_local + num_external
@@ -246,8 +248,9 @@ class EngineScheduler:
             if new is None:
                 self.pool.free(hits)
                 break
-            self.waiting.popleft()
+            waiting.take(req)
             self._give_blocks(req, hits, new, num_external)
+            waiting.admitted(req, len(hits))
             if load_async:
                 req.num_loading_tokens = num_external
                 req.status = RequestStatus.LOADING
@@ -313,7 +316,8 @@ class EngineScheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.released(req)
+        self.waiting.add_preempted(req)
 
     # ------------------------------------------------------------------ after the step
 
@@ -323,8 +327,10 @@ class EngineScheduler:
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         if num_full <= req.num_cached_blocks:
             return []
-        added = self.pool.cache(blocks, req.block_hashes, req.num_cached_blocks, num_full)
+        hashes = req.block_hashes
+        added = self.pool.cache(blocks, hashes, req.num_cached_blocks, num_full)
         req.num_cached_blocks = num_full
+        self.waiting.blocks_cached(req, num_full, [hashes[i] for i in added])
         return added
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -338,6 +344,8 @@ class EngineScheduler:
             self._untrack_load(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        else:
+            self.waiting.released(req)
         delay_free = False
         if self.connector is not None:
             delay_free, _ = self.connector.request_finished(req)

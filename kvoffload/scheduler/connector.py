@@ -43,6 +43,7 @@ from typing import Any
 from kvoffload.base import OffloadingManager, ReqContext
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import KVCacheEvent
+from kvoffload.keys import make_offload_key
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.fence import ReuseFence
 from kvoffload.scheduler.interface import ConnectorUpdate, ScheduledRequest, SchedulerOutput
@@ -59,6 +60,9 @@ from kvoffload.transfer import ConnectorMetadata, TransferJob, TransferResult
 __all__ = ["KV_TRANSFER_PARAMS", "OffloadingConnectorScheduler", "parse_kv_transfer_params"]
 
 logger = logging.getLogger(__name__)
+
+#: The context of :meth:`OffloadingConnectorScheduler.num_held_blocks`'s probes (of no request).
+_PROBE = ReqContext("")
 
 
 class OffloadingConnectorScheduler:
@@ -182,6 +186,25 @@ class OffloadingConnectorScheduler:
         self._hits.touch(state)
         num_hit = max(0, hit_end - num_computed_tokens)
         return num_hit, num_hit > 0
+
+    def num_held_blocks(self, request: OffloadRequest, first: int, end: int) -> int:
+        """How many of the request's hash blocks ``first, first + 1, ...`` (below ``end``), a
+        leading run, the tier holds (:meth:`~kvoffload.base.OffloadingManager.holds`: for a
+        tiering manager, the host tier). A pure probe for the engine's admission order: nothing
+        is counted, touched or promoted, and no request state is made. Full attention only (0
+        when the first group has a sliding window)."""
+        group = self.config.groups[0]
+        if group.sliding_window_blocks is not None:
+            return 0
+        per = group.offloaded_block_size // self.config.hash_block_size
+        hashes, holds = request.block_hashes, self.manager.holds
+        last = min(end, len(hashes))
+        j = first // per
+        while j * per < last and (j + 1) * per <= len(hashes):
+            if not holds(make_offload_key(hashes[(j + 1) * per - 1], 0), _PROBE):
+                break
+            j += 1
+        return max(0, min(j * per, last) - first)
 
     def update_state_after_alloc(
         self, request: OffloadRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int

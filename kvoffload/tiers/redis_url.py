@@ -13,7 +13,10 @@ environment variables :data:`USERNAME_ENV` and :data:`PASSWORD_ENV` (so they nee
 command line). ``rediss`` URLs accept the query options ``ssl_ca_certs``, ``ssl_certfile``,
 ``ssl_keyfile`` (files that must exist) and ``ssl_cert_reqs`` (``none``, ``optional``,
 ``required``), as redis-py names them: ``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``
-trusts the CA that signed the server's certificate (without it, the system's CAs).
+trusts the CA that signed the server's certificate (without it, the system's CAs). Every scheme
+accepts ``namespace=NAME`` (letters, digits, ``-``, ``_``, ``.``; at most 64): the tier's keys get
+``NAME:`` after ``kvo:``, so engines with different namespaces share no blocks on one server
+(``bench throughput --compare`` gives each run a fresh one).
 
 Invariant: :meth:`RedisURL.redacted` and ``repr`` never contain the password; error messages of
 this module name the setting and show the URL with the password replaced by ``***``.
@@ -53,6 +56,8 @@ _SCHEMES = {
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 _TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 _CERT_REQS = ("none", "optional", "required")
+_NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+_NAMESPACE_MAX = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,8 @@ class RedisURL:
     username: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)
     tls_options: tuple[tuple[str, str], ...] = ()
+    #: Keys are stored under ``kvo:NAMESPACE:`` (``""``: under ``kvo:``).
+    namespace: str = ""
 
     def redacted(self) -> str:
         """The URL with the password shown as ``***`` (the username is kept)."""
@@ -75,7 +82,8 @@ class RedisURL:
             auth = quote(self.username or "", safe="") + (":***" if self.password else "") + "@"
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
         db = "" if self.cluster else f"/{self.db}"
-        return f"{scheme}://{auth}{hosts}{db}"
+        namespace = f"?namespace={self.namespace}" if self.namespace else ""
+        return f"{scheme}://{auth}{hosts}{db}{namespace}"
 
     def scrub(self, text: str) -> str:
         """``text`` with every occurrence of the password replaced by ``***``."""
@@ -165,10 +173,13 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
         raise ConfigError(SETTING, f"Redis Cluster has db 0 only, got /{db} in {_shown(url)}")
 
     options = parse_qsl(query, keep_blank_values=True)
+    namespace = _namespace(options, url)
+    options = [(name, value) for name, value in options if name != "namespace"]
     for name, value in options:
         if name not in _TLS_OPTIONS:
             raise ConfigError(
-                SETTING, f"unknown option {name!r} in {_shown(url)}; known: {_TLS_OPTIONS}"
+                SETTING,
+                f"unknown option {name!r} in {_shown(url)}; known: {(*_TLS_OPTIONS, 'namespace')}",
             )
         if not tls:
             raise ConfigError(SETTING, f"{name} needs the rediss:// scheme (TLS)")
@@ -176,4 +187,20 @@ def parse_redis_url(url: str, env: Mapping[str, str] | None = None) -> RedisURL:
             raise ConfigError(SETTING, f"ssl_cert_reqs must be one of {_CERT_REQS}, got {value!r}")
         if name in _TLS_FILES and not os.path.isfile(value):
             raise ConfigError(SETTING, f"{name}={value!r} in {_shown(url)}: no such file")
-    return RedisURL(tls, cluster, nodes, db, username, password, tuple(options))
+    return RedisURL(tls, cluster, nodes, db, username, password, tuple(options), namespace)
+
+
+def _namespace(options: list[tuple[str, str]], url: str) -> str:
+    """The ``namespace`` option's value (``""`` without one); one at most, of safe characters."""
+    values = [value for name, value in options if name == "namespace"]
+    if not values:
+        return ""
+    if len(values) > 1:
+        raise ConfigError(SETTING, f"namespace is given {len(values)} times in {_shown(url)}")
+    value = values[0]
+    if not value or len(value) > _NAMESPACE_MAX or not set(value) <= _NAMESPACE_CHARS:
+        raise ConfigError(
+            SETTING,
+            f"namespace must be 1-{_NAMESPACE_MAX} letters, digits, '-', '_' or '.', got {value!r}",
+        )
+    return value

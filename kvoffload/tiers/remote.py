@@ -136,7 +136,7 @@ class RedisTier(SecondaryTier):
 
         self._transport = self._connect()
         ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
-        self._blocks = RemoteBlocks(pool, layout, self._transport, ttl_ms)
+        self._blocks = RemoteBlocks(pool, layout, self._transport, ttl_ms, self.url.namespace)
         self._threads = [
             threading.Thread(target=self._io_loop, name="kvo-remote-io", daemon=True),
             threading.Thread(target=self._lookup_loop, name="kvo-remote-lookup", daemon=True),

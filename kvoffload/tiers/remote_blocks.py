@@ -56,13 +56,18 @@ class RemoteBlocks:
     """Stores and loads of host slots through ``transport`` (module docstring)."""
 
     def __init__(
-        self, pool: memoryview, layout: KVLayout, transport: RedisTransport, ttl_ms: int | None
+        self,
+        pool: memoryview,
+        layout: KVLayout,
+        transport: RedisTransport,
+        ttl_ms: int | None,
+        namespace: str = "",
     ) -> None:
         self._flat = pool.cast("B") if pool.format != "B" or pool.ndim != 1 else pool
         self._num_slots = pool.shape[0]
         self._size = layout.block_bytes
         self._fingerprint = layout.fingerprint()
-        self.prefix = remote_key_prefix(layout)
+        self.prefix = remote_key_prefix(layout, namespace)
         self._transport = transport
         self._ttl_ms = ttl_ms
 

@@ -73,6 +73,8 @@ class RemoteTierConfig:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
-def remote_key_prefix(layout: KVLayout) -> bytes:
-    """The prefix of every Redis key this layout's blocks are stored under."""
-    return b"kvo:" + layout.fingerprint().hex().encode() + b":"
+def remote_key_prefix(layout: KVLayout, namespace: str = "") -> bytes:
+    """The prefix of every Redis key this layout's blocks are stored under (in ``namespace``,
+    the URL's ``namespace`` option, when not empty)."""
+    space = namespace.encode() + b":" if namespace else b""
+    return b"kvo:" + space + layout.fingerprint().hex().encode() + b":"

@@ -1,0 +1,464 @@
+"""The order in which a step tries waiting requests for admission: FCFS or cache-aware.
+
+Both queues speak one protocol with :class:`~kvoffload.engine.scheduler.EngineScheduler`. A
+step's admission pass is :meth:`WaitingQueue.begin_pass`, then :meth:`~WaitingQueue.next_candidate`
+until it answers ``None`` or the scheduler stops; each candidate is admitted
+(:meth:`~WaitingQueue.take`), passed over for this step (:meth:`~WaitingQueue.defer`: tried again
+next step, in its place), or left where it is (the scheduler stopped at it: no room);
+:meth:`~WaitingQueue.end_pass` puts the deferred ones back.
+
+:class:`FCFSQueue` (``scheduling_policy="fcfs"``, the default): arrival order, preempted requests
+first (vLLM's order).
+
+:class:`CacheAwareQueue` (``"cache_aware"``): SGLang's longest-prefix-match order, kept by events
+rather than rescans. A request's *score* is the leading run of its prompt blocks that are
+*resident*: in the device prefix cache, being computed or loaded by an admitted request, or held
+by the host tier (the offloading connector's pure probe). Requests are tried preempted first,
+then by score (highest first, ties in arrival order), then the rest in arrival order. So requests
+that share a prefix run together and share its device blocks. Scores only rise by events: each
+waiting request is filed under its *frontier* (the hash of its first non-resident block), and a
+block entering the device cache or an admission's in-flight set advances the requests filed under
+it (``O(blocks that changed)`` per step, no rescan of the queue). A score that fell (blocks
+evicted) is corrected when the request comes up: its run is re-walked then, once per pass.
+A request whose first non-cached block an admitted request is computing right now is passed over
+for this step (in-batch prefix sharing: once cached, it is a hit; admitted now, the request would
+compute it a second time).
+
+Bounded unfairness: no waiting request sees more than ``max_bypass`` requests that arrived after
+it admitted before it. The oldest waiting request has been passed over at least as often as any
+other (it waited through every admission the others did), so only its count is kept: the tickets
+of requests admitted past it, in a heap (``O(log n)`` per admission). Once it reaches
+``max_bypass``, it is the only candidate until admitted: the pass stops at it when it does not
+fit or waits for its blocks (a load it shares, a promotion). Re-admissions of preempted
+requests (which go first, as under FCFS) are not counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+
+from kvoffload.engine.block_pool import BlockPool
+from kvoffload.engine.request import Request
+from kvoffload.keys import BlockHash
+
+__all__ = [
+    "SCHEDULING_POLICIES",
+    "CacheAwareQueue",
+    "FCFSQueue",
+    "HeldProbe",
+    "WaitingQueue",
+    "make_waiting_queue",
+]
+
+SCHEDULING_POLICIES = ("fcfs", "cache_aware")
+
+#: ``(request, first, end)`` -> how many of its blocks ``first, first+1, ...`` (``< end``), a
+#: leading run, the host tier holds. A pure probe (the connector's ``num_held_blocks``).
+HeldProbe = Callable[[Request, int, int], int]
+
+
+class WaitingQueue:
+    """The waiting requests and the order an admission pass tries them in (module docstring).
+
+    Hooks the scheduler calls for every policy (no-ops here): :meth:`admitted`,
+    :meth:`blocks_cached`, :meth:`released`, :meth:`shares_in_flight`.
+    """
+
+    def add(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def add_preempted(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def remove(self, req: Request) -> None:
+        """Drop a waiting request (aborted); outside a pass."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        raise NotImplementedError
+
+    def __contains__(self, req: object) -> bool:
+        raise NotImplementedError
+
+    def begin_pass(self) -> None:
+        raise NotImplementedError
+
+    def next_candidate(self) -> Request | None:
+        raise NotImplementedError
+
+    def take(self, req: Request) -> None:
+        """``req``, the last candidate, is admitted."""
+        raise NotImplementedError
+
+    def defer(self, req: Request) -> None:
+        """``req``, the last candidate, is passed over for this step."""
+        raise NotImplementedError
+
+    def end_pass(self) -> None:
+        raise NotImplementedError
+
+    def admitted(self, req: Request, num_hit_blocks: int) -> None:
+        """``req`` got its blocks; its prompt blocks after the first ``num_hit_blocks`` (engine
+        prefix-cache hits) are computed or loaded from now on."""
+
+    def blocks_cached(self, req: Request, num_cached_blocks: int, hashes: list[BlockHash]) -> None:
+        """``req``'s first ``num_cached_blocks`` blocks are in the prefix cache; ``hashes`` just
+        entered it."""
+
+    def released(self, req: Request) -> None:
+        """``req`` left the running set (finished, aborted or preempted)."""
+
+    def shares_in_flight(self, req: Request, num_hit_blocks: int) -> bool:
+        """Whether the last candidate should wait a step for blocks another request computes."""
+        return False
+
+
+class FCFSQueue(WaitingQueue):
+    """Arrival order; a preempted request goes to the front (vLLM's order)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+        self._deferred: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self._queue.append(req)
+
+    def add_preempted(self, req: Request) -> None:
+        self._queue.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        self._queue.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+    def __contains__(self, req: object) -> bool:
+        return req in self._queue
+
+    def begin_pass(self) -> None:
+        self._deferred = []
+
+    def next_candidate(self) -> Request | None:
+        return self._queue[0] if self._queue else None
+
+    def take(self, req: Request) -> None:
+        assert self._queue[0] is req
+        self._queue.popleft()
+
+    def defer(self, req: Request) -> None:
+        assert self._queue[0] is req
+        self._deferred.append(self._queue.popleft())
+
+    def end_pass(self) -> None:
+        self._queue.extendleft(reversed(self._deferred))
+        self._deferred = []
+
+
+class _Entry:
+    """A waiting request of a :class:`CacheAwareQueue`: arrival ticket, the most blocks that can
+    be hits (``limit``: never the last prompt token), its score, and whether it still waits."""
+
+    __slots__ = ("limit", "live", "req", "score", "ticket", "walked")
+
+    def __init__(self, req: Request, ticket: int, limit: int) -> None:
+        self.req = req
+        self.ticket = ticket
+        self.limit = limit
+        self.score = 0
+        self.live = True
+        self.walked = -1  # the pass that last re-walked its run
+
+
+class CacheAwareQueue(WaitingQueue):
+    """Longest resident prefix first, with at most ``max_bypass`` later arrivals admitted before
+    any waiting request (module docstring). ``held``: the host tier's probe, if offloading."""
+
+    def __init__(
+        self, pool: BlockPool, block_size: int, max_bypass: int, held: HeldProbe | None = None
+    ) -> None:
+        self._pool = pool
+        self._block_size = block_size
+        self._max_bypass = max_bypass
+        self._held = held
+        self._caching = pool.enable_caching
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # arrival order
+        self._preempted: deque[Request] = deque()
+        #: (-score, ticket, push number, entry); stale items are skipped when popped
+        self._heap: list[tuple[int, int, int, _Entry]] = []
+        self._pushes = itertools.count()
+        self._frontier: dict[BlockHash, list[_Entry]] = {}
+        #: prompt blocks admitted requests compute or load now (count of requests), and per
+        #: request the range of its blocks still counted there
+        self._in_flight: dict[BlockHash, int] = {}
+        self._flight_ranges: dict[str, tuple[Request, int, int]] = {}
+        #: tickets of requests admitted past the oldest waiting one (min-heap; older ones pruned)
+        self._passed: list[int] = []
+        self._tickets = itertools.count()
+        self._passes = itertools.count()
+        # The current pass.
+        self._pass = -1
+        self._tried: set[str] = set()
+        self._tried_entries: list[_Entry] = []
+        self._taken: list[_Entry] = []
+        self._deferred_preempted: list[Request] = []
+        self._cold: Iterator[_Entry] | None = None
+        self._current: _Entry | Request | None = None
+        self._urgent = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, req: Request) -> None:
+        entry = _Entry(req, next(self._tickets), (req.num_tokens - 1) // self._block_size)
+        self._entries[req.request_id] = entry
+        self._set_score(entry, self._walk(entry, 0))
+
+    def add_preempted(self, req: Request) -> None:
+        self._preempted.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        entry = self._entries.pop(req.request_id, None)
+        if entry is None:
+            self._preempted.remove(req)
+            return
+        entry.live = False
+        if entry.score < entry.limit:  # its filing (a hash that may never become resident)
+            frontier = entry.req.block_hashes[entry.score]
+            waiters = self._frontier.get(frontier, [])
+            self._frontier[frontier] = [e for e in waiters if e is not entry]
+            if not self._frontier[frontier]:
+                del self._frontier[frontier]
+
+    def __len__(self) -> int:
+        return len(self._entries) + len(self._preempted)
+
+    def __iter__(self) -> Iterator[Request]:
+        yield from self._preempted
+        yield from (e.req for e in self._entries.values() if e.live)
+
+    def __contains__(self, req: object) -> bool:
+        entry = self._entries.get(getattr(req, "request_id", ""))
+        if entry is not None:
+            return entry.live and entry.req is req
+        return req in self._preempted
+
+    # ------------------------------------------------------------------ a pass
+
+    def begin_pass(self) -> None:
+        self._pass = next(self._passes)
+        self._cold = None
+        self._stopped = False
+
+    def next_candidate(self) -> Request | None:
+        self._current, self._urgent = None, False
+        if self._stopped:
+            return None
+        if self._preempted:
+            self._current = self._preempted[0]
+            return self._current
+        front = self._front()
+        if front is None:
+            return None
+        if self._num_passed(front) >= self._max_bypass:
+            self._current, self._urgent = front, True
+            return self._try(front)
+        entry = self._pop_scored()
+        if entry is None:
+            entry = self._next_cold()
+        if entry is None:
+            return None
+        self._current = entry
+        return self._try(entry)
+
+    def take(self, req: Request) -> None:
+        current = self._current
+        if isinstance(current, Request):
+            assert current is req and self._preempted[0] is req
+            self._preempted.popleft()
+            return
+        assert current is not None and current.req is req
+        front = self._front()
+        if front is not None and front is not current:
+            heapq.heappush(self._passed, current.ticket)
+        current.live = False
+        self._taken.append(current)
+
+    def defer(self, req: Request) -> None:
+        current = self._current
+        if isinstance(current, Request):
+            assert current is req and self._preempted[0] is req
+            self._deferred_preempted.append(self._preempted.popleft())
+        elif self._urgent:
+            self._stopped = True  # nothing is admitted past a request at its bound
+
+    def end_pass(self) -> None:
+        for entry in self._taken:
+            del self._entries[entry.req.request_id]
+        self._preempted.extendleft(reversed(self._deferred_preempted))
+        for entry in self._tried_entries:
+            if entry.live and entry.score > 0:
+                self._push(entry)
+        self._tried.clear()
+        self._tried_entries.clear()
+        self._taken.clear()
+        self._deferred_preempted.clear()
+        self._cold = self._current = None
+        if len(self._heap) > 2 * len(self._entries) + 64:  # mostly stale: rebuild
+            pushes = self._pushes
+            self._heap = [
+                (-e.score, e.ticket, next(pushes), e) for e in self._entries.values() if e.score > 0
+            ]
+            heapq.heapify(self._heap)
+
+    def _try(self, entry: _Entry) -> Request:
+        self._tried.add(entry.req.request_id)
+        self._tried_entries.append(entry)
+        return entry.req
+
+    def _front(self) -> _Entry | None:
+        """The oldest waiting request (skips those taken this pass: ``O(admitted)``)."""
+        for entry in self._entries.values():
+            if entry.live:
+                return entry
+        return None
+
+    def _num_passed(self, front: _Entry) -> int:
+        """Requests that arrived after ``front`` and were admitted before it."""
+        passed = self._passed
+        while passed and passed[0] < front.ticket:
+            heapq.heappop(passed)
+        return len(passed)
+
+    def _pop_scored(self) -> _Entry | None:
+        """The untried request with the highest score (re-walked once per pass: a score that
+        fell since is corrected and the request re-filed)."""
+        heap, tried = self._heap, self._tried
+        while heap:
+            neg, _, _, entry = heapq.heappop(heap)
+            if not entry.live or -neg != entry.score or entry.req.request_id in tried:
+                continue
+            if entry.walked != self._pass:
+                entry.walked = self._pass
+                score = self._walk(entry, 0)
+                if score != entry.score:
+                    self._set_score(entry, score)
+                    if score < -neg:
+                        continue  # comes up again in its place (or among the rest)
+            return entry
+        return None
+
+    def _next_cold(self) -> _Entry | None:
+        """The next request in arrival order whose score is 0 (a scored one is tried by score)."""
+        if self._cold is None:
+            self._cold = iter(self._entries.values())
+        tried = self._tried
+        for entry in self._cold:
+            if entry.live and entry.score == 0 and entry.req.request_id not in tried:
+                return entry
+        return None
+
+    # ------------------------------------------------------------------ scores
+
+    def _walk(self, entry: _Entry, start: int) -> int:
+        """The end of ``entry``'s run of resident blocks from ``start`` (``start`` resident)."""
+        hashes, limit, i = entry.req.block_hashes, entry.limit, start
+        if self._caching:
+            in_flight, cached = self._in_flight, self._pool.is_cached
+            while i < limit and (hashes[i] in in_flight or cached(hashes[i])):
+                i += 1
+        if i < limit and self._held is not None:
+            i += self._held(entry.req, i, limit)
+        return i
+
+    def _set_score(self, entry: _Entry, score: int) -> None:
+        """Record ``score``: file the entry under its frontier, and in the heap if above 0."""
+        entry.score = score
+        if score < entry.limit:
+            self._frontier.setdefault(entry.req.block_hashes[score], []).append(entry)
+        if score > 0:
+            self._push(entry)
+
+    def _push(self, entry: _Entry) -> None:
+        heapq.heappush(self._heap, (-entry.score, entry.ticket, next(self._pushes), entry))
+
+    def _became_resident(self, block_hash: BlockHash) -> None:
+        """Advance the waiting requests whose frontier is ``block_hash``."""
+        waiters = self._frontier.pop(block_hash, None)
+        if not waiters:
+            return
+        for entry in waiters:
+            score = entry.score  # a stale filing (re-filed since, or gone) is skipped
+            if entry.live and score < entry.limit and entry.req.block_hashes[score] == block_hash:
+                self._set_score(entry, self._walk(entry, score + 1))
+
+    # ------------------------------------------------------------------ scheduler hooks
+
+    def admitted(self, req: Request, num_hit_blocks: int) -> None:
+        if not self._caching:
+            return
+        hashes = req.block_hashes
+        end = len(hashes)
+        self._flight_ranges[req.request_id] = (req, num_hit_blocks, end)
+        in_flight = self._in_flight
+        for h in hashes[num_hit_blocks:end]:
+            count = in_flight.get(h, 0)
+            in_flight[h] = count + 1
+            if not count:
+                self._became_resident(h)
+
+    def blocks_cached(self, req: Request, num_cached_blocks: int, hashes: list[BlockHash]) -> None:
+        flight = self._flight_ranges.get(req.request_id)
+        if flight is not None and flight[1] < num_cached_blocks:
+            _, first, end = flight
+            done = min(num_cached_blocks, end)
+            self._untrack(req, first, done)
+            if done < end:
+                self._flight_ranges[req.request_id] = (req, done, end)
+            else:
+                del self._flight_ranges[req.request_id]
+        for h in hashes:
+            self._became_resident(h)
+
+    def released(self, req: Request) -> None:
+        flight = self._flight_ranges.pop(req.request_id, None)
+        if flight is not None:
+            self._untrack(req, flight[1], flight[2])
+
+    def _untrack(self, req: Request, first: int, end: int) -> None:
+        in_flight = self._in_flight
+        for h in req.block_hashes[first:end]:
+            left = in_flight[h] - 1
+            if left:
+                in_flight[h] = left
+            else:
+                del in_flight[h]
+
+    def shares_in_flight(self, req: Request, num_hit_blocks: int) -> bool:
+        """In-batch prefix sharing: pass ``req`` over for this step when its first block after
+        its hits is one an admitted request is computing or loading now (next step it is a hit;
+        admitted now, ``req`` would compute it a second time). Never a preempted request, nor
+        one at its bound. One dict lookup."""
+        if not self._caching or self._urgent or not isinstance(self._current, _Entry):
+            return False
+        hashes = req.block_hashes
+        return num_hit_blocks < self._current.limit and hashes[num_hit_blocks] in self._in_flight
+
+
+def make_waiting_queue(
+    policy: str, pool: BlockPool, block_size: int, max_bypass: int, held: HeldProbe | None
+) -> WaitingQueue:
+    """The waiting queue of ``policy`` (one of :data:`SCHEDULING_POLICIES`)."""
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "cache_aware":
+        return CacheAwareQueue(pool, block_size, max_bypass, held)
+    raise ValueError(f"unknown scheduling policy {policy!r}; choose from {SCHEDULING_POLICIES}")
