@@ -70,6 +70,10 @@ SECONDARY = Needs(
     lambda f, p: _has_disk(f, p) or _has_remote(f, p),
 )
 METRICS = Needs("--metrics-port", lambda f, _: getattr(f, "metrics_port", None) is not None)
+CACHE_AWARE = Needs(
+    "--scheduling-policy cache_aware",
+    lambda f, _: getattr(f, "scheduling_policy", None) == "cache_aware",
+)
 
 _CONFIG_DEFAULTS = {
     f.name: f.default
@@ -132,6 +136,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "cache_aware: most later arrivals admitted before a waiting request",
         parse=int_in(0),
         unit="N",
+        needs=CACHE_AWARE,
     ),
     _engine_flag("enable_prefix_caching", "the engine's own device prefix cache", kind="negatable"),
     _engine_flag(
