@@ -122,7 +122,7 @@ def test_foreign_layout_file_is_never_served(tmp_path: Path) -> None:
     try:
         assert tier.lookup(key(5), CTX) is LookupResult.MISS  # another namespace
         foreign = tier_file(
-            tmp_path / "kvoffload-v1" / layout("other-model").fingerprint().hex(), key(5)
+            tmp_path / "kvoffload-v2" / layout("other-model").fingerprint().hex(), key(5)
         )
         mine = Path(tier._files.path_of(key(5)))
         mine.parent.mkdir(parents=True, exist_ok=True)
@@ -187,8 +187,8 @@ def test_warm_restart_indexes_the_directory(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path, pool)
     store(tier, 1, [key(i) for i in range(5)], list(range(5)))
     tier.close()
-    (tmp_path / "kvoffload-v1" / layout().fingerprint().hex() / "ab").mkdir(exist_ok=True)
-    stale = tmp_path / "kvoffload-v1" / layout().fingerprint().hex() / "ab" / ".x.1.1.tmp"
+    (tmp_path / "kvoffload-v2" / layout().fingerprint().hex() / "ab").mkdir(exist_ok=True)
+    stale = tmp_path / "kvoffload-v2" / layout().fingerprint().hex() / "ab" / ".x.1.1.tmp"
     stale.write_bytes(b"half a block")
     os.utime(stale, (1, 1))  # a leftover of a writer killed long ago
     again = disk_tier(tmp_path, pool)

@@ -340,7 +340,7 @@ def _snapshot_bytes(root: Path) -> int:
     reservation happens under it, so no process frees or claims room during the walk and the
     walk is a snapshot (a walk without it can count a file evicted after it was seen and one
     written before it is reached, both)."""
-    fds = [os.open(p, os.O_RDWR) for p in sorted(root.glob("kvoffload-v1/*/ledger"))]
+    fds = [os.open(p, os.O_RDWR) for p in sorted(root.glob("kvoffload-v2/*/ledger"))]
     try:
         for fd in fds:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -199,7 +199,7 @@ def move_blocks(tier: dict[str, Any], request, old_fp: str, new_fp: str) -> int:
     """Move every block of namespace ``old_fp`` to where namespace ``new_fp`` keeps the same
     key (over the new block, if any); returns how many were moved."""
     if "kv_disk_path" in tier:
-        root = Path(tier["kv_disk_path"]) / "kvoffload-v1"
+        root = Path(tier["kv_disk_path"]) / "kvoffload-v2"
         files = list((root / old_fp).rglob("*.kvb"))
         for path in files:
             target = root / new_fp / path.relative_to(root / old_fp)
@@ -216,7 +216,7 @@ def move_blocks(tier: dict[str, Any], request, old_fp: str, new_fp: str) -> int:
 def block_formats(tier: dict[str, Any], request, fp: str) -> dict[str, int]:
     """How many blocks of namespace ``fp`` are of its format (``new``) or another (``old``)."""
     if "kv_disk_path" in tier:
-        namespace = Path(tier["kv_disk_path"]) / "kvoffload-v1" / fp
+        namespace = Path(tier["kv_disk_path"]) / "kvoffload-v2" / fp
         values = {bytes.fromhex(p.stem): p.read_bytes() for p in namespace.rglob("*.kvb")}
         align = 4096
     else:

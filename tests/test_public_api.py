@@ -103,6 +103,13 @@ def test_package_exports_the_same_objects_as_their_modules() -> None:
                 assert getattr(kvoffload, name) is getattr(module, name)
 
 
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (nothing imported yet); its output as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+
+
 def test_scheduler_side_imports_no_torch() -> None:
     modules = SCHEDULER_SIDE
     code = (
@@ -111,9 +118,7 @@ def test_scheduler_side_imports_no_torch() -> None:
         "    importlib.import_module(name)\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
+    out = run_python(code)
     assert out.stdout.strip() == "[]", f"importing {modules} pulled in torch"
 
 
@@ -154,9 +159,7 @@ def test_import_kvoffload_loads_neither_torch_nor_redis_until_asked() -> None:
         "kvoffload.RedisTier\n"
         "print('kvoffload.tiers.remote' in sys.modules, 'torch' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
+    out = run_python(code)
     assert out.stdout.split("\n")[:2] == ["[]", "True False"]
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         kvoffload.NoSuchThing  # noqa: B018
@@ -175,7 +178,5 @@ def test_scheduler_core_imports_no_network_layer() -> None:
         "from kvoffload.events import create_event_publisher, KVEventSubscriber\n"
         "print('zmq' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
+    out = run_python(code)
     assert out.stdout.split() == ["False", "True"]

@@ -45,6 +45,7 @@ from kvoffload.tiers.diskdir import check_o_direct, free_bytes, prepare_namespac
 from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
 from kvoffload.tiers.diskledger import SpaceLedger
+from kvoffload.tiers.diskreclaim import OldNamespaces
 from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, count_files
 from kvoffload.tiers.diskspares import SparePool, remove_all
 
@@ -125,6 +126,8 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self.capacity_blocks = (self.capacity_bytes - LEDGER_BYTES) // fb
         self.root = Path(settings.path)
         self.namespace = prepare_namespace(self.root, layout)
+        self._old_namespaces = OldNamespaces(self.root)
+        self._old_namespaces.reclaim()
         flat = pool.cast("B") if pool.ndim != 1 else pool
         if settings.o_direct:
             check_o_direct(self.namespace, flat, layout.block_bytes)
@@ -159,9 +162,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._scanner = NamespaceScanner(self.namespace, self._ledger, fb)
         self.scan_seconds = self._warm_start()
         self._warn_if_filesystem_smaller()
-        self._rescanner = Rescanner(
-            self._scanner, settings.rescan_interval, self._refit_filesystem_when_idle
-        )
+        self._rescanner = Rescanner(self._scanner, settings.rescan_interval, self._upkeep)
 
     # ------------------------------------------------------------------ start-up
 
@@ -205,6 +206,13 @@ class DiskTier(EventQueueMixin, SecondaryTier):
                 (holds - self._dir_used) / 2**30,
                 self._dir_used / 2**30,
             )
+
+    def _upkeep(self) -> None:
+        """The rescan thread's other periodic work: the limit after a full filesystem, and the
+        older formats' namespaces that were in use at the last try."""
+        self._refit_filesystem_when_idle()
+        if self._old_namespaces.in_use:
+            self._old_namespaces.reclaim()
 
     def _refit_filesystem_when_idle(self) -> None:
         """After the filesystem filled, raise the limit again as space comes back (rescan

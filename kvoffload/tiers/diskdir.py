@@ -24,8 +24,10 @@ __all__ = [
 
 _GIB = 2**30
 
-#: The directory under the tier's root that holds one namespace per KV layout.
-FORMAT_DIR = "kvoffload-v1"
+#: The directory under the tier's root that holds one namespace per KV layout. ``v2``: the
+#: layout names its model by content (``kvoffload.identity``); ``v1`` named it by its path, and
+#: its namespaces are removed once unused (``diskreclaim``).
+FORMAT_DIR = "kvoffload-v2"
 
 
 def check_disk_path(root: Path) -> Path:

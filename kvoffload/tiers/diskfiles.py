@@ -2,9 +2,9 @@
 
 Directory layout under the tier's root (one namespace per KV layout, so models never mix)::
 
-    <root>/kvoffload-v1/<fingerprint hex>/ledger        shared byte count (8 bytes, under flock)
-    <root>/kvoffload-v1/<fingerprint hex>/<aa>/<key hex>.kvb   one block: header + payload
-    <root>/kvoffload-v1/<fingerprint hex>/<aa>/.<key hex>.<pid>.<n>.tmp   a write in progress
+    <root>/kvoffload-v2/<fingerprint hex>/ledger        shared byte count (8 bytes, under flock)
+    <root>/kvoffload-v2/<fingerprint hex>/<aa>/<key hex>.kvb   one block: header + payload
+    <root>/kvoffload-v2/<fingerprint hex>/<aa>/.<key hex>.<pid>.<n>.tmp   a write in progress
 
 ``<aa>`` is the first byte of the key's hash, so no directory holds more than ~1/256 of the files.
 A block file appears under its final name only complete: it is written into a spare file and

@@ -23,8 +23,9 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
   (state on our :class:`~kvoffload.base.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
 * vLLM 0.32 (feature-detected) has no ``on_request_access`` and inserts without the request's
-  context: a request's chain then grows at ``on_store_miss``, a declined key is recognised at the
-  ``insert`` that follows it in the same ``prepare_store``, and a use of a key on probation
+  context: a request's chain then grows at ``on_store_miss``, an ``insert`` is attributed to the
+  request whose store miss of that key came last (so a declined key goes on probation and a
+  policy that commits at finish sees what the request stored), and a use of a key on probation
   admits it at ``on_request_finished`` (its ``reused_keys``).
 * vLLM has no admission hook: it inserts every absent key it offers. For a policy with
   admission control (``prefix``) the adapter asks ``admit`` in ``on_store_miss``; a declined
@@ -100,9 +101,9 @@ class KVOffloadCachePolicy(CachePolicy):
         self._commits = overrides(self._policy, "request_finished")
         # Stored by vLLM although our policy declined them: evicted first, oldest first.
         self._probation: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
-        # vLLM 0.32 inserts without the request's context, right after ``on_store_miss`` of the
-        # same ``prepare_store``: the keys that call declined.
-        self._declined_last: set[OffloadKey] = set()
+        # vLLM 0.32 inserts without the request's context: each key's last store miss, by whom.
+        # An entry leaves at the insert or when that request finishes.
+        self._missed_by: dict[OffloadKey, ReqContext] = {}
 
     def make_policy(self, capacity: int) -> EvictionPolicy:
         """Our policy for a CPU tier of ``capacity`` chunks (default: the registered
@@ -159,14 +160,13 @@ class KVOffloadCachePolicy(CachePolicy):
     def insert(
         self, key: OffloadKey, chunk: ChunkStatus, req_context: VllmReqContext | None = None
     ) -> None:
-        if req_context is None:  # vLLM 0.32: the declines of the on_store_miss just before
-            ctx = None
-            declined = self._declined_last
+        if req_context is None:  # vLLM 0.32
+            ctx = self._missed_by.pop(key, None)
         else:
             ctx = kvoffload_context(req_context)
-            declined = self._chain(ctx).declined
+        declined = self._chain(ctx).declined if ctx is not None else ()
         if key in declined:
-            declined.discard(key)
+            declined.discard(key)  # type: ignore[union-attr]
             self._probation[key] = chunk
         else:
             self._policy.insert(key, chunk, ctx)  # type: ignore[arg-type]
@@ -196,13 +196,12 @@ class KVOffloadCachePolicy(CachePolicy):
             context = chain.keys[-1:] + misses
         else:  # vLLM 0.32: no on_request_access, so the chain grows here
             context = self._observe(misses, ctx)
+            self._missed_by.update(dict.fromkeys(misses, ctx))
         if not self._admits:
             self._policy.touch(context, ctx)
             return
         admitted = set(self._policy.admit(misses, context, ctx))
-        declined = {k for k in misses if k not in admitted}
-        chain.declined.update(declined)
-        self._declined_last = declined
+        chain.declined.update(k for k in misses if k not in admitted)
 
     def on_request_finished(
         self,
@@ -216,6 +215,9 @@ class KVOffloadCachePolicy(CachePolicy):
         if self._probation and reused_keys:  # vLLM 0.32 tells a request's uses only here
             self._admit_from_probation(reused_keys)
         if self._commits:
+            if not POLICY_HAS_REQUEST_ACCESS:  # vLLM 0.32 tells a request's access only here
+                for keys in touched:
+                    self._policy.touch(keys, ctx)
             uses = RequestUses()
             uses.runs = [
                 (keys, (), [k for k in keys if k in insertion_only_keys]) for keys in touched
@@ -225,8 +227,12 @@ class KVOffloadCachePolicy(CachePolicy):
             for keys in touched:
                 self._policy.touch(keys, ctx)
         chains = ctx.get_state(_Chains)
-        if chains is not None:
-            chains.by_owner.pop(self, None)
+        chain = chains.by_owner.pop(self, None) if chains is not None else None
+        if chain is not None and self._missed_by:  # vLLM 0.32: its misses never inserted
+            missed_by = self._missed_by
+            for key in chain.keys:
+                if missed_by.get(key) is ctx:
+                    del missed_by[key]
 
     def evict(
         self, n: int, protected: set[OffloadKey]
@@ -252,6 +258,7 @@ class KVOffloadCachePolicy(CachePolicy):
     def clear(self) -> None:
         self._policy.clear()
         self._probation.clear()
+        self._missed_by.clear()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the policy and the probation list overlap (tests only)."""
