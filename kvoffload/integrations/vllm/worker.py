@@ -16,7 +16,12 @@ Layout of one chunk row of the pool, this worker's area (``rank * cpu_page_size`
 
 Invariant: a block is only read from the pool after the job that wrote it was reported finished
 (vLLM's scheduler completes the store before any load of the key), and a job accepted here is
-reported exactly once, failed or not (a failed job makes vLLM's scheduler recompute).
+reported exactly once, failed or not, never a failure as a success. vLLM (0.32 and 0.33) takes no
+failed transfer: its ``OffloadingConnectorWorker.get_finished`` asserts ``success``, so a failed
+job stops the engine with an ``AssertionError`` instead of letting a request read KV that was not
+copied (docs/vllm.md, *Failed transfers*). Ours fail only on a malformed job; the failures of
+real storage (a corrupt or vanished disk block, a dead Redis) happen in promotions on the
+scheduler side, which answer ``MISS``, and the request recomputes.
 """
 
 from __future__ import annotations
