@@ -92,3 +92,25 @@ def test_promotions_are_timed_per_tier_and_the_router_reads_each(
             assert costs.load_block_s(tier) == pytest.approx(per_block + host_prior)
     finally:
         manager.close()
+
+
+def test_step_cost_fit_falls_back_to_the_line_through_the_origin() -> None:
+    """Noise that tips the fitted base below zero must not charge a decode step's fixed cost to
+    each of its few tokens: the fall back is the least-squares line through the origin, which
+    the large prefill steps dominate."""
+    from kvoffload.serving.loop import StepCostModel
+
+    exact = StepCostModel()
+    for tokens in (1, 400, 1, 400):
+        exact.observe(tokens, 0.001 + tokens * 5e-5)
+    assert exact.fit() == pytest.approx((0.001, 5e-5))
+    noisy = StepCostModel()  # preempted decode steps: as slow as the one prefill (slope <= 0)
+    for _ in range(50):
+        noisy.observe(4, 0.010)
+    noisy.observe(400, 0.009)
+    base, per_token = noisy.fit()
+    assert base == 0.0 and 400 * per_token < 0.02  # the 400-token prefill took 9 ms (was 0.3 s)
+    decode_only = StepCostModel()
+    for _ in range(10):
+        decode_only.observe(4, 0.010)
+    assert decode_only.fit() == (0.0, pytest.approx(0.0025))  # one token count: y / x
