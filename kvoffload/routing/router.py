@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from kvoffload.routing.costs import BackendCosts, parse_metrics
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
 from kvoffload.routing.keys import token_bytes
-from kvoffload.routing.policies import BackendLoad, Policy, choose, predicted_ttft
+from kvoffload.routing.policies import BackendLoad, Policy, choose, prefill_s
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 
 __all__ = ["Backend", "BackendSpec", "Ranking", "Router", "Ticket"]
@@ -86,13 +87,18 @@ class Ticket:
         self.state = "prefill"
         load = backend.load
         load.in_flight += 1
-        load.prefilling_s += prefill_s
+        load.busy_until = max(load.busy_until, time.monotonic()) + prefill_s
+        self._end, self._pulled = load.busy_until, load.pulled_s  # its predicted end, as of now
         load.prefill_blocks += blocks
 
     def first_token(self) -> None:
         if self.state == "prefill":
             load = self.backend.load
-            load.prefilling_s = max(0.0, load.prefilling_s - self.prefill_s)
+            # Ended early: the work queued behind it starts that much sooner.
+            early = self._end - (load.pulled_s - self._pulled) - time.monotonic()
+            if early > 0:
+                load.busy_until -= early
+                load.pulled_s += early
             load.prefill_blocks -= self.blocks
             load.decode_blocks += self.blocks
             self.state = "decode"
@@ -131,7 +137,10 @@ class Router:
         self.max_failures = failures
         self.metrics_interval_s = metrics_interval_s
         self.decision_us: deque[float] = deque(maxlen=100_000)
-        self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost"), 0)
+        # matched_blocks: cached blocks of the prompts on the backends chosen; best_matched_
+        # blocks: on the backends holding most of them (what a policy trades for load)
+        self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost",
+                                       "matched_blocks", "best_matched_blocks"), 0)
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -287,6 +296,10 @@ class Router:
             with self.lock:
                 matches = self.index.match(data, ids)  # type: ignore[arg-type]
         best = choose(self.policy, healthy, matches, session_key)
+        if matches:
+            chosen = matches.get(healthy[best].index_id)  # type: ignore[arg-type]
+            self.counters["matched_blocks"] += chosen.cached if chosen is not None else 0
+            self.counters["best_matched_blocks"] += max(m.cached for m in matches.values())
         healthy[0], healthy[best] = healthy[best], healthy[0]
         return Ranking(healthy, matches, len(data) // (self.block_size * 4))
 
@@ -304,9 +317,7 @@ class Ranking:
     def prefill_s(self, backend: Backend) -> float:
         """The request's predicted prefill seconds on ``backend`` (its queue aside)."""
         m = self.matches.get(backend.index_id) if backend.index_id is not None else None
-        load, costs = backend.load, backend.costs
-        m = m if m is not None else Match(total=self.total)
-        return predicted_ttft(load, costs, m, "measured") - load.prefilling_s
+        return prefill_s(backend.costs, m if m is not None else Match(total=self.total))
 
 
 def _short(seconds: float = 2.0) -> aiohttp.ClientTimeout:
