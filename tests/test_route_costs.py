@@ -114,3 +114,18 @@ def test_step_cost_fit_falls_back_to_the_line_through_the_origin() -> None:
     for _ in range(10):
         decode_only.observe(4, 0.010)
     assert decode_only.fit() == (0.0, pytest.approx(0.0025))  # one token count: y / x
+
+
+def test_an_unmeasured_backend_is_priced_as_its_measured_peers() -> None:
+    """A fixed prior 10x above what its peers measured would keep a backend that has not
+    served yet out of every kv_aware choice, so never measured."""
+    from kvoffload.routing.costs import PRIOR_TOKEN_S, share_compute_prior
+
+    fleet = [BackendCosts(block_size=16) for _ in range(4)]
+    share_compute_prior(fleet)
+    assert all(c.compute_block_s == PRIOR_TOKEN_S * 16 for c in fleet)
+    for c, token_s in zip(fleet, (4e-5, 6e-5, 9e-5), strict=False):
+        c.update({"token_s": token_s, "step_s": 1e-3})
+    share_compute_prior(fleet)
+    assert fleet[3].compute_block_s == pytest.approx(6e-5 * 16)  # the median, not the prior
+    assert fleet[0].compute_block_s == pytest.approx(4e-5 * 16)  # measured figures stay

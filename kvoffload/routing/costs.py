@@ -11,21 +11,23 @@
   ``kvoffload_tier_promotion_blocks_total{tier}``), so a tier's seconds per block is measured
   directly, plus the host load that follows.
 
-Until a figure has been measured, its prior applies: compute :data:`PRIOR_TOKEN_S` per token,
-loads a fraction (:data:`PRIOR_LOAD_FRACTION`) of computing the block. Every estimate is an
+Until a figure has been measured, its prior applies: compute the median of what the other
+backends measured (:func:`share_compute_prior`; :data:`PRIOR_TOKEN_S` per token while none has),
+loads a fraction (:data:`PRIOR_LOAD_FRACTION`) of computing the block. A fixed prior far from
+the fleet's measured costs would starve the unmeasured backend: never chosen, never measured. Every estimate is an
 exponentially weighted mean over intervals (``alpha``) so it follows the backend's current load.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts",
-           "parse_metrics"]
+           "parse_metrics", "share_compute_prior"]
 
 PRIOR_TOKEN_S = 5e-4
 PRIOR_LOAD_FRACTION = {"host": 0.05, "disk": 0.3, "remote": 0.5}
@@ -77,6 +79,7 @@ class BackendCosts:
     block_size: int = 16
     alpha: float = 0.3
     token_s: float | None = None
+    prior_token_s: float = PRIOR_TOKEN_S
     step_s: float = 0.0
     host_load_s: float | None = None  # per block, host -> device
     promotion_s: dict[str, float | None] = field(
@@ -89,7 +92,7 @@ class BackendCosts:
     @property
     def compute_block_s(self) -> float:
         """Seconds to compute one block (the prior until measured)."""
-        return (self.token_s if self.token_s is not None else PRIOR_TOKEN_S) * self.block_size
+        return (self.token_s if self.token_s is not None else self.prior_token_s) * self.block_size
 
     def load_block_s(self, tier: str) -> float:
         """Seconds to load one block from ``tier`` into the device: a disk or remote block is
@@ -135,3 +138,13 @@ class BackendCosts:
             if blocks > 0:
                 per_block = delta.get(f"promotion_s_{tier}", 0.0) / blocks
                 self.promotion_s[tier] = _ewma(self.promotion_s[tier], per_block, self.alpha)
+
+
+def share_compute_prior(costs: Sequence[BackendCosts]) -> None:
+    """Set every backend's compute prior to the median of the measured ``token_s`` (left as it
+    is while none is measured)."""
+    measured = sorted(c.token_s for c in costs if c.token_s is not None)
+    if measured:
+        median = measured[len(measured) // 2]
+        for c in costs:
+            c.prior_token_s = median
