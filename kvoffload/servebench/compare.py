@@ -125,6 +125,7 @@ def _one_config(args: argparse.Namespace, name: str, remote: str | None) -> dict
             stats = json.loads(resp.read())
         result["router"] = {k: stats[k] for k in ("decision_us_p50", "decision_us_p99", "counters")}
         result["router"]["measured_costs"] = [b["costs"] for b in stats["backends"]]
+        result["router"]["requests_per_backend"] = [b["requests"] for b in stats["backends"]]
         return result
 
 
