@@ -43,8 +43,8 @@ def test_predicted_ttft_of_each_weighting() -> None:
 
 
 def test_the_queue_is_the_prefill_work_still_ahead(monkeypatch) -> None:
-    """Prefills queue one after another; time spent on them counts off the queue, and one that
-    ends early pulls the ones behind it forward."""
+    """Prefills queue one after another; time spent on them counts off the queue, one that ends
+    early pulls the ones behind it forward, and one overdue keeps its backend busy."""
     import kvoffload.routing.router as router_module
 
     clock = [0.0]
@@ -55,17 +55,23 @@ def test_the_queue_is_the_prefill_work_still_ahead(monkeypatch) -> None:
     clock[0] = 0.005
     second = router_module.Ticket(backend, 0.035, 2)
     assert load.queued_s(0.005) == pytest.approx(0.065)
-    assert load.queued_s(0.040) == pytest.approx(0.030)  # 35 ms of it spent since
+    assert load.queued_s(0.030) == pytest.approx(0.040)  # 25 ms of it spent since
+    assert load.queued_s(0.040) == pytest.approx(0.035)  # and the first 5 ms overdue
     clock[0] = 0.020
     first.first_token()  # 15 ms early
     assert load.queued_s(0.020) == pytest.approx(0.035)
     clock[0] = 0.040
     second.first_token()  # 15 ms early again (it was due at 55 ms)
     assert load.queued_s(0.040) == 0.0
-    third = router_module.Ticket(backend, 0.010, 1)
-    clock[0] = 0.060
-    third.first_token()  # late: nothing to pull forward, nothing left queued
-    assert load.queued_s(0.060) == 0.0 and load.prefill_blocks == 0
+    third = router_module.Ticket(backend, 0.010, 1)  # due at 50 ms
+    fourth = router_module.Ticket(backend, 0.010, 1)  # due at 60 ms
+    assert load.queued_s(0.045) == pytest.approx(0.015)
+    assert load.queued_s(0.080) == pytest.approx(0.030)  # stalled: 30 ms overdue, still busy
+    clock[0] = 0.080
+    third.first_token()  # late: nothing to pull forward; the fourth is overdue now
+    assert load.queued_s(0.080) == pytest.approx(0.020)
+    fourth.first_token()
+    assert load.queued_s(0.080) == 0.0 and load.prefill_blocks == 0 and not load.pending
 
 
 def test_kv_aware_weighs_where_blocks_are_and_ties_go_in_turn() -> None:

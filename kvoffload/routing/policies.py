@@ -13,7 +13,9 @@
   prefill work still ahead of the request there: its requests without a first token, each
   predicted to take its prefill seconds once the ones before it are done, less the time already
   spent on them (a prefill that ends early pulls the rest forward), so a backend that has
-  nearly finished its queue is not taken for one that has just been handed it. ``tier_weights``
+  nearly finished its queue is not taken for one that has just been handed it; plus, while
+  its oldest such request is overdue, how long it has been overdue (a stalled backend keeps
+  looking busy for as long as it stalls, instead of looking idle once its predictions ran out). ``tier_weights``
   changes how cached blocks count, for comparison: ``measured`` (the default, above), ``blind``
   (a cached block costs nothing wherever it is, as scorers that ignore tiers assume), or
   ``dynamo`` (NVIDIA Dynamo's formula: ``max(active prefill blocks + prompt blocks - credit, 0) +
@@ -49,17 +51,42 @@ class BackendLoad:
     first token (their prompt blocks, and ``busy_until``: when, on the ``time.monotonic()``
     clock, their predicted prefills are done one after another), and those decoding.
     ``pulled_s``: how far prefills that ended early have pulled ``busy_until`` forward in all
-    (a request's predicted end moves with it)."""
+    (a request's predicted end moves with it). ``pending``: per request without a first token,
+    in the order sent, its predicted end and ``pulled_s`` when it was sent."""
 
     in_flight: int = 0
     busy_until: float = 0.0
     pulled_s: float = 0.0
     prefill_blocks: int = 0
     decode_blocks: int = 0
+    pending: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def start_prefill(self, request: int, prefill_s: float, blocks: int, now: float) -> None:
+        """``request`` (any id unique among those pending) sent at ``now``, predicted to take
+        ``prefill_s`` once the backend's earlier prefills are done."""
+        self.busy_until = max(self.busy_until, now) + prefill_s
+        self.pending[request] = (self.busy_until, self.pulled_s)
+        self.prefill_blocks += blocks
+
+    def end_prefill(self, request: int, blocks: int, now: float) -> None:
+        """``request``'s first token came at ``now``; if early, the work queued behind it starts
+        that much sooner."""
+        end, pulled = self.pending.pop(request)
+        early = end - (self.pulled_s - pulled) - now
+        if early > 0:
+            self.busy_until -= early
+            self.pulled_s += early
+        self.prefill_blocks -= blocks
 
     def queued_s(self, now: float) -> float:
         """Predicted prefill seconds still ahead of a request sent now."""
-        return max(self.busy_until - now, 0.0)
+        ahead = max(self.busy_until - now, 0.0)
+        if self.pending:
+            end, pulled = next(iter(self.pending.values()))
+            overdue = now - (end - (self.pulled_s - pulled))
+            if overdue > 0:
+                ahead += overdue
+        return ahead
 
 
 class Target(Protocol):

@@ -87,19 +87,12 @@ class Ticket:
         self.state = "prefill"
         load = backend.load
         load.in_flight += 1
-        load.busy_until = max(load.busy_until, time.monotonic()) + prefill_s
-        self._end, self._pulled = load.busy_until, load.pulled_s  # its predicted end, as of now
-        load.prefill_blocks += blocks
+        load.start_prefill(id(self), prefill_s, blocks, time.monotonic())
 
     def first_token(self) -> None:
         if self.state == "prefill":
             load = self.backend.load
-            # Ended early: the work queued behind it starts that much sooner.
-            early = self._end - (load.pulled_s - self._pulled) - time.monotonic()
-            if early > 0:
-                load.busy_until -= early
-                load.pulled_s += early
-            load.prefill_blocks -= self.blocks
+            load.end_prefill(id(self), self.blocks, time.monotonic())
             load.decode_blocks += self.blocks
             self.state = "decode"
 
