@@ -116,16 +116,18 @@ def test_step_cost_fit_falls_back_to_the_line_through_the_origin() -> None:
     assert decode_only.fit() == (0.0, pytest.approx(0.0025))  # one token count: y / x
 
 
-def test_an_unmeasured_backend_is_priced_as_its_measured_peers() -> None:
-    """A fixed prior 10x above what its peers measured would keep a backend that has not
-    served yet out of every kv_aware choice, so never measured."""
-    from kvoffload.routing.costs import PRIOR_TOKEN_S, share_compute_prior
+def test_computing_is_priced_at_the_fleets_median_measured_cost() -> None:
+    """Before any measurement every backend is priced at the prior; after, at the median of
+    what was measured, unmeasured backends included (a fixed prior 10x above its peers would
+    keep a backend that has not served yet out of every choice, so never measured; and the
+    noise between identical backends' own figures would send every new prefix to one)."""
+    from kvoffload.routing.costs import PRIOR_TOKEN_S, share_compute_cost
 
     fleet = [BackendCosts(block_size=16) for _ in range(4)]
-    share_compute_prior(fleet)
+    share_compute_cost(fleet)
     assert all(c.compute_block_s == PRIOR_TOKEN_S * 16 for c in fleet)
     for c, token_s in zip(fleet, (4e-5, 6e-5, 9e-5), strict=False):
         c.update({"token_s": token_s, "step_s": 1e-3})
-    share_compute_prior(fleet)
-    assert fleet[3].compute_block_s == pytest.approx(6e-5 * 16)  # the median, not the prior
-    assert fleet[0].compute_block_s == pytest.approx(4e-5 * 16)  # measured figures stay
+    share_compute_cost(fleet)
+    assert [c.compute_block_s for c in fleet] == [pytest.approx(6e-5 * 16)] * 4
+    assert fleet[0].measured()["compute_token_s"] == 4e-5  # each backend's own figure, reported

@@ -24,7 +24,7 @@ class _Backend:
 
 def _costs(token_s: float = 1e-3, host: float = 2e-3, disk: float = 5e-3,
            remote: float = 9e-3) -> BackendCosts:
-    costs = BackendCosts(block_size=16, token_s=token_s, host_load_s=host)
+    costs = BackendCosts(block_size=16, token_s=token_s, fleet_token_s=token_s, host_load_s=host)
     costs.promotion_s.update(disk=disk - host, remote=remote - host)
     return costs
 

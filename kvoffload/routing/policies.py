@@ -120,7 +120,7 @@ class Policy:
 def prefill_s(costs: BackendCosts, m: Match, weights: str = "measured") -> float:
     """Predicted seconds of the request's own prefill: computed blocks, plus (``measured``)
     loaded blocks at each tier's cost."""
-    compute = m.computed * costs.compute_block_s + (costs.step_s if m.total else 0.0)
+    compute = m.computed * costs.compute_block_s + (costs.fleet_step_s if m.total else 0.0)
     if weights == "measured":
         if m.host:
             compute += m.host * costs.load_block_s("host")

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_prior
+from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_cost
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
 from kvoffload.routing.keys import token_bytes
@@ -187,7 +187,7 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return
         backend.costs.update(await asyncio.to_thread(parse_metrics, text))
-        share_compute_prior([b.costs for b in self.backends])
+        share_compute_cost([b.costs for b in self.backends])
 
     async def _join(self, backend: Backend) -> None:
         """Back in rotation: a fresh index entry, its events followed from the start."""
