@@ -9,13 +9,13 @@
 
       queue + computed blocks x compute s/block + sum over tiers (loaded blocks x load s/block)
 
-  with each backend's costs measured (:mod:`kvoffload.routing.costs`) and ``queue`` the
-  prefill work still ahead of the request there: its requests without a first token, each
-  predicted to take its prefill seconds once the ones before it are done, less the time already
-  spent on them (a prefill that ends early pulls the rest forward), so a backend that has
-  nearly finished its queue is not taken for one that has just been handed it; plus, while
-  its oldest such request is overdue, how long it has been overdue (a stalled backend keeps
-  looking busy for as long as it stalls, instead of looking idle once its predictions ran out). ``tier_weights``
+  with costs measured (:mod:`kvoffload.routing.costs`: computing at the fleet's median, loads
+  per backend) and ``queue`` the prefill work still ahead of the request there: its requests
+  without a first token, each predicted to take its prefill seconds once the ones before it are
+  done, less the time already spent on them (a prefill that ends early pulls the rest forward),
+  so a backend that has nearly finished its queue is not taken for one just handed it; plus,
+  while its oldest such request is overdue, how long it has been overdue (a stalled backend
+  looks busy for as long as it stalls, not idle once its predictions ran out). ``tier_weights``
   changes how cached blocks count, for comparison: ``measured`` (the default, above), ``blind``
   (a cached block costs nothing wherever it is, as scorers that ignore tiers assume), or
   ``dynamo`` (NVIDIA Dynamo's formula: ``max(active prefill blocks + prompt blocks - credit, 0) +
