@@ -92,3 +92,42 @@ def test_promotions_are_timed_per_tier_and_the_router_reads_each(
             assert costs.load_block_s(tier) == pytest.approx(per_block + host_prior)
     finally:
         manager.close()
+
+
+def test_step_cost_fit_falls_back_to_the_line_through_the_origin() -> None:
+    """Noise that tips the fitted base below zero must not charge a decode step's fixed cost to
+    each of its few tokens: the fall back is the least-squares line through the origin, which
+    the large prefill steps dominate."""
+    from kvoffload.serving.loop import StepCostModel
+
+    exact = StepCostModel()
+    for tokens in (1, 400, 1, 400):
+        exact.observe(tokens, 0.001 + tokens * 5e-5)
+    assert exact.fit() == pytest.approx((0.001, 5e-5))
+    noisy = StepCostModel()  # preempted decode steps: as slow as the one prefill (slope <= 0)
+    for _ in range(50):
+        noisy.observe(4, 0.010)
+    noisy.observe(400, 0.009)
+    base, per_token = noisy.fit()
+    assert base == 0.0 and 400 * per_token < 0.02  # the 400-token prefill took 9 ms (was 0.3 s)
+    decode_only = StepCostModel()
+    for _ in range(10):
+        decode_only.observe(4, 0.010)
+    assert decode_only.fit() == (0.0, pytest.approx(0.0025))  # one token count: y / x
+
+
+def test_computing_is_priced_at_the_fleets_median_measured_cost() -> None:
+    """Before any measurement every backend is priced at the prior; after, at the median of
+    what was measured, unmeasured backends included (a fixed prior 10x above its peers would
+    keep a backend that has not served yet out of every choice, so never measured; and the
+    noise between identical backends' own figures would send every new prefix to one)."""
+    from kvoffload.routing.costs import PRIOR_TOKEN_S, share_compute_cost
+
+    fleet = [BackendCosts(block_size=16) for _ in range(4)]
+    share_compute_cost(fleet)
+    assert all(c.compute_block_s == PRIOR_TOKEN_S * 16 for c in fleet)
+    for c, token_s in zip(fleet, (4e-5, 6e-5, 9e-5), strict=False):
+        c.update({"token_s": token_s, "step_s": 1e-3})
+    share_compute_cost(fleet)
+    assert [c.compute_block_s for c in fleet] == [pytest.approx(6e-5 * 16)] * 4
+    assert fleet[0].measured()["compute_token_s"] == 4e-5  # each backend's own figure, reported

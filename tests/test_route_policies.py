@@ -4,6 +4,7 @@ backend's sessions)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -23,21 +24,54 @@ class _Backend:
 
 def _costs(token_s: float = 1e-3, host: float = 2e-3, disk: float = 5e-3,
            remote: float = 9e-3) -> BackendCosts:
-    costs = BackendCosts(block_size=16, token_s=token_s, host_load_s=host)
+    costs = BackendCosts(block_size=16, token_s=token_s, fleet_token_s=token_s, host_load_s=host)
     costs.promotion_s.update(disk=disk - host, remote=remote - host)
     return costs
 
 
 def test_predicted_ttft_of_each_weighting() -> None:
     m = Match(device=2, host=3, disk=1, remote=2, total=10)  # 2 blocks to compute
-    load = BackendLoad(prefilling_s=0.5, prefill_blocks=4, decode_blocks=6)
+    load = BackendLoad(busy_until=100.5, prefill_blocks=4, decode_blocks=6)
     costs = _costs()
     compute = 2 * 16e-3
-    assert predicted_ttft(load, costs, m, "measured") == pytest.approx(
+    assert predicted_ttft(load, costs, m, "measured", 100.0) == pytest.approx(
         0.5 + compute + 3 * 2e-3 + 1 * 5e-3 + 2 * 9e-3)
-    assert predicted_ttft(load, costs, m, "blind") == pytest.approx(0.5 + compute)
+    assert predicted_ttft(load, costs, m, "blind", 100.0) == pytest.approx(0.5 + compute)
+    assert predicted_ttft(load, costs, m, "blind", 101.0) == pytest.approx(compute)  # queue done
     credit = 2 * 1.0 + 3 * 0.75 + 1 * 0.25 + 2 * 0.5
-    assert predicted_ttft(load, costs, m, "dynamo") == pytest.approx(4 + 10 - credit + 6)
+    assert predicted_ttft(load, costs, m, "dynamo", 100.0) == pytest.approx(4 + 10 - credit + 6)
+
+
+def test_the_queue_is_the_prefill_work_still_ahead(monkeypatch) -> None:
+    """Prefills queue one after another; time spent on them counts off the queue, one that ends
+    early pulls the ones behind it forward, and one overdue keeps its backend busy."""
+    import kvoffload.routing.router as router_module
+
+    clock = [0.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: clock[0])
+    backend = router_module.Backend(router_module.BackendSpec("http://b"), _costs())
+    load = backend.load
+    first = router_module.Ticket(backend, 0.035, 2)
+    clock[0] = 0.005
+    second = router_module.Ticket(backend, 0.035, 2)
+    assert load.queued_s(0.005) == pytest.approx(0.065)
+    assert load.queued_s(0.030) == pytest.approx(0.040)  # 25 ms of it spent since
+    assert load.queued_s(0.040) == pytest.approx(0.035)  # and the first 5 ms overdue
+    clock[0] = 0.020
+    first.first_token()  # 15 ms early
+    assert load.queued_s(0.020) == pytest.approx(0.035)
+    clock[0] = 0.040
+    second.first_token()  # 15 ms early again (it was due at 55 ms)
+    assert load.queued_s(0.040) == 0.0
+    third = router_module.Ticket(backend, 0.010, 1)  # due at 50 ms
+    fourth = router_module.Ticket(backend, 0.010, 1)  # due at 60 ms
+    assert load.queued_s(0.045) == pytest.approx(0.015)
+    assert load.queued_s(0.080) == pytest.approx(0.030)  # stalled: 30 ms overdue, still busy
+    clock[0] = 0.080
+    third.first_token()  # late: nothing to pull forward; the fourth is overdue now
+    assert load.queued_s(0.080) == pytest.approx(0.020)
+    fourth.first_token()
+    assert load.queued_s(0.080) == 0.0 and load.prefill_blocks == 0 and not load.pending
 
 
 def test_kv_aware_weighs_where_blocks_are_and_ties_go_in_turn() -> None:
@@ -50,7 +84,7 @@ def test_kv_aware_weighs_where_blocks_are_and_ties_go_in_turn() -> None:
     blind = Policy(tier_weights="blind")
     assert {choose(blind, [a, b, c], matches) for _ in range(6)} == {1, 2}
     # A queue outweighs the cache: b's predicted prefill queue is long.
-    b.load.prefilling_s = 10.0
+    b.load.busy_until = time.monotonic() + 10.0
     assert choose(policy, [a, b, c], matches) == 2
 
 

@@ -80,3 +80,17 @@ def test_bench_serve_request_rate_accepts_inf(capsys) -> None:
         capture_output=True, text=True, timeout=120, check=False)
     assert code.returncode == 1  # every request failed (nothing listens), none refused
     assert "Failed requests:" in code.stdout
+
+
+def test_compare_routing_configs_are_named_ones(capsys) -> None:
+    from kvoffload.servebench.configs import CONFIG_NAMES
+
+    for bad in ("kv_aware,nope", "kv_aware,kv_aware", ","):
+        with pytest.raises(SystemExit) as exited:
+            main(["bench", "serve", "--compare-routing", "2", "--compare-routing-configs", bad])
+        assert exited.value.code == 2
+        assert "--compare-routing-configs" in capsys.readouterr().err
+    assert main(["bench", "serve", "--compare-routing-configs", "kv_aware"]) == 2  # needs N
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--compare-routing" in line
+    assert "one_instance_Nx_cache" in CONFIG_NAMES

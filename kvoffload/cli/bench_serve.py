@@ -13,6 +13,7 @@ from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
 from kvoffload.cli.workload_flags import TRACE, add_workload_flags
+from kvoffload.servebench.configs import CONFIG_NAMES
 
 __all__ = ["add_parser"]
 
@@ -27,6 +28,17 @@ def _request_rate(text: str) -> float | None:
 
 
 _request_rate.bound = "> 0 or inf"  # type: ignore[attr-defined]
+
+def _config_names(text: str) -> tuple[str, ...]:
+    """A comma list of --compare-routing configurations, each known, none twice."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in CONFIG_NAMES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"give distinct names of {', '.join(CONFIG_NAMES)}; got {text!r}")
+    return names
+
+
+_config_names.bound = "names, comma-separated"  # type: ignore[attr-defined]
 
 COMPARE = Needs("--compare-routing", lambda f, _: f.compare_routing is not None)
 
@@ -72,6 +84,9 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          needs=COMPARE, unset="none"),
     Flag("repeats", "interleaved repeats of every configuration", parse=int_in(1), default=1,
          unit="N", needs=COMPARE),
+    Flag("compare_routing_configs", "the configurations to run, in this order: "
+         + ", ".join(CONFIG_NAMES), parse=_config_names, unit="NAME,...", needs=COMPARE,
+         unset="all"),
 )
 
 

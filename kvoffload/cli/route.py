@@ -71,7 +71,9 @@ def _run(args: argparse.Namespace) -> int:
         specs = [BackendSpec.parse(b) for b in args.backend]
     except ValueError as exc:
         args.parser.error(str(exc))
-    tokenizer = PromptTokenizer(args.model)  # a ConfigError is one line (command)
+    # A model whose tokenizer cannot be loaded is a ConfigError (one line, command), never a
+    # silent fall back to byte-level ids that match none of the backends' blocks.
+    tokenizer = PromptTokenizer(args.model, require_tokenizer=True)
     router = Router(
         specs, Policy(args.policy, args.tier_weights), tokenizer, args.block_size,
         args.health_interval, args.health_failures, args.metrics_interval,

@@ -11,21 +11,28 @@
   ``kvoffload_tier_promotion_blocks_total{tier}``), so a tier's seconds per block is measured
   directly, plus the host load that follows.
 
-Until a figure has been measured, its prior applies: compute :data:`PRIOR_TOKEN_S` per token,
-loads a fraction (:data:`PRIOR_LOAD_FRACTION`) of computing the block. Every estimate is an
+Computing is priced at the median of what the backends measured (:func:`share_compute_cost`;
+:data:`PRIOR_TOKEN_S` per token while none has): they serve one model, and on a shared host the
+estimates of identical instances differ 2-20x by noise (0.03-0.62 ms per token across 4 `tiny`
+instances at load ~6), so pricing each by its own sent every prompt without a cached prefix to
+whichever looked fastest (311 of 600 requests to one of 4 backends, which overflowed its cache
+while another got 8). A backend that is truly slower shows it in its queue instead: its
+requests run overdue (:meth:`kvoffload.routing.policies.BackendLoad.queued_s`). Loads are each
+backend's own (tiers differ: its disk, its distance to Redis), a fraction
+(:data:`PRIOR_LOAD_FRACTION`) of computing the block until measured. Every estimate is an
 exponentially weighted mean over intervals (``alpha``) so it follows the backend's current load.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts",
-           "parse_metrics"]
+           "parse_metrics", "share_compute_cost"]
 
 PRIOR_TOKEN_S = 5e-4
 PRIOR_LOAD_FRACTION = {"host": 0.05, "disk": 0.3, "remote": 0.5}
@@ -77,7 +84,9 @@ class BackendCosts:
     block_size: int = 16
     alpha: float = 0.3
     token_s: float | None = None
+    fleet_token_s: float = PRIOR_TOKEN_S
     step_s: float = 0.0
+    fleet_step_s: float = 0.0
     host_load_s: float | None = None  # per block, host -> device
     promotion_s: dict[str, float | None] = field(
         default_factory=lambda: dict.fromkeys(SECONDARY_TIERS)
@@ -88,8 +97,8 @@ class BackendCosts:
 
     @property
     def compute_block_s(self) -> float:
-        """Seconds to compute one block (the prior until measured)."""
-        return (self.token_s if self.token_s is not None else PRIOR_TOKEN_S) * self.block_size
+        """Seconds to compute one block: the fleet's median measured cost (see above)."""
+        return self.fleet_token_s * self.block_size
 
     def load_block_s(self, tier: str) -> float:
         """Seconds to load one block from ``tier`` into the device: a disk or remote block is
@@ -135,3 +144,14 @@ class BackendCosts:
             if blocks > 0:
                 per_block = delta.get(f"promotion_s_{tier}", 0.0) / blocks
                 self.promotion_s[tier] = _ewma(self.promotion_s[tier], per_block, self.alpha)
+
+
+def share_compute_cost(costs: Sequence[BackendCosts]) -> None:
+    """Price computing on every backend at the median of the measured ``token_s`` and of their
+    ``step_s`` (left as they are while none is measured)."""
+    measured = [c for c in costs if c.token_s is not None]
+    if measured:
+        token_s = sorted(c.token_s for c in measured)[len(measured) // 2]  # type: ignore[type-var]
+        step_s = sorted(c.step_s for c in measured)[len(measured) // 2]
+        for c in costs:
+            c.fleet_token_s, c.fleet_step_s = token_s, step_s  # type: ignore[assignment]

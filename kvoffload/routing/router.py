@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,11 +22,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvoffload.routing.costs import BackendCosts, parse_metrics
+from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_cost
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
 from kvoffload.routing.keys import token_bytes
-from kvoffload.routing.policies import BackendLoad, Policy, choose, predicted_ttft
+from kvoffload.routing.policies import BackendLoad, Policy, choose, prefill_s
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 
 __all__ = ["Backend", "BackendSpec", "Ranking", "Router", "Ticket"]
@@ -86,14 +87,12 @@ class Ticket:
         self.state = "prefill"
         load = backend.load
         load.in_flight += 1
-        load.prefilling_s += prefill_s
-        load.prefill_blocks += blocks
+        load.start_prefill(id(self), prefill_s, blocks, time.monotonic())
 
     def first_token(self) -> None:
         if self.state == "prefill":
             load = self.backend.load
-            load.prefilling_s = max(0.0, load.prefilling_s - self.prefill_s)
-            load.prefill_blocks -= self.blocks
+            load.end_prefill(id(self), self.blocks, time.monotonic())
             load.decode_blocks += self.blocks
             self.state = "decode"
 
@@ -131,7 +130,10 @@ class Router:
         self.max_failures = failures
         self.metrics_interval_s = metrics_interval_s
         self.decision_us: deque[float] = deque(maxlen=100_000)
-        self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost"), 0)
+        # matched_blocks: cached blocks of the prompts on the backends chosen; best_matched_
+        # blocks: on the backends holding most of them (what a policy trades for load)
+        self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost",
+                                       "matched_blocks", "best_matched_blocks"), 0)
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -185,6 +187,7 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return
         backend.costs.update(await asyncio.to_thread(parse_metrics, text))
+        share_compute_cost([b.costs for b in self.backends])
 
     async def _join(self, backend: Backend) -> None:
         """Back in rotation: a fresh index entry, its events followed from the start."""
@@ -287,6 +290,10 @@ class Router:
             with self.lock:
                 matches = self.index.match(data, ids)  # type: ignore[arg-type]
         best = choose(self.policy, healthy, matches, session_key)
+        if matches:
+            chosen = matches.get(healthy[best].index_id)  # type: ignore[arg-type]
+            self.counters["matched_blocks"] += chosen.cached if chosen is not None else 0
+            self.counters["best_matched_blocks"] += max(m.cached for m in matches.values())
         healthy[0], healthy[best] = healthy[best], healthy[0]
         return Ranking(healthy, matches, len(data) // (self.block_size * 4))
 
@@ -304,9 +311,7 @@ class Ranking:
     def prefill_s(self, backend: Backend) -> float:
         """The request's predicted prefill seconds on ``backend`` (its queue aside)."""
         m = self.matches.get(backend.index_id) if backend.index_id is not None else None
-        load, costs = backend.load, backend.costs
-        m = m if m is not None else Match(total=self.total)
-        return predicted_ttft(load, costs, m, "measured") - load.prefilling_s
+        return prefill_s(backend.costs, m if m is not None else Match(total=self.total))
 
 
 def _short(seconds: float = 2.0) -> aiohttp.ClientTimeout:

@@ -29,17 +29,11 @@ from typing import Any
 import numpy as np
 import redis
 
+from kvoffload.servebench.configs import CONFIG_NAMES, NX_CACHE, ROUTER_CONFIGS
 from kvoffload.servebench.run import run_once
 
 __all__ = ["compare_routing"]
 
-CONFIGS = (
-    ("round_robin", ["--policy", "round_robin"]),
-    ("least_load", ["--policy", "least_load"]),
-    ("kv_aware", ["--policy", "kv_aware"]),
-    ("kv_aware_tier_blind", ["--policy", "kv_aware", "--tier-weights", "blind"]),
-    ("kv_aware_dynamo_credits", ["--policy", "kv_aware", "--tier-weights", "dynamo"]),
-)
 _FIGURES = ("prefix_hit_rate", "mean_ttft_ms", "p99_ttft_ms", "request_throughput")
 
 
@@ -109,7 +103,7 @@ def _instance(stack: contextlib.ExitStack, args: argparse.Namespace, scale: int,
                                          str(port)], port))
 
 
-def _one_config(args: argparse.Namespace, name: str, flags: list[str], remote: str | None) -> dict:
+def _one_config(args: argparse.Namespace, name: str, remote: str | None) -> dict:
     if remote:  # every run starts from empty caches, the shared tier's included
         client = redis.Redis.from_url(remote)
         try:
@@ -117,11 +111,11 @@ def _one_config(args: argparse.Namespace, name: str, flags: list[str], remote: s
         finally:
             client.close()
     with contextlib.ExitStack() as stack:
-        if name == "one_instance_Nx_cache":
+        if name == NX_CACHE:
             return run_once(args, _instance(stack, args, args.compare_routing, remote), quiet=True)
         backends = [_instance(stack, args, 1, remote) for _ in range(args.compare_routing)]
         port = _port()
-        route = ["route", "--model", args.model, "--port", str(port), *flags]
+        route = ["route", "--model", args.model, "--port", str(port), *ROUTER_CONFIGS[name]]
         for b in backends:
             route += ["--backend", b]
         url = stack.enter_context(_process(route, port))
@@ -131,6 +125,7 @@ def _one_config(args: argparse.Namespace, name: str, flags: list[str], remote: s
             stats = json.loads(resp.read())
         result["router"] = {k: stats[k] for k in ("decision_us_p50", "decision_us_p99", "counters")}
         result["router"]["measured_costs"] = [b["costs"] for b in stats["backends"]]
+        result["router"]["requests_per_backend"] = [b["requests"] for b in stats["backends"]]
         return result
 
 
@@ -140,14 +135,19 @@ def compare_routing(args: argparse.Namespace) -> dict[str, Any]:
         from kvoffload.benchmark.redis_server import standalone_server
 
         remote_ctx = standalone_server()
-    configs = [*CONFIGS, ("one_instance_Nx_cache", [])]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    configs = args.compare_routing_configs or CONFIG_NAMES
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     with remote_ctx as server:
         remote = None if server is None else server.url
         for repeat in range(args.repeats):
-            for name, flags in configs:  # interleaved: every config once per repeat
-                print(f"repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
-                runs[name].append(_one_config(args, name, flags, remote))
+            for name in configs:  # interleaved: every config once per repeat
+                result = _one_config(args, name, remote)
+                result["loadavg"] = os.getloadavg()
+                runs[name].append(result)
+                print(f"repeat {repeat + 1}/{args.repeats}: {name}: hit rate "
+                      f"{result['prefix_hit_rate'] or 0:.3f}, mean TTFT "
+                      f"{result['mean_ttft_ms']:.0f} ms, failed {result['failed']}, load "
+                      f"{result['loadavg'][0]:.1f}", flush=True)
     summary = {name: _spread(results) for name, results in runs.items()}
     _print(summary, args)
     _print_costs(runs)

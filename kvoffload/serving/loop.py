@@ -70,8 +70,12 @@ class RequestStream:
 
 class StepCostModel:
     """``seconds ~ base_s + per_token_s * tokens`` per engine step, by exponentially weighted
-    least squares (``decay`` per step). Before two distinct token counts were seen, the whole
-    step time is charged per token."""
+    least squares (``decay`` per step). Where the fit is not positive (one token count seen so
+    far, or noise tipping the base below zero or the slope to it), the line through the origin
+    that fits best: ``per_token_s = sum(tokens * seconds) / sum(tokens^2)``, dominated by the
+    large (prefill) steps, never the mean step time over the mean token count (a few-token
+    decode step would charge its whole fixed cost to each token: a prefill predicted 10x too
+    slow)."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
@@ -95,15 +99,14 @@ class StepCostModel:
         """``(base_s, per_token_s)``, both >= 0 (``(0, 0)`` before any step)."""
         if self._x <= 0:
             return 0.0, 0.0
+        through_origin = 0.0, max(self._xy / self._xx, 0.0)
         denom = self._w * self._xx - self._x * self._x
         if denom <= 1e-9 * self._w * self._xx:
-            return 0.0, self._y / self._x
+            return through_origin
         slope = (self._w * self._xy - self._x * self._y) / denom
-        if slope <= 0:
-            return 0.0, self._y / self._x
         base = (self._y - slope * self._x) / self._w
-        if base < 0:
-            return 0.0, self._y / self._x
+        if slope <= 0 or base < 0:
+            return through_origin
         return base, slope
 
 

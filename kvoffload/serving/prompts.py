@@ -1,12 +1,13 @@
 """Prompts as token ids, exactly as ``kvoffload serve`` feeds them to the engine.
 
 Shared by the server and the router (``kvoffload route`` must hash the same tokens the backends
-cache), and free of torch. A preset model (``tiny``, ``small``) is byte-level: a prompt's ids are
-its UTF-8 bytes, and chat messages go through :data:`DEFAULT_CHAT_TEMPLATE`. A checkpoint
-directory uses its ``tokenizer.json`` (special tokens added as the model expects, like the
-engine's tokenizer) and the ``chat_template`` of its ``tokenizer_config.json``, rendered with
-Jinja2 as Hugging Face's ``apply_chat_template`` does and tokenized without adding special
-tokens again (the template writes them).
+cache), and free of torch. A preset model (``tiny``, ``small``; a preset name wins over a
+directory of that name, as in the engine's loader) is byte-level: a prompt's ids are its UTF-8
+bytes, and chat messages go through :data:`DEFAULT_CHAT_TEMPLATE`. A checkpoint directory uses
+its ``tokenizer.json`` (special tokens added as the model expects, like the engine's tokenizer)
+and the ``chat_template`` of its ``tokenizer_config.json``, rendered with Jinja2 as Hugging
+Face's ``apply_chat_template`` does and tokenized without adding special tokens again (the
+template writes them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "PromptTokenizer", "chat_messages"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "PRESET_NAMES", "PromptTokenizer", "chat_messages"]
+
+#: The engine's presets (``kvoffload.engine.model_config.PRESETS``; a test keeps them equal),
+#: named here so the router need not import torch to know them.
+PRESET_NAMES: frozenset[str] = frozenset({"small", "tiny"})
 
 #: The chat template of models without one (the presets): one line per turn, then the
 #: assistant's header.
@@ -72,17 +77,27 @@ def _compile(template: str) -> Callable[..., str]:
 class PromptTokenizer:
     """Turns completion prompts and chat messages into the token ids the engine caches.
 
-    ``model`` is a preset name or a checkpoint directory, as given to the engine.
+    ``model`` is a preset name or a checkpoint directory, as given to the engine. Where a
+    checkpoint's tokenizer cannot be loaded (no ``tokenizer.json``, no ``tokenizers`` package)
+    the ids are byte-level, as the engine's; with ``require_tokenizer`` (the router, whose
+    backends may be vLLM's) that, and a model that is neither a preset nor a directory, is a
+    :class:`ConfigError` naming ``model`` instead: byte-level ids would key every prompt's
+    blocks differently from the backends', and routing would silently stop seeing any cache.
     """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, require_tokenizer: bool = False) -> None:
         self.model = model
         directory = Path(model)
         self._hf: Any = None
         self._special: dict[str, str] = {}
         template = DEFAULT_CHAT_TEMPLATE
-        if directory.is_dir():
-            self._hf = _load_hf_tokenizer(directory)
+        if require_tokenizer and model not in PRESET_NAMES and not directory.is_dir():
+            raise ConfigError(
+                "model", f"{model!r} is neither a preset {sorted(PRESET_NAMES)} nor a checkpoint "
+                "directory: give the backends' checkpoint directory (its tokenizer.json), so "
+                "prompts are tokenized as the backends do")
+        if model not in PRESET_NAMES and directory.is_dir():
+            self._hf = _load_hf_tokenizer(directory, require_tokenizer)
             config = _read_json(directory / "tokenizer_config.json")
             template = _chat_template(config) or DEFAULT_CHAT_TEMPLATE
             for name in ("bos_token", "eos_token"):
@@ -129,13 +144,21 @@ def _chat_template(config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _load_hf_tokenizer(directory: Path) -> Any:
+def _load_hf_tokenizer(directory: Path, required: bool) -> Any:
+    """``directory``'s tokenizer; ``None`` (byte-level ids, as the engine falls back to) where it
+    cannot be loaded, unless ``required`` (then a :class:`ConfigError` naming ``model``)."""
     path = directory / "tokenizer.json"
+    reason = None
     if not path.is_file():
-        return None  # the engine falls back to byte-level ids too
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
+        reason = f"no tokenizer.json in {directory}"
+    else:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            reason = "the 'tokenizers' package is not installed"
+    if reason is not None:
+        if required:
+            raise ConfigError("model", f"{reason}: cannot tokenize prompts as the backends do")
         return None
     try:
         return Tokenizer.from_file(str(path))
