@@ -248,7 +248,8 @@ def test_subscriber_recovers_a_gap_from_a_vllm_framed_replay_socket() -> None:
             rest = [got, *_receive(sub, 3, timeout_s=5.0)]
             assert [r.seq for r in rest] == [0, 1, 2, 3]
             assert [r.batch.events for r in rest] == [_batch(i).events for i in range(4)]
-            assert served.is_set() and sub.stats()["malformed"] == 0
+            # The server thread sets ``served`` after its last send: the frames may be read first.
+            assert served.wait(10.0) and sub.stats()["malformed"] == 0
     finally:
         server.join()
         pub.close(linger=0)
