@@ -94,3 +94,18 @@ def test_compare_routing_configs_are_named_ones(capsys) -> None:
     (line,) = capsys.readouterr().err.splitlines()
     assert "--compare-routing" in line
     assert "one_instance_Nx_cache" in CONFIG_NAMES
+
+
+def test_compare_routing_rotates_the_order_of_configurations() -> None:
+    """Every configuration runs once in every position over len(configs) repeats, so none
+    always runs first (a fixed order handed the machine's load drift to one configuration)."""
+    from kvoffload.servebench.configs import repeat_order
+
+    configs = ("kv_aware", "kv_aware_tier_blind", "kv_aware_dynamo_credits")
+    orders = [repeat_order(configs, r) for r in range(6)]
+    for order in orders:
+        assert sorted(order) == sorted(configs)
+    for position in range(3):
+        assert {orders[r][position] for r in range(3)} == set(configs)
+    assert orders[3:] == orders[:3]
+    assert repeat_order(("kv_aware",), 5) == ("kv_aware",)

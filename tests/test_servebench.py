@@ -174,3 +174,26 @@ def _sources(url: str) -> dict[str, float]:
         line[len(prefix) :].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in lines if line.startswith(prefix)
     }
+
+
+def test_a_warmup_pass_is_sent_first_and_left_out_of_the_figures(tmp_path) -> None:
+    output = tmp_path / "result.json"
+    with serve("--kv-offloading-size", "0.01") as server:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--base-url",
+             server.url, "--model", "tiny", "--dataset-name", "prefix_repetition",
+             "--num-prompts", "6", "--prefix-repetition-prefix-len", "64",
+             "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "3",
+             "--prefix-repetition-output-len", "2", "--max-concurrency", "2", "--warmup-pass",
+             "--output-json", str(output)],
+            capture_output=True, text=True, timeout=150, check=False,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        queried = metric(server.url, "kvoffload_prefix_cache_queries_total")
+    r = json.loads(output.read_text())
+    assert (r["completed"], r["num_prompts"]) == (6, 6)
+    measured = sum(r["tokens_by_source"].values())  # the measured run's tokens only
+    assert measured >= 6 * 72 and queried >= measured + 6 * 72  # the warm-up's came first
+    # Every prompt was sent once before: its whole prefix (and suffix) is cached; at most the
+    # last partial block of each is computed.
+    assert r["tokens_by_source"]["computed"] <= 6 * 16

@@ -64,6 +64,9 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("percentile_metrics", "metrics to report: ttft, tpot, itl, e2el, client_queue_time, "
          "e2el_including_client_queue", default="ttft,tpot,itl,e2el", unit="NAME,..."),
     Flag("metric_percentiles", "percentiles to report", default="50,90,99", unit="P,..."),
+    Flag("warmup_pass", "send the workload once, unmeasured and all at once (up to "
+         "--max-concurrency), before the measured run: the caches and tiers hold what it "
+         "uses, so TTFT shows loads rather than first-use prefills", kind="switch"),
     Flag("save_detailed", "keep the per-request arrays (ttfts, itls, ...) in --output-json",
          kind="switch"),
     Flag("label", "the run's label in the JSON", unit="TEXT", unset="none"),
@@ -84,7 +87,8 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          needs=COMPARE, unset="none"),
     Flag("repeats", "interleaved repeats of every configuration", parse=int_in(1), default=1,
          unit="N", needs=COMPARE),
-    Flag("compare_routing_configs", "the configurations to run, in this order: "
+    Flag("compare_routing_configs", "the configurations to run (the order rotates by one each "
+         "repeat): "
          + ", ".join(CONFIG_NAMES), parse=_config_names, unit="NAME,...", needs=COMPARE,
          unset="all"),
 )

@@ -1,6 +1,6 @@
 """``kvoffload bench serve --compare-routing``: the same workload through one router per policy
 over N fresh ``kvoffload serve`` instances, and through one instance with N times their caches (device, host,
-disk), interleaved over ``--repeats``; figures as median [min-max], and the per-block costs the
+disk), interleaved over ``--repeats`` (the order rotated by one each repeat); figures as median [min-max], and the per-block costs the
 routers measured.
 
 Every run starts fresh servers (a run never finds the previous run's cache: each instance gets an
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from kvoffload.servebench.configs import CONFIG_NAMES, NX_CACHE, ROUTER_CONFIGS
+from kvoffload.servebench.configs import CONFIG_NAMES, NX_CACHE, ROUTER_CONFIGS, repeat_order
 from kvoffload.servebench.run import run_once
 
 __all__ = ["compare_routing"]
@@ -140,7 +140,9 @@ def compare_routing(args: argparse.Namespace) -> dict[str, Any]:
     with remote_ctx as server:
         remote = None if server is None else server.url
         for repeat in range(args.repeats):
-            for name in configs:  # interleaved: every config once per repeat
+            order = repeat_order(configs, repeat)
+            print(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}", flush=True)
+            for name in order:  # every config once per repeat, rotated
                 result = _one_config(args, name, remote)
                 result["loadavg"] = os.getloadavg()
                 runs[name].append(result)

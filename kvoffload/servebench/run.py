@@ -79,6 +79,10 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
     """One run of the workload against ``url``: vLLM's result keys (per-request arrays only
     with ``--save-detailed``) plus the servers' tokens by source."""
     requests, sessions = build_requests(args)
+    model = args.served_model_name or args.model
+    if args.warmup_pass:  # unmeasured: before the metrics' first scrape
+        asyncio.run(run_requests(url, model, requests, [0.0] * len(requests),
+                                 args.max_concurrency, sessions))
     urls = metrics_urls(url)
     before = scrape_sources(urls)
     if args.honor_timestamps:
@@ -86,8 +90,7 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
     else:
         gaps = arrival_gaps(len(requests), _rate(args), args.burstiness, args.seed)
     results, duration = asyncio.run(run_requests(
-        url, args.served_model_name or args.model, requests, gaps, args.max_concurrency,
-        sessions))
+        url, model, requests, gaps, args.max_concurrency, sessions))
     after = scrape_sources(urls)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     out: dict[str, Any] = {
