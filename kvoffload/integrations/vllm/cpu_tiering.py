@@ -13,7 +13,7 @@ it is exactly vLLM's. Everything else, settings included, is ``TieringOffloading
      "cache_policy_module_path": "kvoffload.integrations.vllm.policies",
      "secondary_tiers": [{"type": "KVOffloadDiskTier",
                           "module_path": "kvoffload.integrations.vllm.tiers",
-                          "path": "/mnt/nvme/kv", "size_gib": 200}]}
+                          "path": "kv-disk", "size_gib": 200}]}
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@
      "store_threshold": 2,                     # our reuse filter (default 0: off)
      "max_tracker_size": 64000,
      "kvoffload_cascade": "write_through",     # or "on_evict"
-     "kvoffload_tiers": [{"kind": "disk", "path": "/mnt/nvme/kv", "size_gib": 200},
+     "kvoffload_tiers": [{"kind": "disk", "path": "kv-disk", "size_gib": 200},
                          {"kind": "redis", "url": "redis://cache:6379/0"}],
      "kvoffload_lookup_retry_s": 2.0,          # how long a request waits on RETRY (then MISS)
-     "kvoffload_stats_file": "/tmp/kvoffload-stats.json"}  # optional: stats when idle
+     "kvoffload_stats_file": "kvoffload-stats.json"}  # optional: stats when idle
 
 What vLLM runs and what is ours:
 

@@ -4,7 +4,7 @@ Configure behind vLLM's CPU tier with ``TieringOffloadingSpec``::
 
     "secondary_tiers": [{"type": "KVOffloadDiskTier",
                          "module_path": "kvoffload.integrations.vllm.tiers",
-                         "path": "/mnt/nvme/kv", "size_gib": 200}]
+                         "path": "kv-disk", "size_gib": 200}]
 
 :class:`KVOffloadTier` is the one generic adapter: vLLM builds it with its CPU pool's
 ``memoryview`` (``view[chunk]`` is one chunk's bytes) and the tier options; it builds one of our
