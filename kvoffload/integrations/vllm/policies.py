@@ -164,9 +164,9 @@ class KVOffloadCachePolicy(CachePolicy):
             ctx = self._missed_by.pop(key, None)
         else:
             ctx = kvoffload_context(req_context)
-        declined = self._chain(ctx).declined if ctx is not None else ()
-        if key in declined:
-            declined.discard(key)  # type: ignore[union-attr]
+        chain = self._chain(ctx) if ctx is not None else None
+        if chain is not None and key in chain.declined:
+            chain.declined.discard(key)
             self._probation[key] = chunk
         else:
             self._policy.insert(key, chunk, ctx)  # type: ignore[arg-type]
