@@ -39,10 +39,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvoffload.base import ReqContext
-from kvoffload.benchmark.replay import serve_request
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers.replay import serve_request
 
 BLOCKS_PER_REQUEST = 32
 NUM_PREFIXES = 200

@@ -2,7 +2,7 @@
 
 A trace is a list of requests, each the list of its block ids in prefix order (the ``hash_ids``
 of a Mooncake-format JSONL file). :func:`replay` serves every request through a real
-:class:`~kvoffload.managers.CPUOffloadingManager` with :func:`~kvoffload.benchmark.replay.serve_request`
+:class:`~kvoffload.managers.CPUOffloadingManager` with :func:`~kvoffload.managers.replay.serve_request`
 (lookup until the first miss, load the hits, touch every key, store the rest, finish); the figure
 is hits / blocks over the whole trace. Two references run outside the manager:
 
@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvoffload.base import ReqContext
-from kvoffload.benchmark.replay import serve_request
 from kvoffload.benchmark.trace_file import read_trace
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers.replay import serve_request
 
 __all__ = [
     "belady_hit_ratio",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 
-from kvoffload.benchmark.replay import serve_request as serve
+from kvoffload.managers.replay import serve_request as serve
 
 __all__ = ["serve_request"]
 
@@ -21,7 +21,7 @@ def serve_request(
     """Serve a request whose blocks are ``keys`` (prefix order); return its prefix hits.
 
     As vLLM 0.33's ``OffloadingConnectorScheduler``: record each key's end-token position,
-    ``on_new_request``, then the loop of :func:`kvoffload.benchmark.replay.serve_request`
+    ``on_new_request``, then the loop of :func:`kvoffload.managers.replay.serve_request`
     (``lookup`` until the first non-hit, load the hits, store the rest as after a whole prefill)
     without ``touch`` (vLLM's scheduler never calls it), ``on_request_finished``.
     """

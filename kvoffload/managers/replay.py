@@ -1,5 +1,6 @@
-"""The standard way a benchmark serves one request through an offloading manager (ours or vLLM's:
-their calls have the same names)."""
+"""The standard way a replay (a benchmark, a test) serves one request through an offloading
+manager, ours or vLLM's (their calls have the same names). Below every user of it: it needs only
+the manager contract."""
 
 from __future__ import annotations
 
