@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvoffload.benchmark.workload import workload_requests
 from kvoffload.cli.args import check_output_path, int_in
 from kvoffload.cli.command import command
 from kvoffload.cli.engine_flags import TIER_SETTINGS, add_engine_flags, engine_kwargs_from_args
@@ -24,7 +25,6 @@ from kvoffload.cli.workload_flags import (
     add_workload_flags,
     check_workload,
     workload_lines,
-    workload_requests,
 )
 from kvoffload.errors import ConfigError
 

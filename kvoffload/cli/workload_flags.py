@@ -1,5 +1,6 @@
 """The workload flags of ``bench throughput`` (vLLM ``bench``'s dataset flags): one table,
-:data:`WORKLOAD_FLAGS`, and the requests they describe.
+:data:`WORKLOAD_FLAGS`; the requests they describe are built by
+:func:`kvoffload.benchmark.workload.workload_requests`.
 
 A dataset's own flags need that dataset (``--random-input-len`` without ``--dataset-name random``
 is refused, not ignored); ``--honor-timestamps`` and ``--timestamp-scale`` need a trace.
@@ -8,10 +9,15 @@ is refused, not ignored); ``--honor-timestamps`` and ``--timestamp-scale`` need 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from kvoffload.benchmark.datasets import DATASETS, BenchRequest
 from kvoffload.benchmark.trace_file import check_trace_path
+from kvoffload.benchmark.workload import (
+    MULTI_TURN_OUTPUT_LEN,
+    PREFIX_REPETITION_OUTPUT_LEN,
+    RANDOM_INPUT_LEN,
+    RANDOM_OUTPUT_LEN,
+)
 from kvoffload.cli.args import int_in, real_in
 from kvoffload.cli.flagspec import Flag, Needs, add_flags
 from kvoffload.errors import ConfigError
@@ -22,14 +28,9 @@ __all__ = [
     "add_workload_flags",
     "check_workload",
     "workload_lines",
-    "workload_requests",
 ]
 
 DEFAULT_NUM_PROMPTS = 64
-_MULTI_TURN_OUTPUT_LEN = 16
-_RANDOM_INPUT_LEN = 1024
-_RANDOM_OUTPUT_LEN = 128
-_PREFIX_REPETITION_OUTPUT_LEN = 16
 
 
 def _dataset(name: str) -> Needs:
@@ -76,7 +77,7 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
         "output tokens of every request, overriding the dataset's (a cap for traces)",
         parse=int_in(1),
         unit="TOKENS",
-        unset=f"the dataset's; multi_turn: {_MULTI_TURN_OUTPUT_LEN}",
+        unset=f"the dataset's; multi_turn: {MULTI_TURN_OUTPUT_LEN}",
     ),
     Flag(
         "input_len",
@@ -91,7 +92,7 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
         parse=int_in(1),
         unit="TOKENS",
         needs=RANDOM,
-        unset=f"--input-len, else {_RANDOM_INPUT_LEN}",
+        unset=f"--input-len, else {RANDOM_INPUT_LEN}",
     ),
     Flag(
         "random_output_len",
@@ -99,7 +100,7 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
         parse=int_in(1),
         unit="TOKENS",
         needs=RANDOM,
-        unset=f"--output-len, else {_RANDOM_OUTPUT_LEN}",
+        unset=f"--output-len, else {RANDOM_OUTPUT_LEN}",
     ),
     Flag(
         "random_prefix_len",
@@ -147,7 +148,7 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
         parse=int_in(1),
         unit="TOKENS",
         needs=PREFIX,
-        unset=f"--output-len, else {_PREFIX_REPETITION_OUTPUT_LEN}",
+        unset=f"--output-len, else {PREFIX_REPETITION_OUTPUT_LEN}",
     ),
     Flag(
         "multi_turn_num_sessions",
@@ -186,60 +187,6 @@ def check_workload(flags: argparse.Namespace) -> None:
         if flags.dataset_path is None:
             raise ConfigError("dataset_path", "--dataset-name trace needs --dataset-path")
         check_trace_path(flags.dataset_path)
-
-
-def _output_len(flags: argparse.Namespace, specific: int | None, default: int) -> int:
-    if specific is not None:
-        return specific
-    return default if flags.output_len is None else flags.output_len
-
-
-def workload_requests(
-    flags: argparse.Namespace, vocab_size: int, eos: int, variant: int = 0
-) -> list[BenchRequest]:
-    """The workload's requests (resolved flags); another ``variant`` (prefix_repetition and
-    random only): fresh requests on the same shared prefixes."""
-    from kvoffload.benchmark import datasets
-
-    common: dict[str, Any] = {"vocab_size": vocab_size, "eos_token_id": eos, "seed": flags.seed}
-    name = flags.dataset_name
-    if name == "random":
-        input_len = flags.random_input_len or flags.input_len or _RANDOM_INPUT_LEN
-        output_len = _output_len(flags, flags.random_output_len, _RANDOM_OUTPUT_LEN)
-        return datasets.random_prompts(
-            flags.num_prompts,
-            input_len,
-            output_len,
-            prefix_len=flags.random_prefix_len,
-            range_ratio=flags.random_range_ratio,
-            variant=variant,
-            **common,
-        )
-    if name == "prefix_repetition":
-        output_len = _output_len(
-            flags, flags.prefix_repetition_output_len, _PREFIX_REPETITION_OUTPUT_LEN
-        )
-        return datasets.prefix_repetition(
-            flags.num_prompts,
-            flags.prefix_repetition_prefix_len,
-            flags.prefix_repetition_suffix_len,
-            flags.prefix_repetition_num_prefixes,
-            output_len,
-            variant=variant,
-            **common,
-        )
-    if name == "multi_turn":
-        return datasets.multi_turn(
-            flags.num_prompts,
-            flags.multi_turn_num_sessions,
-            flags.multi_turn_system_len,
-            flags.multi_turn_turn_len,
-            _output_len(flags, None, _MULTI_TURN_OUTPUT_LEN),
-            **common,
-        )
-    return datasets.trace_prompts(
-        flags.dataset_path, flags.num_prompts, flags.trace_block_size, flags.output_len, **common
-    )
 
 
 def _sharing(flags: argparse.Namespace) -> str:

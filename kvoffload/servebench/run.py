@@ -16,6 +16,7 @@ from typing import Any
 
 from kvoffload.benchmark import traces
 from kvoffload.benchmark.datasets import BenchRequest
+from kvoffload.benchmark.workload import workload_requests
 from kvoffload.servebench.client import arrival_gaps, replay_gaps, run_requests
 from kvoffload.servebench.metrics import (
     DETAILED_KEYS,
@@ -32,7 +33,6 @@ def build_requests(flags: argparse.Namespace) -> tuple[list[BenchRequest], list[
     """The workload of the resolved flags (bench throughput's workload table, so both commands
     build the same requests) and, per request, its session (multi-turn workloads: turns of one
     session share the ``x-session-id`` header)."""
-    from kvoffload.cli.workload_flags import workload_requests
     from kvoffload.engine.loader import load_model_config
 
     model = load_model_config(flags.model)
@@ -52,7 +52,6 @@ def build_requests(flags: argparse.Namespace) -> tuple[list[BenchRequest], list[
 def _generated(flags: argparse.Namespace, vocab: int, eos: int) -> list[BenchRequest]:
     """The generated suite's workload ``--generate``, written out and read back as
     ``--dataset-path`` (one path from hash ids to token ids for suite and file traces)."""
-    from kvoffload.cli.workload_flags import workload_requests
 
     records = traces.generate(flags.generate, flags.seed, flags.num_prompts)
     with tempfile.TemporaryDirectory(prefix="kvoffload-trace-") as tmp:
