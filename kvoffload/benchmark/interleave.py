@@ -3,11 +3,12 @@ shared machine hits every configuration alike), each on a fresh engine; a run's 
 fresh directory and its remote tier in a fresh namespace of the server when asked (so that no run
 starts warm from another's blocks, whatever the server held before); and one run in a process of
 its own (engine A of two instances, which shares nothing with the others but their
-Redis server)."""
+Redis server). A fresh namespace is removed from the server after its run."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import shutil
@@ -25,6 +26,9 @@ from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.benchmark.matrix import Run, actual_label
 from kvoffload.benchmark.throughput import ThroughputResult, run_throughput
 from kvoffload.errors import KVOffloadError
+from kvoffload.tiers.redis_connection import RespErrorRaised
+from kvoffload.tiers.redis_url import redacted_url
+from kvoffload.tiers.remote_admin import drop_namespace
 
 __all__ = [
     "Progress",
@@ -34,6 +38,8 @@ __all__ = [
     "run_interleaved",
     "steady_threads",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def steady_threads() -> None:
@@ -74,17 +80,27 @@ def fresh_disk_directory(kwargs: dict[str, Any], fresh: bool) -> Iterator[dict[s
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def fresh_remote_namespace(kwargs: dict[str, Any], fresh: bool) -> dict[str, Any]:
+@contextlib.contextmanager
+def fresh_remote_namespace(kwargs: dict[str, Any], fresh: bool) -> Iterator[dict[str, Any]]:
     """``kwargs`` for one run: with ``fresh``, its remote tier (if any) stores and finds blocks
-    only in a namespace no run used before (the URL's ``namespace`` option, replaced). Nothing
-    on the server is deleted: its other keys stay, unread."""
+    only in a namespace no run used before (the URL's ``namespace`` option, replaced), removed
+    from the server afterwards (also when the run fails or is interrupted; a removal that fails
+    is a warning, not the run's error). The server's other keys are never touched."""
     url = kwargs.get("kv_remote_url")
     if url is None or not fresh:
-        return kwargs
+        yield kwargs
+        return
     base, _, query = url.partition("?")
     options = [o for o in query.split("&") if o and not o.startswith("namespace=")]
     options.append(f"namespace=bench-{uuid.uuid4().hex[:16]}")
-    return {**kwargs, "kv_remote_url": base + "?" + "&".join(options)}
+    own = base + "?" + "&".join(options)
+    try:
+        yield {**kwargs, "kv_remote_url": own}
+    finally:
+        try:
+            drop_namespace(own)
+        except (OSError, KVOffloadError, RespErrorRaised) as exc:
+            log.warning("could not remove the run's namespace from %s: %s", redacted_url(own), exc)
 
 
 def run_interleaved(
@@ -105,8 +121,10 @@ def run_interleaved(
     for repeat in range(1, repeats + 1):
         requests = requests_of(repeat)
         for run in runs:
-            own = fresh_remote_namespace(run.engine_kwargs, fresh_remote)
-            with fresh_disk_directory(own, fresh_disk) as kwargs:
+            with (
+                fresh_remote_namespace(run.engine_kwargs, fresh_remote) as own,
+                fresh_disk_directory(own, fresh_disk) as kwargs,
+            ):
                 result = run_throughput(
                     requests,
                     run.label,
@@ -173,3 +191,4 @@ def _own_process(
         outcome = (False, RuntimeError(f"{label} failed in its own process: {exc!r}"))
     send.send(outcome)
     send.close()
+
