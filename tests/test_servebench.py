@@ -4,6 +4,7 @@ tokens by source equal to what the server's ``/metrics`` counted during the run)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,12 +12,13 @@ import urllib.request
 
 import numpy as np
 import pytest
-from serve_cases import metric, serve
+from serve_cases import metric, serve, stale_keepalive
 
 from kvoffload.benchmark import traces
+from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.cli.flagspec import resolve_flags
 from kvoffload.cli.main import build_parser
-from kvoffload.servebench.client import RequestResult, replay_gaps
+from kvoffload.servebench.client import RequestResult, replay_gaps, run_requests
 from kvoffload.servebench.metrics import PERCENTILE_METRICS, parse_goodput, summarize
 from kvoffload.servebench.run import build_requests
 
@@ -197,3 +199,15 @@ def test_a_warmup_pass_is_sent_first_and_left_out_of_the_figures(tmp_path) -> No
     # Every prompt was sent once before: its whole prefix (and suffix) is cached; at most the
     # last partial block of each is computed.
     assert r["tokens_by_source"]["computed"] <= 6 * 16
+
+
+def test_a_kept_alive_connection_closed_by_the_server_fails_no_request() -> None:
+    """The server's keep-alive timeout firing as the client reuses a connection (made certain
+    by the proxy) is no failed request: the request goes again on a new connection. Before,
+    every request after the first failed with a disconnect."""
+    requests = [BenchRequest(list(range(1, 40)), 3) for _ in range(4)]
+    with serve("--kv-offloading-size", "0.01", events=False) as server, \
+            stale_keepalive(server) as proxy:
+        results, _ = asyncio.run(run_requests(proxy.url, "tiny", requests, [0.0] * 4, 1))
+    assert [r.error for r in results] == [""] * 4
+    assert all(r.success and r.output_tokens == 3 for r in results)

@@ -93,7 +93,8 @@ def router_stats(router: Router) -> dict[str, Any]:
         "decisions": len(router.decision_us),
         "decision_us_p50": float(np.percentile(times, 50)),
         "decision_us_p99": float(np.percentile(times, 99)),
-        "counters": dict(router.counters),
+        "counters": {**router.counters, "stale_connection_retries":
+                     router.connections.stale_retries if router.connections else 0},
         "index": {"keys": router.index.num_keys(), **router.index.counters},
         "backends": [
             {"url": b.url, "healthy": b.healthy, "requests": b.requests,
@@ -143,8 +144,8 @@ async def _forward(
     router: Router, backend: Backend, path: str, data: bytes, headers: dict[str, str],
     stream: bool, ticket: Ticket,
 ) -> Response:
-    assert router.session is not None
-    resp = await router.session.post(f"{backend.url}{path}", data=data, headers=headers)
+    assert router.connections is not None
+    resp = await router.connections.post(f"{backend.url}{path}", data=data, headers=headers)
     try:
         if not stream or resp.status != 200:
             if not stream:  # no first token to see: count the predicted prefill as done

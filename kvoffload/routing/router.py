@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from kvoffload.routing.connections import Connections
 from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_cost
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
@@ -135,14 +136,14 @@ class Router:
         self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost",
                                        "matched_blocks", "best_matched_blocks"), 0)
         self.session: aiohttp.ClientSession | None = None
+        self.connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        self.connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.session = self.connections.pooled
         await asyncio.gather(*(self._check(b) for b in self.backends))
         self._tasks = [
             asyncio.create_task(self._every(self.health_interval_s, self._check)),
@@ -154,8 +155,8 @@ class Router:
             task.cancel()
         for backend in self.backends:
             self._leave(backend)
-        if self.session is not None:
-            await self.session.close()
+        if self.connections is not None:
+            await self.connections.close()
 
     async def _every(self, interval: float, action: Any) -> None:
         while True:
