@@ -6,8 +6,10 @@ kept-alive connection as a request arrives fails none and stays in rotation; sti
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -130,3 +132,27 @@ def test_a_kept_alive_connection_closed_by_the_backend_fails_no_request() -> Non
         assert stats["counters"]["backend_lost"] == 0 and stats["counters"]["retries"] == 0
         assert stats["counters"]["stale_connection_retries"] >= 1
         assert stats["backends"][0]["healthy"] and stats["backends"][0]["indexed_blocks"] > 0
+
+
+def test_a_stalled_backend_leaves_and_its_waiting_requests_go_elsewhere() -> None:
+    """A backend that stalls (SIGSTOP: alive, connected, silent) with requests waiting for their
+    first byte: once its health checks take it out of rotation, they go to another backend.
+    Before, they waited for it for ever (here: until the client's timeout)."""
+    with (
+        serve("--kv-offloading-size", "0.01") as a,
+        serve("--kv-offloading-size", "0.01") as b,
+        route([a, b], "--policy", "round_robin", "--health-interval", "0.2") as router,
+        _client(router.url) as client,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        a.proc.send_signal(signal.SIGSTOP)
+        try:  # round robin: two of the four to the stalled backend
+            futures = [pool.submit(client.completions.create, model="tiny", prompt=f"{SHARED}{i}",
+                                   max_tokens=2, timeout=90) for i in range(4)]
+            outs = [f.result() for f in futures]
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        assert all(o.usage.completion_tokens == 2 for o in outs)
+        stats = http_json(f"{router.url}/router/stats")
+        assert stats["counters"]["backend_lost"] >= 1 and stats["counters"]["retries"] >= 1
+        assert stats["counters"]["no_backend"] == 0

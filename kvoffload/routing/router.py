@@ -71,6 +71,8 @@ class Backend:
     follower: EventFollower | None = None
     failures: int = 0
     requests: int = 0
+    #: set when it leaves the rotation: requests waiting for its first byte go elsewhere
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def url(self) -> str:
@@ -215,6 +217,7 @@ class Router:
                 apply=lambda evs, iid=iid: self._apply(iid, evs),
                 reset=lambda iid=iid: self._clear(iid),
             ).start()
+        backend.lost = asyncio.Event()
         backend.healthy = True
         logger.warning("backend %s in rotation", backend.url)
 
@@ -239,11 +242,13 @@ class Router:
             self.index.clear(iid)
 
     def mark_dead(self, backend: Backend, why: str) -> None:
-        """Out of rotation, its index entries dropped."""
+        """Out of rotation, its index entries dropped; requests still waiting for its first byte
+        are sent elsewhere (:attr:`Backend.lost`)."""
         if backend.healthy:
             logger.warning("backend %s out of rotation: %s", backend.url, why)
             self.counters["backend_lost"] += 1
         backend.healthy = False
+        backend.lost.set()
         self._leave(backend)
 
     def _leave(self, backend: Backend) -> None:
