@@ -13,8 +13,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 SERVE_FLAGS = ["--num-device-blocks", "64", "--max-num-seqs", "4"]
 START_TIMEOUT_S = 60.0
@@ -150,8 +152,35 @@ def serve(
         yield process.wait_ready()
 
 
+class HasURL(Protocol):
+    @property
+    def url(self) -> str: ...
+
+
+@dataclass
+class Endpoint:
+    url: str
+
+
 @contextlib.contextmanager
-def route(backends: list[Process], *extra: str, model: str = "tiny") -> Iterator[Process]:
+def stale_keepalive(backend: HasURL) -> Iterator[Endpoint]:
+    """``backend`` behind ``stale_keepalive_proxy.py`` (a process of its own): every request on
+    a reused connection finds it closed by the server, as a keep-alive timeout would."""
+    script = Path(__file__).with_name("stale_keepalive_proxy.py")
+    port = backend.url.rsplit(":", 1)[1]
+    proc = subprocess.Popen([sys.executable, str(script), port], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield Endpoint(f"http://127.0.0.1:{int(proc.stdout.readline())}")
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@contextlib.contextmanager
+def route(backends: Sequence[HasURL], *extra: str, model: str = "tiny") -> Iterator[Process]:
     port = free_port()
     args = ["route", "--port", str(port), "--model", model, "--health-interval", "0.2",
             "--metrics-interval", "0.5", *extra]

@@ -131,3 +131,24 @@ def test_computing_is_priced_at_the_fleets_median_measured_cost() -> None:
     share_compute_cost(fleet)
     assert [c.compute_block_s for c in fleet] == [pytest.approx(6e-5 * 16)] * 4
     assert fleet[0].measured()["compute_token_s"] == 4e-5  # each backend's own figure, reported
+
+
+def test_a_load_cost_weighs_each_interval_by_its_blocks() -> None:
+    """A scrape interval in which one block loaded slowly moves the estimate by one block's
+    weight, not by an interval's (the old mean of per-interval ratios: 0.7 x 1 ms + 0.3 x 158 ms
+    = 48 ms per block, which then kept the router from sending the loads that correct it)."""
+    costs = BackendCosts()
+    totals = {"promotion_s_remote": 0.0, "promotion_blocks_remote": 0.0,
+              "host_load_s": 0.0, "host_load_blocks": 0.0}
+    costs.update(dict(totals))
+    for seconds, blocks in ((0.1, 100), (0.158, 1)):  # 100 blocks at 1 ms, then 1 at 158 ms
+        for tier_s, tier_blocks in (("promotion_s_remote", "promotion_blocks_remote"),
+                                    ("host_load_s", "host_load_blocks")):
+            totals[tier_s] += seconds
+            totals[tier_blocks] += blocks
+        costs.update(dict(totals))
+        if blocks == 100:
+            assert costs.promotion_s["remote"] == pytest.approx(1e-3)
+            assert costs.host_load_s == pytest.approx(1e-3)
+    assert costs.promotion_s["remote"] < 5e-3 and costs.host_load_s < 5e-3  # (0.07 + 0.158) / 71
+    assert costs.promotion_s["remote"] > 1e-3  # it does move

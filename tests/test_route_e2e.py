@@ -1,17 +1,20 @@
 """``kvoffload route`` over real ``kvoffload serve`` processes: greedy outputs through the router
 equal one engine without offloading; kv_aware keeps a prefix where it is cached; a backend killed
-mid-run fails no request (they are retried elsewhere) and leaves the index; sticky sessions."""
+mid-run fails no request (they are retried elsewhere) and leaves the index; a backend closing a
+kept-alive connection as a request arrives fails none and stays in rotation; sticky sessions."""
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
-from serve_cases import Process, http_json, post_raw, route, serve
+from serve_cases import Process, http_json, post_raw, route, serve, stale_keepalive
 
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.serving.prompts import PromptTokenizer
@@ -104,3 +107,52 @@ def test_killed_backend_fails_no_request_and_leaves_the_index() -> None:
         alive = next(s for s in stats["backends"] if s["url"] == a.url)
         assert not dead["healthy"] and dead["indexed_blocks"] == 0
         assert alive["healthy"] and alive["indexed_blocks"] > 0
+
+
+def test_a_kept_alive_connection_closed_by_the_backend_fails_no_request() -> None:
+    """A backend's keep-alive timeout firing as the router reuses the connection (made certain
+    by the proxy: every request on a reused connection finds it closed) is no failure: the
+    request goes again on a new connection to the same backend, which stays in rotation with
+    its index. Before, the router took the backend out of rotation and, with no other, failed
+    the request (503)."""
+    with (
+        serve("--kv-offloading-size", "0.01") as backend,
+        stale_keepalive(backend) as proxy,
+        # no periodic checks or scrapes: only the requests below reuse the connections
+        route([proxy], "--health-interval", "3600", "--metrics-interval", "3600") as router,
+        _client(router.url) as client,
+    ):
+        texts = [client.completions.create(model="tiny", prompt=SHARED, max_tokens=4,
+                                           temperature=0).choices[0].text for _ in range(3)]
+        streamed = client.completions.create(model="tiny", prompt=SHARED, max_tokens=4,
+                                             temperature=0, stream=True)
+        texts.append("".join(c.choices[0].text for c in streamed))
+        assert len(set(texts)) == 1 and texts[0]
+        stats = http_json(f"{router.url}/router/stats")
+        assert stats["counters"]["backend_lost"] == 0 and stats["counters"]["retries"] == 0
+        assert stats["counters"]["stale_connection_retries"] >= 1
+        assert stats["backends"][0]["healthy"] and stats["backends"][0]["indexed_blocks"] > 0
+
+
+def test_a_stalled_backend_leaves_and_its_waiting_requests_go_elsewhere() -> None:
+    """A backend that stalls (SIGSTOP: alive, connected, silent) with requests waiting for their
+    first byte: once its health checks take it out of rotation, they go to another backend.
+    Before, they waited for it for ever (here: until the client's timeout)."""
+    with (
+        serve("--kv-offloading-size", "0.01") as a,
+        serve("--kv-offloading-size", "0.01") as b,
+        route([a, b], "--policy", "round_robin", "--health-interval", "0.2") as router,
+        _client(router.url) as client,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        a.proc.send_signal(signal.SIGSTOP)
+        try:  # round robin: two of the four to the stalled backend
+            futures = [pool.submit(client.completions.create, model="tiny", prompt=f"{SHARED}{i}",
+                                   max_tokens=2, timeout=90) for i in range(4)]
+            outs = [f.result() for f in futures]
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        assert all(o.usage.completion_tokens == 2 for o in outs)
+        stats = http_json(f"{router.url}/router/stats")
+        assert stats["counters"]["backend_lost"] >= 1 and stats["counters"]["retries"] >= 1
+        assert stats["counters"]["no_backend"] == 0

@@ -4,19 +4,23 @@ tokens by source equal to what the server's ``/metrics`` counted during the run)
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
 import sys
 import urllib.request
 
 import numpy as np
 import pytest
-from serve_cases import metric, serve
+import redis
+from serve_cases import metric, serve, stale_keepalive
 
 from kvoffload.benchmark import traces
+from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.cli.flagspec import resolve_flags
 from kvoffload.cli.main import build_parser
-from kvoffload.servebench.client import RequestResult, replay_gaps
+from kvoffload.servebench.client import RequestResult, replay_gaps, run_requests
 from kvoffload.servebench.metrics import PERCENTILE_METRICS, parse_goodput, summarize
 from kvoffload.servebench.run import build_requests
 
@@ -155,6 +159,7 @@ def _common(a: list[int], b: list[int]) -> int:
     ("--dataset-name", "random", "--generate", "rag"),
     ("--dataset-name", "random", "--prefix-repetition-prefix-len", "8"),
     ("--repeats", "3"),  # without --compare-routing
+    ("--compare-routing", "2", "--compare-routing-redis-link", "10"),  # without a Redis
     ("--goodput", "ttft=5"),
     ("--percentile-metrics", "ttft,latency"),
     ("--metric-percentiles", "0"),
@@ -197,3 +202,39 @@ def test_a_warmup_pass_is_sent_first_and_left_out_of_the_figures(tmp_path) -> No
     # Every prompt was sent once before: its whole prefix (and suffix) is cached; at most the
     # last partial block of each is computed.
     assert r["tokens_by_source"]["computed"] <= 6 * 16
+
+
+def test_a_kept_alive_connection_closed_by_the_server_fails_no_request() -> None:
+    """The server's keep-alive timeout firing as the client reuses a connection (made certain
+    by the proxy) is no failed request: the request goes again on a new connection. Before,
+    every request after the first failed with a disconnect."""
+    requests = [BenchRequest(list(range(1, 40)), 3) for _ in range(4)]
+    with serve("--kv-offloading-size", "0.01", events=False) as server, \
+            stale_keepalive(server) as proxy:
+        results, _ = asyncio.run(run_requests(proxy.url, "tiny", requests, [0.0] * 4, 1))
+    assert [r.error for r in results] == [""] * 4
+    assert all(r.success and r.output_tokens == 3 for r in results)
+
+
+def test_a_redis_link_carries_every_byte_both_ways(redis_server) -> None:
+    """``kvoffload.servebench.link`` (bench serve --compare-routing-redis-link): a value written
+    through one instance's link reads back whole through another's."""
+    port = str(redis_server.port)
+    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.servebench.link", port, "50", "2"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ports = proc.stdout.readline().split()
+        assert len(ports) == 2
+        a, b = (redis.Redis.from_url(redis_server.url.replace(f":{port}/", f":{p}/"))
+                for p in ports)
+        value = os.urandom(300_000)
+        with a, b:
+            a.set("link-test", value)
+            assert b.get("link-test") == value
+            a.delete("link-test")
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

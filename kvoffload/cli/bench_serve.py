@@ -41,6 +41,7 @@ def _config_names(text: str) -> tuple[str, ...]:
 _config_names.bound = "names, comma-separated"  # type: ignore[attr-defined]
 
 COMPARE = Needs("--compare-routing", lambda f, _: f.compare_routing is not None)
+REDIS = Needs("--compare-routing-redis", lambda f, _: bool(f.compare_routing_redis))
 
 #: bench serve's own flags (vLLM's names where vLLM has the flag); the workload's come from
 #: ``workload_flags`` (bench throughput's table), --goodput is added on its own (vLLM's KEY:MS
@@ -77,6 +78,10 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          parse=int_in(1), unit="N", unset="off"),
     Flag("compare_routing_redis", "a shared Redis tier on every instance", kind="switch",
          needs=COMPARE),
+    Flag("compare_routing_redis_link", "each instance reaches the shared Redis over a link of its "
+         "own carrying at most this many MB (10^6 bytes) per second each way (a proxy on "
+         "loopback simulating a network)", parse=real_in(0, positive=True), unit="MB/S",
+         needs=REDIS, unset="direct (loopback)"),
     Flag("num_device_blocks", "each instance's device cache", parse=int_in(1), default=64,
          unit="BLOCKS", needs=COMPARE),
     Flag("compare_routing_host_size", "each instance's host tier", parse=real_in(0), default=0.05,

@@ -62,6 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvoffload.routing.policies import Policy
     from kvoffload.routing.router import BackendSpec, Router
     from kvoffload.serving.prompts import PromptTokenizer
+    from kvoffload.serving.server import KEEP_ALIVE_S
 
     args = resolve_flags(args)
     if not args.backend:
@@ -85,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, access_log=False))
+                                           log_level=args.log_level, access_log=False,
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:
         server.run()  # Ctrl-C: KeyboardInterrupt once it stopped (one line, exit 130)

@@ -15,8 +15,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -32,8 +32,14 @@ from kvoffload.serving.errors import APIError, error_body, install_error_handler
 
 __all__ = ["build_app"]
 
+T = TypeVar("T")
+
+class BackendLost(Exception):
+    """The backend left the rotation (its health checks failed) before its first byte."""
+
+
 _RETRIABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
-              ConnectionError)
+              ConnectionError, BackendLost)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
@@ -93,7 +99,8 @@ def router_stats(router: Router) -> dict[str, Any]:
         "decisions": len(router.decision_us),
         "decision_us_p50": float(np.percentile(times, 50)),
         "decision_us_p99": float(np.percentile(times, 99)),
-        "counters": dict(router.counters),
+        "counters": {**router.counters, "stale_connection_retries":
+                     router.connections.stale_retries if router.connections else 0},
         "index": {"keys": router.index.num_keys(), **router.index.counters},
         "backends": [
             {"url": b.url, "healthy": b.healthy, "requests": b.requests,
@@ -143,25 +150,46 @@ async def _forward(
     router: Router, backend: Backend, path: str, data: bytes, headers: dict[str, str],
     stream: bool, ticket: Ticket,
 ) -> Response:
-    assert router.session is not None
-    resp = await router.session.post(f"{backend.url}{path}", data=data, headers=headers)
+    assert router.connections is not None
+    post = router.connections.post(f"{backend.url}{path}", data=data, headers=headers)
+    resp = await _unless_lost(backend, post)
     try:
         if not stream or resp.status != 200:
             if not stream:  # no first token to see: count the predicted prefill as done
                 asyncio.get_running_loop().call_later(ticket.prefill_s, ticket.first_token)
-            payload = await resp.read()
+            payload = await _unless_lost(backend, resp.read())
             ticket.done()
             return Response(payload, resp.status, _headers(resp),
                             media_type=resp.headers.get("Content-Type"))
-        first = await resp.content.readany()  # a failure here can still be retried
+        # a failure here can still be retried
+        first = await _unless_lost(backend, resp.content.readany())
         if not first:
             raise aiohttp.ClientPayloadError("the backend closed the stream")
     except BaseException:
-        resp.release()
+        resp.close()  # not released to the pool: a lost backend's connection may hang
         raise
     ticket.first_token()
     return StreamingResponse(_relay(router, backend, resp, first, ticket), resp.status,
                              _headers(resp), media_type="text/event-stream")
+
+
+async def _unless_lost(backend: Backend, work: Awaitable[T]) -> T:
+    """``work``'s result, unless ``backend`` leaves the rotation first (a backend that stalls:
+    alive, silent, failing its health checks): then ``work`` is cancelled and
+    :class:`BackendLost` raised, so the request, nothing of it relayed yet, goes elsewhere."""
+    task = asyncio.ensure_future(work)
+    lost = asyncio.ensure_future(backend.lost.wait())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the client left: nothing waits for the backend any more
+        task.cancel()
+        raise
+    finally:
+        lost.cancel()
+    if not task.done():
+        task.cancel()
+        raise BackendLost(f"{backend.url} left the rotation")
+    return task.result()
 
 
 async def _relay(

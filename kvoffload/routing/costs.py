@@ -19,8 +19,14 @@ whichever looked fastest (311 of 600 requests to one of 4 backends, which overfl
 while another got 8). A backend that is truly slower shows it in its queue instead: its
 requests run overdue (:meth:`kvoffload.routing.policies.BackendLoad.queued_s`). Loads are each
 backend's own (tiers differ: its disk, its distance to Redis), a fraction
-(:data:`PRIOR_LOAD_FRACTION`) of computing the block until measured. Every estimate is an
-exponentially weighted mean over intervals (``alpha``) so it follows the backend's current load.
+(:data:`PRIOR_LOAD_FRACTION`) of computing the block until measured. Every estimate follows the
+backend's current load: vLLM's compute cost is an exponentially weighted mean over intervals
+(``alpha``); a load cost is the ratio of exponentially decayed sums, seconds over blocks
+(:class:`PerBlock`), so an interval weighs as many blocks as it moved. A mean of per-interval
+ratios weighs an interval of one slow block as much as one of hundreds; in one benchmark run a
+backend's Redis estimate stood at 158 ms per block (its peers' 0.6-1.7 ms) and another's disk at
+36 ms (0.04-0.08), and such an outlier keeps the router from sending that backend the loads
+that would correct it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts",
+__all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts", "PerBlock",
            "parse_metrics", "share_compute_cost"]
 
 PRIOR_TOKEN_S = 5e-4
@@ -78,6 +84,23 @@ def _ewma(old: float | None, new: float, alpha: float) -> float:
 
 
 @dataclass
+class PerBlock:
+    """Seconds per block over the intervals seen, each interval's seconds and blocks added to
+    sums that decay by ``1 - alpha`` per interval with blocks."""
+
+    alpha: float
+    seconds: float = 0.0
+    blocks: float = 0.0
+
+    def add(self, seconds: float, blocks: float) -> float:
+        """Fold in one interval (``blocks`` > 0); returns the estimate."""
+        keep = 1.0 - self.alpha
+        self.seconds = self.seconds * keep + max(seconds, 0.0)
+        self.blocks = self.blocks * keep + blocks
+        return self.seconds / self.blocks
+
+
+@dataclass
 class BackendCosts:
     """Seconds to compute one prompt token and to load one block from each tier."""
 
@@ -94,6 +117,7 @@ class BackendCosts:
     running: float = 0.0
     waiting: float = 0.0
     _last: dict[str, float] = field(default_factory=dict)
+    _per_block: dict[str, PerBlock] = field(default_factory=dict)
 
     @property
     def compute_block_s(self) -> float:
@@ -137,13 +161,16 @@ class BackendCosts:
             self.token_s = _ewma(self.token_s, delta["vllm_prefill_s"] / computed, self.alpha)
         host_blocks = delta.get("host_load_blocks", 0.0)
         if host_blocks > 0:
-            per_block = delta.get("host_load_s", 0.0) / host_blocks
-            self.host_load_s = _ewma(self.host_load_s, per_block, self.alpha)
+            self.host_load_s = self._fold("host", delta.get("host_load_s", 0.0), host_blocks)
         for tier in SECONDARY_TIERS:
             blocks = delta.get(f"promotion_blocks_{tier}", 0.0)
             if blocks > 0:
-                per_block = delta.get(f"promotion_s_{tier}", 0.0) / blocks
-                self.promotion_s[tier] = _ewma(self.promotion_s[tier], per_block, self.alpha)
+                seconds = delta.get(f"promotion_s_{tier}", 0.0)
+                self.promotion_s[tier] = self._fold(tier, seconds, blocks)
+
+    def _fold(self, tier: str, seconds: float, blocks: float) -> float:
+        per_block = self._per_block.setdefault(tier, PerBlock(self.alpha))
+        return per_block.add(seconds, blocks)
 
 
 def share_compute_cost(costs: Sequence[BackendCosts]) -> None:

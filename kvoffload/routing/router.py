@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from kvoffload.routing.connections import Connections
 from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_cost
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
@@ -70,6 +71,8 @@ class Backend:
     follower: EventFollower | None = None
     failures: int = 0
     requests: int = 0
+    #: set when it leaves the rotation: requests waiting for its first byte go elsewhere
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def url(self) -> str:
@@ -135,14 +138,14 @@ class Router:
         self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost",
                                        "matched_blocks", "best_matched_blocks"), 0)
         self.session: aiohttp.ClientSession | None = None
+        self.connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        self.connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.session = self.connections.pooled
         await asyncio.gather(*(self._check(b) for b in self.backends))
         self._tasks = [
             asyncio.create_task(self._every(self.health_interval_s, self._check)),
@@ -154,8 +157,8 @@ class Router:
             task.cancel()
         for backend in self.backends:
             self._leave(backend)
-        if self.session is not None:
-            await self.session.close()
+        if self.connections is not None:
+            await self.connections.close()
 
     async def _every(self, interval: float, action: Any) -> None:
         while True:
@@ -214,6 +217,7 @@ class Router:
                 apply=lambda evs, iid=iid: self._apply(iid, evs),
                 reset=lambda iid=iid: self._clear(iid),
             ).start()
+        backend.lost = asyncio.Event()
         backend.healthy = True
         logger.warning("backend %s in rotation", backend.url)
 
@@ -238,11 +242,13 @@ class Router:
             self.index.clear(iid)
 
     def mark_dead(self, backend: Backend, why: str) -> None:
-        """Out of rotation, its index entries dropped."""
+        """Out of rotation, its index entries dropped; requests still waiting for its first byte
+        are sent elsewhere (:attr:`Backend.lost`)."""
         if backend.healthy:
             logger.warning("backend %s out of rotation: %s", backend.url, why)
             self.counters["backend_lost"] += 1
         backend.healthy = False
+        backend.lost.set()
         self._leave(backend)
 
     def _leave(self, backend: Backend) -> None:

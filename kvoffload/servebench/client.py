@@ -7,7 +7,10 @@ the last such chunk minus the send time; output tokens (and the prompt length) c
 server's ``usage``. A 200 stream without any such chunk is a failure. Arrivals are a gamma
 process at ``request_rate`` (``burstiness`` 1: Poisson; ``inf``: all at once) or a trace's
 timestamps, with at most ``max_concurrency`` in flight; a request's ``queue_time`` is how long
-it waited for a slot.
+it waited for a slot. A request whose pooled connection the server had closed before answering
+(its keep-alive timeout racing the reuse: it never read the request) is sent once more on a new
+connection, timed from the first send (:class:`~kvoffload.routing.connections.Connections`;
+``vllm bench serve`` counts it as failed).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import aiohttp
 import numpy as np
 
 from kvoffload.benchmark.datasets import BenchRequest
+from kvoffload.routing.connections import Connections
 
 __all__ = ["RequestResult", "arrival_gaps", "replay_gaps", "run_requests"]
 
@@ -64,7 +68,7 @@ def _read_event(out: RequestResult, data: bytes, start: float, last: float) -> f
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, session_id: str | None
+    conns: Connections, url: str, model: str, req: BenchRequest, session_id: str | None
 ) -> RequestResult:
     body = {
         "model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
@@ -74,7 +78,8 @@ async def _one(
     out = RequestResult(prompt_len=len(req.prompt))
     start = last = out.start_time = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        resp = await conns.post(f"{url}/v1/completions", json=body, headers=headers)
+        async with resp:
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return out
@@ -132,12 +137,12 @@ async def run_requests(
     async def limited(i: int, req: BenchRequest) -> RequestResult:
         arrival = time.perf_counter()
         async with gate:
-            out = await _one(session, url, model, req, sessions[i] if sessions else None)
+            out = await _one(conns, url, model, req, sessions[i] if sessions else None)
         out.queue_time = out.start_time - arrival
         return out
 
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    conns = Connections(timeout)
+    try:
         start = time.perf_counter()
         tasks = []
         for i, (req, gap) in enumerate(zip(requests, gaps, strict=True)):
@@ -145,3 +150,5 @@ async def run_requests(
             tasks.append(asyncio.create_task(limited(i, req)))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
+    finally:
+        await conns.close()

@@ -6,7 +6,9 @@ routers measured.
 Every run starts fresh servers (a run never finds the previous run's cache: each instance gets an
 empty disk directory of its own, the shared Redis is flushed) on free loopback ports, and stops
 them at the end. ``--compare-routing-redis`` adds a shared ``redis-server`` (started here) as
-every instance's remote tier.
+every instance's remote tier; with ``--compare-routing-redis-link MB/S`` each instance reaches it
+over a link of its own carrying that many MB per second each way (:mod:`kvoffload.servebench.link`,
+a proxy on loopback simulating a network), and the routers are told the instances share it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -103,21 +106,25 @@ def _instance(stack: contextlib.ExitStack, args: argparse.Namespace, scale: int,
                                          str(port)], port))
 
 
-def _one_config(args: argparse.Namespace, name: str, remote: str | None) -> dict:
+def _one_config(args: argparse.Namespace, name: str, remote: str | None,
+                links: list[str]) -> dict:
+    """One run of ``name``; ``links``: instance i reaches ``remote`` at ``links[i]`` (none:
+    directly)."""
     if remote:  # every run starts from empty caches, the shared tier's included
         client = redis.Redis.from_url(remote)
         try:
             client.flushall()
         finally:
             client.close()
+    urls = links or [remote] * args.compare_routing
     with contextlib.ExitStack() as stack:
         if name == NX_CACHE:
-            return run_once(args, _instance(stack, args, args.compare_routing, remote), quiet=True)
-        backends = [_instance(stack, args, 1, remote) for _ in range(args.compare_routing)]
+            return run_once(args, _instance(stack, args, args.compare_routing, urls[0]), quiet=True)
+        backends = [_instance(stack, args, 1, url) for url in urls]
         port = _port()
         route = ["route", "--model", args.model, "--port", str(port), *ROUTER_CONFIGS[name]]
-        for b in backends:
-            route += ["--backend", b]
+        for b in backends:  # behind links their remote tiers have different URLs: one group
+            route += ["--backend", f"{b},remote_group=shared" if links else b]
         url = stack.enter_context(_process(route, port))
         time.sleep(1.0)  # the router subscribes to every backend's events
         result = run_once(args, url, quiet=True)
@@ -137,13 +144,13 @@ def compare_routing(args: argparse.Namespace) -> dict[str, Any]:
         remote_ctx = standalone_server()
     configs = args.compare_routing_configs or CONFIG_NAMES
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    with remote_ctx as server:
+    with remote_ctx as server, _links(args, server) as links:
         remote = None if server is None else server.url
         for repeat in range(args.repeats):
             order = repeat_order(configs, repeat)
             print(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}", flush=True)
             for name in order:  # every config once per repeat, rotated
-                result = _one_config(args, name, remote)
+                result = _one_config(args, name, remote, links)
                 result["loadavg"] = os.getloadavg()
                 runs[name].append(result)
                 print(f"repeat {repeat + 1}/{args.repeats}: {name}: hit rate "
@@ -154,6 +161,30 @@ def compare_routing(args: argparse.Namespace) -> dict[str, Any]:
     _print(summary, args)
     _print_costs(runs)
     return {"configs": summary, "runs": runs, "loadavg": os.getloadavg()}
+
+
+@contextlib.contextmanager
+def _links(args: argparse.Namespace, server: Any) -> Iterator[list[str]]:
+    """One bandwidth-limited link per instance to ``server`` (Redis URLs), or none."""
+    rate = args.compare_routing_redis_link
+    if server is None or not rate:
+        yield []
+        return
+    port = urllib.parse.urlsplit(server.url).port
+    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.servebench.link", str(port),
+                             f"{rate:g}", str(args.compare_routing)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        ports = proc.stdout.readline().split()
+        if len(ports) != args.compare_routing:
+            raise RuntimeError("the link proxy did not start")
+        yield [server.url.replace(f":{port}/", f":{p}/") for p in ports]
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _print_costs(runs: dict[str, list[dict[str, Any]]]) -> None:

@@ -26,9 +26,15 @@ from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.metrics import ServerMetrics
 from kvoffload.serving.prompts import PromptTokenizer
 
-__all__ = ["max_model_len", "remote_tier_id", "serve"]
+__all__ = ["KEEP_ALIVE_S", "max_model_len", "remote_tier_id", "serve"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an idle kept-alive connection stays open (uvicorn's default: 5). Longer than clients
+#: keep idle connections pooled (aiohttp 15 s, httpx 5 s), so a client's reuse never races the
+#: server closing it; a client pooling longer still is covered by
+#: :class:`kvoffload.routing.connections.Connections` where we are the client.
+KEEP_ALIVE_S = 20
 
 
 def max_model_len(engine: Engine) -> int:
@@ -105,7 +111,8 @@ def serve(
 
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
+        app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(uv_config)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
