@@ -10,10 +10,13 @@ For each batch size ``B`` (blocks per job), interleaved repeats (the order rotat
   started here with the same value size (header + block), the same client count (the tier's
   connections: ``--connections`` per master) and the same pipeline depth (``B`` / clients), for
   the same number of requests (``rounds x B``); its own requests per second. Its keys are the
-  tier's kind: every ``SET`` a new key (``-r`` over 10^12 keys; by default redis-benchmark
+  tier's kind: every ``SET`` a new key (``-r`` over 10^9 keys; by default redis-benchmark
   overwrites one key, whose memory the server reuses, which halves the server's work per
   ``SET``), every ``GET`` one of ``rounds x B`` existing values (written beforehand, untimed;
-  by default it reads one key, always hot in cache, or nothing when that key is missing);
+  by default it reads one key, always hot in cache, or nothing when that key is missing).
+  In Cluster mode redis-benchmark's own timing includes a start-up of about 0.25 s (measured:
+  256 requests 0.284 s, 1,024 requests 0.334 s), so at small batches it understates the
+  Cluster's limit: read the Cluster rows at 256-block batches, or raise ``--rounds``;
 * ``redis-py SET`` / ``GET``: one redis-py pipeline (``RedisCluster`` pipeline on a Cluster) of
   ``B`` values (new keys each round), ``rounds`` times.
 
@@ -21,11 +24,12 @@ Prints GB/s of values as median [min..max], and the tier's share of redis-benchm
 median [min..max] of the per-repeat ratios (a repeat's operations run back to back, so they
 share the machine's load of that moment). Every operation is checked to count the bytes the
 server moved: the servers' ``total_net_input_bytes`` (SET) / ``total_net_output_bytes`` (GET)
-grow by the counted value bytes plus the commands' framing (at most 1% more), and the client
-processes' CPU seconds per GB are printed (``cpu s/GB``; ``redis-benchmark``'s from its child
-rusage), since on a loaded machine the wall figure is decided by who gets the CPUs. Servers are started here (no persistence; the
-Cluster without replicas, as redis-benchmark would see it) and stopped at the end. Report the
-load (``/proc/loadavg``), printed at the start and the end.
+grow by the counted value bytes plus the commands' framing (at most 1% more). The clients' and
+the servers' CPU seconds per GB are printed too (``cpu s/GB``; redis-benchmark's from its child
+rusage, the servers' from ``INFO``): on a loaded machine the wall figure is decided by who gets
+the CPUs. Servers are started here (no persistence; the Cluster without replicas, as
+redis-benchmark would see it) and stopped at the end. Report the load (``/proc/loadavg``),
+printed at the start and the end.
 
 Usage: ``python benchmarks/remote_bandwidth.py [--modes standalone cluster] [--block-kib 256]
 [--batches 64 256] [--connections 4] [--repeats 5] [--rounds 4] [--clients]``. ``--clients``
