@@ -24,7 +24,8 @@ Prints GB/s of values as median [min..max], and the tier's share of redis-benchm
 median [min..max] of the per-repeat ratios (a repeat's operations run back to back, so they
 share the machine's load of that moment). Every operation is checked to count the bytes the
 server moved: the servers' ``total_net_input_bytes`` (SET) / ``total_net_output_bytes`` (GET)
-grow by the counted value bytes plus the framing (at most 256 bytes per request, 1 MiB in all).
+grow by the counted value bytes plus the framing (at most 256 bytes per request, 1 MiB in all,
+and 2% for redis-benchmark's extra requests in Cluster mode).
 The clients' and the servers' CPU seconds per GB are printed too (``cpu s/GB``; redis-benchmark's
 from its child rusage, the servers' from ``INFO``): on a loaded machine the wall figure is
 decided by who gets the CPUs. Servers are started here (no persistence; the Cluster without
@@ -317,13 +318,16 @@ def per_gb(values: list[float], num_bytes: int) -> str:
 FRAMING_BYTES = 256
 #: Bytes an operation may add in all (start-up commands, the tier's INFO refreshes).
 SLACK_BYTES = 1 << 20
+#: Share of extra requests allowed: redis-benchmark in Cluster mode sends up to about 1% more
+#: than ``-n`` (pipelines in flight when it stops; measured 1.008-1.010x), uncounted.
+OVERSHOOT = 0.02
 
 
 def check_bytes(op: str, runs: list[Timed], num_bytes: int, requests: int) -> str:
     """The servers moved what the figure counts: the values, plus framing per request and a
     little slack; returns the median ratio."""
     moved = statistics.median(r.server_bytes for r in runs)
-    bound = num_bytes + FRAMING_BYTES * requests + SLACK_BYTES
+    bound = (1 + OVERSHOOT) * (num_bytes + FRAMING_BYTES * requests) + SLACK_BYTES
     assert num_bytes <= moved <= bound, (
         f"{op}: the servers moved {moved:.0f} B, {num_bytes} counted"
     )
