@@ -9,15 +9,28 @@ For each batch size ``B`` (blocks per job), interleaved repeats (the order rotat
 * ``redis-benchmark SET`` / ``GET``: ``redis-benchmark`` (the limit: the server's own C client)
   started here with the same value size (header + block), the same client count (the tier's
   connections: ``--connections`` per master) and the same pipeline depth (``B`` / clients), for
-  the same number of requests (``rounds x B``); its own requests per second;
+  the same number of requests (``rounds x B``); its own requests per second. Its keys are the
+  tier's kind: every ``SET`` a new key (``-r`` over 10^9 keys; by default redis-benchmark
+  overwrites one key, whose memory the server reuses, which halves the server's work per
+  ``SET``), every ``GET`` one of ``rounds x B`` existing values (written beforehand, untimed;
+  by default it reads one key, always hot in cache, or nothing when that key is missing).
+  In Cluster mode redis-benchmark's own timing includes a start-up of about 0.25 s (measured:
+  256 requests 0.284 s, 1,024 requests 0.334 s), so at small batches it understates the
+  Cluster's limit: read the Cluster rows at 256-block batches, or raise ``--rounds``;
 * ``redis-py SET`` / ``GET``: one redis-py pipeline (``RedisCluster`` pipeline on a Cluster) of
-  ``B`` values, ``rounds`` times.
+  ``B`` values (new keys each round), ``rounds`` times.
 
 Prints GB/s of values as median [min..max], and the tier's share of redis-benchmark as the
 median [min..max] of the per-repeat ratios (a repeat's operations run back to back, so they
-share the machine's load of that moment). Servers are started here (no persistence; the
-Cluster without replicas, as redis-benchmark would see it) and stopped at the end. Report the
-load (``/proc/loadavg``), printed at the start and the end.
+share the machine's load of that moment). Every operation is checked to count the bytes the
+server moved: the servers' ``total_net_input_bytes`` (SET) / ``total_net_output_bytes`` (GET)
+grow by the counted value bytes plus the framing (at most 256 bytes per request, 1 MiB in all,
+and 2% for redis-benchmark's extra requests in Cluster mode).
+The clients' and the servers' CPU seconds per GB are printed too (``cpu s/GB``; redis-benchmark's
+from its child rusage, the servers' from ``INFO``): on a loaded machine the wall figure is
+decided by who gets the CPUs. Servers are started here (no persistence; the Cluster without
+replicas, as redis-benchmark would see it) and stopped at the end. Report the load
+(``/proc/loadavg``), printed at the start and the end.
 
 Usage: ``python benchmarks/remote_bandwidth.py [--modes standalone cluster] [--block-kib 256]
 [--batches 64 256] [--connections 4] [--repeats 5] [--rounds 4] [--clients]``. ``--clients``
@@ -34,6 +47,7 @@ import csv
 import io
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -86,19 +100,73 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def redis_benchmark(setup: Setup, test: str, value: int, clients: int, pipe: int, n: int) -> float:
-    """Seconds ``redis-benchmark`` takes for ``n`` requests (from its requests per second)."""
+#: ``redis-benchmark -r``: SETs draw their keys from this many (its ``atoi`` takes an int), so
+#: every SET of a run writes a new key, as the tier's stores do.
+FRESH_KEYSPACE = 1_000_000_000
+#: The width of the number redis-benchmark puts in place of ``__rand_int__``.
+RAND_INT_DIGITS = 12
+
+
+def redis_benchmark(
+    setup: Setup, test: str, value: int, clients: int, pipe: int, n: int, keyspace: int
+) -> float:
+    """Seconds ``redis-benchmark`` takes for ``n`` requests (from its requests per second), its
+    keys drawn from ``keyspace`` (``-r``)."""
     exe = shutil.which("redis-benchmark")
     assert exe is not None, "redis-benchmark is not installed (Debian's redis-tools)"
     command = [
         exe, "-h", "127.0.0.1", "-p", str(setup.ports[0]), "-t", test, "-d", str(value),
-        "-c", str(clients), "-P", str(pipe), "-n", str(n), "--csv",
+        "-c", str(clients), "-P", str(pipe), "-n", str(n), "-r", str(keyspace), "--csv",
     ]  # fmt: skip
     if setup.mode == "cluster":
         command.append("--cluster")
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
     rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0].upper() == test.upper()]
     return n / float(rows[-1][1])
+
+
+def benchmark_key_prefixes(setup: Setup) -> list[tuple[redis.Redis, bytes]]:
+    """Where redis-benchmark's keys live: ``key:`` on the one server; in a Cluster each client
+    keeps to one master, with keys ``key:{TAG}:`` (a tag of that master's slots), found here by
+    a tiny untimed ``SET`` run whose keys are then deleted."""
+    if setup.mode == "standalone":
+        return [(next(clients_of(setup)), b"key:")]
+    redis_benchmark(setup, "set", 1, 4 * len(setup.ports), 1, 16 * len(setup.ports), 1)
+    prefixes = []
+    for client in clients_of(setup):
+        for key in client.keys("key:*"):
+            prefixes.append((client, key[:-RAND_INT_DIGITS]))
+            client.delete(key)
+    return prefixes
+
+
+def server_counters(setup: Setup) -> tuple[int, int, float]:
+    """The servers' bytes received and sent, and their CPU seconds, summed over the masters."""
+    received = sent = 0
+    cpu_s = 0.0
+    for client in clients_of(setup):
+        info = client.info()
+        received += info["total_net_input_bytes"]
+        sent += info["total_net_output_bytes"]
+        cpu_s += info["used_cpu_sys"] + info["used_cpu_user"]
+        client.close()
+    return received, sent, cpu_s
+
+
+def cpu_seconds(children: bool) -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class Timed:
+    """One timed operation: wall seconds, the client's and the servers' CPU seconds, and the
+    bytes the servers received (a SET) or sent (a GET) meanwhile."""
+
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float
+    server_bytes: int
 
 
 def plain_client(setup: Setup) -> Any:
@@ -125,7 +193,6 @@ class BatchBench:
         self.pipe = max(1, math.ceil(batch / self.clients))
         self.plain = plain_client(setup)
         self.payload = os.urandom(self.value)
-        self.plain_keys = [b"plain:%d" % i for i in range(batch)]
         self.job_id = 0
 
     def close(self) -> None:
@@ -146,9 +213,10 @@ class BatchBench:
         (result,) = self.tier.get_finished_jobs()
         assert result.success, result.failed_keys
 
-    def plain_pipeline(self, store: bool) -> None:
+    def plain_pipeline(self, store: bool, rep: int, r: int) -> None:
+        """One redis-py pipeline of the batch: new keys each round, as the tier's."""
         pipe = self.plain.pipeline(transaction=False)
-        for k in self.plain_keys:
+        for k in (b"plain:%d:%d:%d" % (rep, r, i) for i in range(self.batch)):
             if store:
                 pipe.set(k, self.payload)
             else:
@@ -156,12 +224,40 @@ class BatchBench:
         replies = pipe.execute()
         assert store or len(replies[-1]) == self.value
 
-    def run(self, op: str, rep: int) -> float:
+    def populate_benchmark_keys(self) -> int:
+        """Write the values redis-benchmark's GETs read (untimed): per master, as many as its
+        clients read in all. Returns that keyspace (``-r``)."""
+        prefixes = benchmark_key_prefixes(self.setup)
+        keyspace = math.ceil(self.rounds * self.batch / len(prefixes))
+        for client, prefix in prefixes:
+            pipe = client.pipeline(transaction=False)
+            for i in range(keyspace):
+                pipe.set(b"%s%0*d" % (prefix, RAND_INT_DIGITS, i), self.payload)
+            pipe.execute()
+        return keyspace
+
+    def run(self, op: str, rep: int) -> Timed:
+        """``rounds`` batches of ``op``, timed, with what the servers did meanwhile."""
+        keyspace = FRESH_KEYSPACE
+        if op == "redis-benchmark GET":
+            keyspace = self.populate_benchmark_keys()
+        children = op.startswith("redis-benchmark")
+        received, sent, server_cpu = server_counters(self.setup)
+        cpu = cpu_seconds(children)
+        seconds = self.run_op(op, rep, keyspace)
+        client_cpu = cpu_seconds(children) - cpu
+        received2, sent2, server_cpu2 = server_counters(self.setup)
+        moved = received2 - received if op.endswith(("SET", "store")) else sent2 - sent
+        return Timed(seconds, client_cpu, server_cpu2 - server_cpu, moved)
+
+    def run_op(self, op: str, rep: int, keyspace: int) -> float:
         """Seconds for ``rounds`` batches of ``op``."""
         if op.startswith("redis-benchmark"):
             test = op.split()[-1].lower()
             n = self.rounds * self.batch
-            return redis_benchmark(self.setup, test, self.value, self.clients, self.pipe, n)
+            return redis_benchmark(
+                self.setup, test, self.value, self.clients, self.pipe, n, keyspace
+            )
         start = time.perf_counter()
         for r in range(self.rounds):
             if op == "tier store":
@@ -169,7 +265,7 @@ class BatchBench:
             elif op == "tier load":
                 self.tier_job(False, self.keys(rep, r))
             else:
-                self.plain_pipeline(op.endswith("SET"))
+                self.plain_pipeline(op.endswith("SET"), rep, r)
         elapsed = time.perf_counter() - start
         if op == "tier load":
             assert torch.equal(self.pool[self.batch :], self.pool[: self.batch])
@@ -177,9 +273,9 @@ class BatchBench:
         return elapsed
 
 
-def bench(setup: Setup, block: int, batch: int, args: argparse.Namespace) -> dict[str, list[float]]:
+def bench(setup: Setup, block: int, batch: int, args: argparse.Namespace) -> dict[str, list[Timed]]:
     b = BatchBench(setup, block, batch, args.connections, args.rounds)
-    times: dict[str, list[float]] = {op: [] for op in OPS}
+    times: dict[str, list[Timed]] = {op: [] for op in OPS}
     order = list(OPS)
     try:
         for rep in range(args.repeats):
@@ -214,18 +310,51 @@ def share(tier: list[float], limit: list[float]) -> str:
     return f"{100 * statistics.median(ratios):4.0f}% [{100 * min(ratios):.0f}-{100 * max(ratios):.0f}%]"
 
 
-def report(setup: Setup, batch: int, b_value: int, rounds: int, t: dict[str, list[float]]) -> None:
+def per_gb(values: list[float], num_bytes: int) -> str:
+    return f"{statistics.median(values) / num_bytes * 1e9:.2f}"
+
+
+#: Bytes a request may add to its value: the command or reply framing and the key.
+FRAMING_BYTES = 256
+#: Bytes an operation may add in all (start-up commands, the tier's INFO refreshes).
+SLACK_BYTES = 1 << 20
+#: Share of extra requests allowed: redis-benchmark in Cluster mode sends up to about 1% more
+#: than ``-n`` (pipelines in flight when it stops; measured 1.008-1.010x), uncounted.
+OVERSHOOT = 0.02
+
+
+def check_bytes(op: str, runs: list[Timed], num_bytes: int, requests: int) -> str:
+    """The servers moved what the figure counts: the values, plus framing per request and a
+    little slack; returns the median ratio."""
+    moved = statistics.median(r.server_bytes for r in runs)
+    bound = (1 + OVERSHOOT) * (num_bytes + FRAMING_BYTES * requests) + SLACK_BYTES
+    assert num_bytes <= moved <= bound, (
+        f"{op}: the servers moved {moved:.0f} B, {num_bytes} counted"
+    )
+    return f"{moved / num_bytes:.3f}"
+
+
+def report(setup: Setup, batch: int, b_value: int, rounds: int, t: dict[str, list[Timed]]) -> None:
     n = rounds * batch * b_value
-    for kind, tier_op, limit_op, py_op in (
-        ("store", "tier store", "redis-benchmark SET", "redis-py SET"),
-        ("load ", "tier load", "redis-benchmark GET", "redis-py GET"),
+    for kind, ops in (
+        ("store", ("tier store", "redis-benchmark SET", "redis-py SET")),
+        ("load ", ("tier load", "redis-benchmark GET", "redis-py GET")),
     ):
+        secs = {op: [r.seconds for r in t[op]] for op in ops}
+        tier_op, limit_op, py_op = ops
         print(
-            f"{setup.mode:10s} batch {batch:4d} {kind}  tier {gbps(t[tier_op], n)} | "
-            f"redis-benchmark {gbps(t[limit_op], n)} | redis-py {gbps(t[py_op], n)} GB/s | "
-            f"tier/redis-benchmark {share(t[tier_op], t[limit_op])}",
+            f"{setup.mode:10s} batch {batch:4d} {kind}  tier {gbps(secs[tier_op], n)} | "
+            f"redis-benchmark {gbps(secs[limit_op], n)} | redis-py {gbps(secs[py_op], n)} GB/s | "
+            f"tier/redis-benchmark {share(secs[tier_op], secs[limit_op])}",
             flush=True,
         )
+        for op in ops:
+            print(
+                f"    {op:20s} cpu s/GB: client {per_gb([r.client_cpu_s for r in t[op]], n)}, "
+                f"server {per_gb([r.server_cpu_s for r in t[op]], n)}; "
+                f"server bytes / counted {check_bytes(op, t[op], n, rounds * batch)}",
+                flush=True,
+            )
 
 
 def client_getters(port: int, keys: list[bytes], block: int) -> dict[str, Callable[[], object]]:

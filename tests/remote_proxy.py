@@ -1,7 +1,9 @@
 """A TCP proxy of ours on loopback, in front of a real server, that shapes what the client
 receives: the server's bytes trickle to the client in small segments with pauses between (so a
 reply arrives in many TCP segments and every ``recv`` returns a piece), and the connection can be
-dropped after a chosen number of bytes (mid-value). What the client sends passes unchanged.
+dropped after a chosen number of bytes (mid-value), and the server's replies can be held until
+the test releases them (a server that answers late, without timing). What the client sends
+passes unchanged.
 
 Bounded: every socket has a timeout, the threads are daemons, :meth:`TrickleProxy.close` stops
 them all.
@@ -34,6 +36,8 @@ class TrickleProxy:
         self.segment = segment
         self.pause_s = pause_s
         self._cut_left: int | None = None
+        self._released = threading.Event()
+        self._released.set()
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.1)
@@ -52,8 +56,18 @@ class TrickleProxy:
         with self._lock:
             self._cut_left = num_bytes
 
+    def hold(self) -> None:
+        """Hold every reply from now on (the server's bytes wait in the proxy) until
+        :meth:`release`."""
+        self._released.clear()
+
+    def release(self) -> None:
+        """Forward the held replies and every later one."""
+        self._released.set()
+
     def close(self) -> None:
         self._closed.set()
+        self._released.set()
         self._listener.close()
         with self._lock:
             for sock in self._sockets:
@@ -84,6 +98,7 @@ class TrickleProxy:
                 if not to_client:
                     sink.sendall(data)
                     continue
+                self._released.wait(_TIMEOUT_S)
                 view = memoryview(data)
                 while view:
                     piece = self._next_piece(len(view))

@@ -2,7 +2,7 @@
 server: stores, loads, lookups, values damaged or deleted behind the tier's back, completions.
 
 Checked: every job is reported exactly once; a key answers ``HIT`` only after a store of it was
-reported (or the server was asked); a load's successful keys hold exactly their block's bytes,
+reported (or the server was asked); a key asked before ``wait_for_answers`` is answered after it; a load's successful keys hold exactly their block's bytes,
 its failed keys have a known cause and, unless the payload's checksum failed (the header is
 checked before the payload is received, the checksum after), leave their slot untouched (so a
 damaged or deleted value never loads).
@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from redis_servers import RedisServer
-from remote_cases import make_layout, make_tier
+from remote_cases import WAIT_S, make_layout, make_tier
 
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.keys import make_offload_key
@@ -45,7 +45,7 @@ def run_machine(server: RedisServer) -> None:
             self.buffer = bytearray(SLOTS * BLOCK)
             self.pool = memoryview(self.buffer).cast("B", (SLOTS, BLOCK))
             self.layout = make_layout(block_bytes=BLOCK)
-            self.tier = make_tier(server.url, self.pool, self.layout)
+            self.tier = make_tier(server.url, self.pool, self.layout, answer_wait_s=WAIT_S)
             self.prefix = remote_key_prefix(self.layout)
             self.ctx = ReqContext("machine")
             self.next_job = 0
@@ -124,6 +124,16 @@ def run_machine(server: RedisServer) -> None:
                             assert got == SLOT_MARK  # a failed load leaves its slot alone
                     else:  # damaged values never load: only a block's own bytes do
                         assert got == content(key)
+
+        @rule()
+        def wait_for_answers(self) -> None:
+            """Every key unanswered before :meth:`RedisTier.wait_for_answers` (its bound far
+            beyond the server's answer here) is answered after it: no ``RETRY``."""
+            before = {key: self.tier.lookup(key, self.ctx) for key in UNIVERSE}
+            self.tier.wait_for_answers()
+            for key, answer in before.items():
+                if answer is LookupResult.RETRY:
+                    assert self.tier.lookup(key, self.ctx) is not LookupResult.RETRY
 
         @invariant()
         def hits_were_stored(self) -> None:

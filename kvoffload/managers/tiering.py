@@ -114,6 +114,8 @@ class TieringOffloadingManager(OffloadingManager):
         #: the cascade strategy (``cascade.name`` is the mode)
         self.cascade: Cascade = strategy(self._cascade_queue, host, evict_headroom)
         self._retry_answers = 0
+        #: this step's keys a tier answered RETRY (its server asked): ctx -> [(tier, key)]
+        self._asked: dict[ReqContext, list[tuple[int, OffloadKey]]] = {}
 
     def _state(self, ctx: ReqContext) -> RequestTiers:
         """The request's :class:`RequestTiers` (read first: this runs per lookup)."""
@@ -159,9 +161,32 @@ class TieringOffloadingManager(OffloadingManager):
                 self._retry_answers += 1
                 return _RETRY
             if answer is _RETRY:
+                self._asked.setdefault(ctx, []).append((i, key))
                 self._retry_answers += 1
                 return _RETRY
         return _MISS
+
+    def _promote_answered(self) -> None:
+        """Promote this step's tier hits that were ``RETRY`` during the lookups (the tier had
+        to ask its server): each such tier waits, within its own bound, for the answers; then
+        every request's leading run of answered hits is queued for promotion (room
+        permitting), so it starts this step rather than at the request's next lookup."""
+        asked, self._asked = self._asked, {}
+        for i in {i for pairs in asked.values() for i, _ in pairs}:
+            self.tiers[i].wait_for_answers()
+        held, promotions = self.host.policy.get, self._promotions
+        for ctx, pairs in asked.items():
+            state = ctx.get_state(RequestTiers)
+            if state is None:  # ended since
+                continue
+            for i, key in pairs:
+                if key in self._in_flight or held(key) is not None:
+                    continue
+                if key in state.failed or self.tiers[i].lookup(key, ctx) is not _HIT:
+                    break
+                if promotions.room(state, self._step) <= 0:
+                    break
+                promotions.queue(i, ctx, key)
 
     def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
         """Whether the host holds ``key`` (stores go to the host). Asks no secondary tier, so it
@@ -194,7 +219,7 @@ class TieringOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self._promotions.num_queued:
+        if self._promotions.num_queued or self._asked:
             # This step's promotions take host room before its device stores do: a device store
             # refused only goes unoffloaded, a promotion refused is recomputed.
             self._submit_promotions()
@@ -232,6 +257,8 @@ class TieringOffloadingManager(OffloadingManager):
         # Jobs that finished during the step unpin their host slots first, so the promotions
         # find the room the cascades held.
         self._jobs.apply_finished()
+        if self._asked:
+            self._promote_answered()
         self._promotions.submit(self._step)
 
     def num_background_jobs(self) -> int:
@@ -271,6 +298,7 @@ class TieringOffloadingManager(OffloadingManager):
             tier.get_finished_jobs()
             tier.reset()
         self._jobs.clear()
+        self._asked.clear()
         self._promotions.reset()
         self._cascade_queue.reset()
         self.cascade.reset()

@@ -163,6 +163,12 @@ class SecondaryTier(ABC):
         """Block until every submitted job finished; their results are still reported by
         :meth:`get_finished_jobs`. Never aborts a copy halfway."""
 
+    def wait_for_answers(self) -> None:  # noqa: B027
+        """Wait, at most for the tier's own bound, for the answers to the lookups it answered
+        ``RETRY`` so far (a server being asked), so that they can be asked again within the same
+        engine step. Never waits on a dead or slow server beyond that bound. Default: no-op
+        (tiers whose lookups answer at once)."""
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027
         """Mark ``keys`` (prefix order) as just used. Unknown keys are ignored. Default: no-op."""
 

@@ -123,9 +123,12 @@ class RedisTier(SecondaryTier):
         self._work_cv = threading.Condition(self._lock)
         self._lookup_cv = threading.Condition(self._lock)
         self._idle_cv = threading.Condition(self._lock)
+        self._answered_cv = threading.Condition(self._lock)
         self._loads: deque[_Job] = deque()
         self._stores: deque[_Job] = deque()
         self._lookup_queue: list[OffloadKey] = []
+        #: keys queued or being asked, whose answers are not in the inbox yet
+        self._unanswered = 0
         self._inbox: list[tuple[str, Any]] = []
         self._in_flight = 0
         self._stop = False
@@ -185,9 +188,33 @@ class RedisTier(SecondaryTier):
         self._answers.ask(key, now)
         with self._lock:
             self._lookup_queue.append(key)
+            self._unanswered += 1
             if len(self._lookup_queue) == 1:
                 self._lookup_cv.notify()
         return LookupResult.RETRY
+
+    def wait_for_answers(self) -> None:
+        """Wait up to ``answer_wait_s`` for the answers to every key asked so far, then apply
+        them (a later :meth:`lookup` of those keys answers from them). Returns at once when
+        nothing is being asked (a server marked down is not asked)."""
+        wait_s = self.config.answer_wait_s
+        if wait_s <= 0 or not self._unanswered:
+            return
+        start = time.perf_counter()
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while self._unanswered and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._answered_cv.wait(left)
+            answered = not self._unanswered
+        counters = self._counters
+        counters["answer_waits"] += 1
+        counters["answer_wait_us"] += int((time.perf_counter() - start) * 1e6)
+        if not answered:
+            counters["answer_wait_timeouts"] += 1
+        self._apply_inbox()
 
     def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
         """Whether the tier knows it holds ``key`` (a hit not expired) or is writing it; never
@@ -267,6 +294,9 @@ class RedisTier(SecondaryTier):
             "lookups_sent": 0,
             "lookup_round_trips": 0,
             "lookup_round_trip_us": 0,
+            "answer_waits": 0,
+            "answer_wait_us": 0,
+            "answer_wait_timeouts": 0,
             "store_us": 0,
             "load_us": 0,
             "connection_errors": 0,
@@ -390,6 +420,8 @@ class RedisTier(SecondaryTier):
                     answers = [None] * len(batch)
                 with self._lock:
                     self._inbox.append(("lookup", (batch, answers, asked_at)))
+                    self._unanswered -= len(batch)
+                    self._answered_cv.notify_all()
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + self.config.stats_interval_s
                 self._refresh_figures()

@@ -27,6 +27,10 @@ class RemoteTierConfig:
     ttl_s: float | None = None
     #: A key the lookup thread has not answered after this long is a MISS for now.
     lookup_wait_s: float = 0.25
+    #: Once per engine step (:meth:`RedisTier.wait_for_answers`), the scheduler thread waits up
+    #: to this long for the answers to the step's questions, so that a hit is promoted in the
+    #: step that found it instead of the next one; 0: never wait.
+    answer_wait_s: float = 0.01
     #: A remote MISS is believed this long before the server is asked again.
     miss_ttl_s: float = 2.0
     #: Bytes of values per pipelined window on one connection.
@@ -64,6 +68,11 @@ class RemoteTierConfig:
         for name, value in positive.items():
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
+        wait = self.answer_wait_s
+        if not (isinstance(wait, int | float) and math.isfinite(wait) and wait >= 0):
+            raise ConfigError(
+                "kv_remote_answer_wait_s", f"must be a number of seconds >= 0, got {wait!r}"
+            )
         for name, value in (
             ("kv_remote_pipeline_bytes", self.pipeline_bytes),
             ("kv_remote_connections", self.connections),
