@@ -166,7 +166,22 @@ class Endpoint:
 def stale_keepalive(backend: HasURL) -> Iterator[Endpoint]:
     """``backend`` behind ``stale_keepalive_proxy.py`` (a process of its own): every request on
     a reused connection finds it closed by the server, as a keep-alive timeout would."""
-    script = Path(__file__).with_name("stale_keepalive_proxy.py")
+    with _front("stale_keepalive_proxy.py", backend) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def unavailable(backend: HasURL) -> Iterator[Endpoint]:
+    """``backend`` behind ``unavailable_front.py`` (a process of its own): it answers health
+    checks and model lists as ``backend`` does, and every request with 503."""
+    with _front("unavailable_front.py", backend) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def _front(name: str, backend: HasURL) -> Iterator[Endpoint]:
+    """The script ``name`` in front of ``backend``: it prints its port on its first line."""
+    script = Path(__file__).with_name(name)
     port = backend.url.rsplit(":", 1)[1]
     proc = subprocess.Popen([sys.executable, str(script), port], stdout=subprocess.PIPE, text=True)
     try:

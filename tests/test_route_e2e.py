@@ -14,7 +14,15 @@ from typing import Any
 
 import openai
 import pytest
-from serve_cases import Process, http_json, post_raw, route, serve, stale_keepalive
+from serve_cases import (
+    Process,
+    http_json,
+    post_raw,
+    route,
+    serve,
+    stale_keepalive,
+    unavailable,
+)
 
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.serving.prompts import PromptTokenizer
@@ -156,3 +164,25 @@ def test_a_stalled_backend_leaves_and_its_waiting_requests_go_elsewhere() -> Non
         stats = http_json(f"{router.url}/router/stats")
         assert stats["counters"]["backend_lost"] >= 1 and stats["counters"]["retries"] >= 1
         assert stats["counters"]["no_backend"] == 0
+
+
+def test_a_backend_answering_503_has_its_requests_served_elsewhere(
+    backends: list[Process],
+) -> None:
+    """A backend that answers 503 (shutting down, its engine failed; here a front that answers
+    every request so, while its health checks pass) sends nothing of the answer: round robin's
+    requests that meet it are served by the other backend, and it leaves the rotation. Before,
+    the 503 went back to the client."""
+    a, b = backends
+    with (
+        unavailable(a) as broken,
+        route([broken, b], "--policy", "round_robin", "--health-interval", "3600") as router,
+        _client(router.url) as client,
+    ):
+        texts = [client.completions.create(model="tiny", prompt=SHARED, max_tokens=4,
+                                           temperature=0).choices[0].text for _ in range(4)]
+        assert len(set(texts)) == 1 and texts[0]
+        stats = http_json(f"{router.url}/router/stats")
+        assert stats["counters"]["retries"] >= 1
+        gone = next(s for s in stats["backends"] if s["url"] == broken.url)
+        assert not gone["healthy"]

@@ -4,9 +4,9 @@
 streamed answers relayed chunk by chunk); ``/v1/models`` comes from a healthy backend;
 ``/health`` is 200 while one backend is in rotation; ``/metrics`` has the router's own series
 (decisions per backend, decision time quantiles, retries, backends in rotation, index size,
-each backend's measured costs). A request whose backend cannot be reached, or fails before any
-byte of its answer was relayed, is retried on the next-best backend, which is then out of
-rotation; a request with no backend left gets 503.
+each backend's measured costs). A request whose backend cannot be reached, fails before any
+byte of its answer was relayed, or answers 503 (shutting down, engine failed), is retried on the
+next-best backend, which is then out of rotation; a request with no backend left gets 503.
 """
 
 from __future__ import annotations
@@ -38,8 +38,13 @@ class BackendLost(Exception):
     """The backend left the rotation (its health checks failed) before its first byte."""
 
 
+class BackendUnavailable(Exception):
+    """The backend answered 503 (shutting down, its engine failed): nothing of the request was
+    served, so another backend may serve it."""
+
+
 _RETRIABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
-              ConnectionError, BackendLost)
+              ConnectionError, BackendLost, BackendUnavailable)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
@@ -158,6 +163,8 @@ async def _forward(
             if not stream:  # no first token to see: count the predicted prefill as done
                 asyncio.get_running_loop().call_later(ticket.prefill_s, ticket.first_token)
             payload = await _unless_lost(backend, resp.read())
+            if resp.status == 503:
+                raise BackendUnavailable(payload[:200].decode(errors="replace"))
             ticket.done()
             return Response(payload, resp.status, _headers(resp),
                             media_type=resp.headers.get("Content-Type"))

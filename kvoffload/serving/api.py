@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
-from kvoffload.serving.loop import Delta, EngineLoop, RequestStream
+from kvoffload.serving.loop import Delta, EngineLoop, RequestStream, Unavailable
 from kvoffload.serving.output import TextAssembler, TextPiece, chat_logprobs, completion_logprobs
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 from kvoffload.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -232,6 +232,8 @@ async def _generate(
         first = await _until_disconnect(raw, stream.__anext__())
         if first is None:
             return Response(status_code=499)
+        if isinstance(first.error, Unavailable):
+            raise APIError(first.error.message, status=503)
         if first.error is not None:
             raise APIError(first.error.message, _param_of(first.error, fmt.prompt_param))
         if body.stream:
@@ -288,7 +290,8 @@ async def _sse(
         delta: Delta = first
         while True:
             if delta.error is not None:
-                yield _event(error_body(delta.error.message, 500))
+                status = 503 if isinstance(delta.error, Unavailable) else 500
+                yield _event(error_body(delta.error.message, status))
                 break
             piece = assembler.feed(delta)
             # One chunk per step that produced tokens, as vLLM sends them, even while their text

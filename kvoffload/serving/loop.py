@@ -33,15 +33,25 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.25
 
 
+class Unavailable(Exception):
+    """The server cannot take or finish the request (shutting down, or its engine failed): not
+    the request's fault, so another server may serve it (HTTP 503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 @dataclass(slots=True)
 class Delta:
     """What one step added to a request: new token ids (and their log-probabilities when asked
-    for); ``finished`` is its output when it ended in that step; ``error`` when it was refused."""
+    for); ``finished`` is its output when it ended in that step; ``error`` when it was refused
+    (:class:`ConfigError`: the request's fault) or could not be served (:class:`Unavailable`)."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float]]
     finished: RequestOutput | None = None
-    error: ConfigError | None = None
+    error: ConfigError | Unavailable | None = None
 
 
 class RequestStream:
@@ -125,6 +135,10 @@ class EngineLoop:
         self._stopping: str | None = None  # None, "drain" or "abort"
         self._step_due = False  # an abort's output waits in the engine for the next step
         self.failed: BaseException | None = None
+        # Set once by the engine thread as it ends, under the lock: an add either sees it and is
+        # answered at once, or its command was queued before and is answered by that thread.
+        self._closing = threading.Lock()
+        self._closed = False
 
     @property
     def alive(self) -> bool:
@@ -147,7 +161,11 @@ class EngineLoop:
         kv_transfer_params: dict[str, Any] | None,
     ) -> RequestStream:
         stream = RequestStream(request_id)
-        self._commands.put(("add", (stream, token_ids, sampling, kv_transfer_params)))
+        with self._closing:
+            if self._closed:
+                stream.put(Delta([], [], error=self._unavailable()))
+            else:
+                self._commands.put(("add", (stream, token_ids, sampling, kv_transfer_params)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -179,10 +197,28 @@ class EngineLoop:
             logger.exception("engine loop failed")
             self._fail_all(exc)
         finally:
+            self._close_commands()
             try:
                 engine.close()
             except Exception:
                 logger.exception("engine close failed")
+
+    def _unavailable(self) -> Unavailable:
+        if self.failed is not None:
+            return Unavailable(f"the engine failed: {self.failed!r}")
+        return Unavailable("the server is shutting down")
+
+    def _close_commands(self) -> None:
+        """No command is taken from here on: requests still queued are answered unavailable."""
+        with self._closing:
+            self._closed = True
+        refused = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                kind, arg = self._commands.get_nowait()
+                if kind == "add":
+                    refused.append((arg[0], Delta([], [], error=self._unavailable())))
+        self._post(refused)
 
     def _busy(self) -> bool:
         engine = self.engine
@@ -206,7 +242,7 @@ class EngineLoop:
         if kind == "add":
             stream, token_ids, sampling, params = arg
             if self._stopping:
-                self._post([(stream, Delta([], [], error=ConfigError("server", "shutting down")))])
+                self._post([(stream, Delta([], [], error=Unavailable("the server is shutting down")))])
                 return
             try:
                 self.engine.add_request(token_ids, sampling, stream.request_id, params)
@@ -263,7 +299,7 @@ class EngineLoop:
             loop.call_soon_threadsafe(deliver)
 
     def _fail_all(self, exc: BaseException) -> None:
-        error = ConfigError("engine", f"the engine failed: {exc!r}")
+        error = Unavailable(f"the engine failed: {exc!r}")
         items = [(stream, Delta([], [], error=error)) for stream, _ in self._streams.values()]
         self._streams.clear()
         self._post(items)
