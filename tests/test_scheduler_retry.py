@@ -8,13 +8,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 from fake_engine import FakeRequest, single_group
 from tier_cases import host_pool, layout, wait_jobs
 
 from kvoffload import BlockHasher, CPUOffloadingManager
+from kvoffload.errors import ConfigError
 from kvoffload.keys import make_offload_key
 from kvoffload.managers.tiering import TieringOffloadingManager
-from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOutput
+from kvoffload.scheduler import (
+    OffloadingConnectorScheduler,
+    SchedulerOffloadConfig,
+    SchedulerOutput,
+)
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk import DiskTier, DiskTierSettings
 
@@ -35,7 +41,7 @@ def setup(tmp_path: Path, retry_seconds: float = 60.0, min_retries: int = 4):
     assert all(r.success for r in wait_jobs(disk))
     manager = TieringOffloadingManager(CPUOffloadingManager(16), [disk])
     config = dataclasses.replace(
-        single_group(BLOCK), max_lookup_retry_seconds=retry_seconds, min_lookup_retries=min_retries
+        single_group(BLOCK), max_lookup_retry_s=retry_seconds, min_lookup_retries=min_retries
     )
     return OffloadingConnectorScheduler(config, manager), manager, disk
 
@@ -99,3 +105,16 @@ def test_a_failed_promotion_means_recompute(tmp_path: Path) -> None:
         manager.check_invariants()
     finally:
         manager.close()
+
+
+def test_the_retry_budget_s_old_spelling_warns_and_still_sets_it() -> None:
+    base = single_group(BLOCK)
+    with pytest.warns(DeprecationWarning, match="'max_lookup_retry_s'"):
+        config = SchedulerOffloadConfig(
+            base.groups, base.hash_block_size, max_lookup_retry_seconds=7.5
+        )
+    assert config.max_lookup_retry_s == 7.5
+    with pytest.raises(ConfigError, match="given twice"):
+        SchedulerOffloadConfig(
+            base.groups, base.hash_block_size, max_lookup_retry_seconds=1, max_lookup_retry_s=2
+        )

@@ -84,7 +84,7 @@ def build_offload_stack(
         config.block_size,
         config.block_size_factor,
         store_policy=config.store_policy,
-        max_lookup_retry_seconds=config.kv_lookup_retry_s,
+        max_lookup_retry_s=config.kv_lookup_retry_s,
     )
     describer = OffloadEventDescriber(config.events.int_block_hashes) if enable_events else None
     connector = OffloadingConnectorScheduler(sched_config, manager, describer)

@@ -20,7 +20,7 @@ Design choices where vLLM has known problems:
   concurrent readers); blocks still being written (``HIT_PENDING``) end the hit, and the rest is
   recomputed. With a tiering manager a lookup may answer ``RETRY`` (a block is being promoted
   from a secondary tier into the host): ``get_num_new_matched_tokens`` then answers ``None`` and
-  the engine asks again next step, until ``max_lookup_retry_seconds`` and
+  the engine asks again next step, until ``max_lookup_retry_s`` and
   ``min_lookup_retries`` asks have both passed for the request; then it takes the prefix it has
   (``retry_timeouts``).
 * **Failures degrade** (vLLM #52838). A failed load is reported in ``ConnectorUpdate.failed_loads``
@@ -149,7 +149,7 @@ class OffloadingConnectorScheduler:
         Whole offloaded blocks only; never the last prompt token (the engine needs its logits).
         ``None`` when not known yet (a block answered ``RETRY``: being promoted from a secondary
         tier): the engine defers the request and asks again next step; once its retry budget is
-        spent (``max_lookup_retry_seconds`` and ``min_lookup_retries``, both) the answer is the
+        spent (``max_lookup_retry_s`` and ``min_lookup_retries``, both) the answer is the
         prefix that is ready. Touches the request's blocks in the tier once answered.
         """
         state = self._requests.get(request.request_id)

@@ -21,7 +21,7 @@ _RETRY = LookupResult.RETRY
 
 def may_wait(state: RequestKVState, config: SchedulerOffloadConfig) -> bool:
     """Whether a ``RETRY`` may still defer the request: its retry budget is spent once both
-    ``max_lookup_retry_seconds`` and ``min_lookup_retries`` asks have passed since its first
+    ``max_lookup_retry_s`` and ``min_lookup_retries`` asks have passed since its first
     deferred ask (seconds alone would give up after one step on a slow engine, asks alone at
     once on an idle one)."""
     now = time.monotonic()
@@ -31,7 +31,7 @@ def may_wait(state: RequestKVState, config: SchedulerOffloadConfig) -> bool:
     state.retry_count += 1
     return (
         state.retry_count <= config.min_lookup_retries
-        or now - state.retry_since <= config.max_lookup_retry_seconds
+        or now - state.retry_since <= config.max_lookup_retry_s
     )
 
 

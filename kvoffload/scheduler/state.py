@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvoffload.base import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+from kvoffload.validation import accepts_renamed
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -61,6 +62,7 @@ class GroupOffloadConfig:
         return self.engine_block_size * self.block_size_factor
 
 
+@accepts_renamed({"max_lookup_retry_seconds": "max_lookup_retry_s"})
 @dataclass(frozen=True, slots=True)
 class SchedulerOffloadConfig:
     """Static offloading configuration of one engine.
@@ -79,13 +81,13 @@ class SchedulerOffloadConfig:
     #: How long one request may be deferred by RETRY lookups before it takes the prefix it has:
     #: until both this many seconds and :attr:`min_lookup_retries` asks have passed (seconds
     #: alone would give up after one step on a slow engine; asks alone, at once on an idle one).
-    max_lookup_retry_seconds: float = 2.0
+    max_lookup_retry_s: float = 2.0
     min_lookup_retries: int = 4
 
     def __post_init__(self) -> None:
-        if not self.max_lookup_retry_seconds >= 0:
+        if not self.max_lookup_retry_s >= 0:
             raise ConfigError(
-                "max_lookup_retry_seconds", f"must be >= 0, got {self.max_lookup_retry_seconds!r}"
+                "max_lookup_retry_s", f"must be >= 0, got {self.max_lookup_retry_s!r}"
             )
         if self.min_lookup_retries < 0:
             raise ConfigError(
@@ -123,7 +125,7 @@ class SchedulerOffloadConfig:
         block_size_factor: int = 1,
         num_workers: int = 1,
         store_policy: str = "on_compute",
-        max_lookup_retry_seconds: float = 2.0,
+        max_lookup_retry_s: float = 2.0,
     ) -> SchedulerOffloadConfig:
         """One full-attention group, hashed at the engine block size (the reference engine's case)."""
         return cls(
@@ -131,7 +133,7 @@ class SchedulerOffloadConfig:
             engine_block_size,
             num_workers,
             store_policy,
-            max_lookup_retry_seconds,
+            max_lookup_retry_s,
         )
 
 
