@@ -7,10 +7,11 @@ until it answers ``None`` or the scheduler stops; each candidate is admitted
 next step, in its place), or left where it is (the scheduler stopped at it: no room);
 :meth:`~WaitingQueue.end_pass` puts the deferred ones back.
 
-:class:`FCFSQueue` (``scheduling_policy="fcfs"``, the default): arrival order, preempted requests
-first (vLLM's order).
+:class:`FCFSQueue` (``scheduling_policy="fcfs"``): arrival order, preempted requests first
+(vLLM's order, and its default).
 
-:class:`CacheAwareQueue` (``"cache_aware"``): SGLang's longest-prefix-match order, kept by events
+:class:`CacheAwareQueue` (``"cache_aware"``, the default): SGLang's longest-prefix-match order
+(SGLang's default), kept by events
 rather than rescans. A request's *score* is the leading run of its prompt blocks that are
 *resident*: in the device prefix cache, being computed or loaded by an admitted request, or held
 by the host tier (the offloading connector's pure probe). Requests are tried preempted first,
