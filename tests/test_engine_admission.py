@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.engine import Engine, SamplingParams
+from kvoffload.engine.config import EngineConfig
 
 MAX_STEPS = 3000
 ROUNDS = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=3)
@@ -171,15 +172,17 @@ def _hot_and_cold(num_hot: int) -> tuple[list[int], list[list[int]], list[int]]:
     return prefix, hot, random_tokens(rng, 6 * BLOCK_SIZE + 3)
 
 
-def _admit_cold_among_hot(policy: str, max_bypass: int, num_hot: int = 6) -> tuple[list[str], str]:
+def _admit_cold_among_hot(
+    policy: str | None, max_bypass: int | None, num_hot: int = 6
+) -> tuple[list[str], str]:
     """The engine holds the hot prefix (a first request computed it); a cold request arrives,
     then ``num_hot`` hot ones; one request runs at a time. Returns the admission order of the
-    waiting ones and the cold request's id."""
+    waiting ones and the cold request's id. ``None``: the engine's default."""
     prefix, hot, cold = _hot_and_cold(num_hot)
+    order = {"scheduling_policy": policy, "scheduling_max_bypass": max_bypass}
     with tiny_engine(
-        num_device_blocks=24, max_num_seqs=1, scheduling_policy=policy,
-        scheduling_max_bypass=max_bypass,
-    ) as engine:  # fmt: skip
+        num_device_blocks=24, max_num_seqs=1, **{k: v for k, v in order.items() if v is not None}
+    ) as engine:
         engine.generate([[*prefix, 1, 2, 3]], greedy(max_tokens=2))
         log = AdmissionLog(engine)
         log.after_step()
@@ -261,18 +264,9 @@ def test_a_later_turn_waits_for_the_blocks_its_earlier_turn_computes() -> None:
 def test_cache_aware_is_the_default_order() -> None:
     """An engine built without ``scheduling_policy`` orders by held prefix: the hot requests go
     before the older cold one (as many as the bound allows: all 6 here)."""
-    prefix, hot, cold = _hot_and_cold(6)
-    with tiny_engine(num_device_blocks=24, max_num_seqs=1) as engine:
-        assert engine.config.scheduling_policy == "cache_aware"
-        engine.generate([[*prefix, 1, 2, 3]], greedy(max_tokens=2))
-        log = AdmissionLog(engine)
-        log.after_step()
-        seen = set(log.order)
-        cold_id = engine.add_request(cold, greedy(max_tokens=2))
-        for prompt in hot:
-            engine.add_request(prompt, greedy(max_tokens=2))
-        log.run()
-    assert [r for r in log.order if r not in seen][-1] == cold_id
+    assert EngineConfig(model="tiny").scheduling_policy == "cache_aware"
+    order, cold = _admit_cold_among_hot(None, None)
+    assert order[-1] == cold
 
 
 def _no_reuse_schedule(policy: str) -> list[tuple[tuple[str, int], ...]]:
