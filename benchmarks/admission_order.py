@@ -15,7 +15,8 @@ with their load, the CPU time much less (it still counts contention's cache miss
     python benchmarks/admission_order.py --list
 
 Workloads are presets (``--list``); ``--num-prompts``, ``--num-device-blocks`` and ``--seed``
-override theirs. ``--configs`` picks configurations (``redis`` starts a local ``redis-server``,
+override theirs; ``--arrival-interval S`` sends request ``i`` at ``i * S`` seconds instead of all at
+once (the order can then group only the requests waiting together). ``--configs`` picks configurations (``redis`` starts a local ``redis-server``,
 flushed before every run). The machine's load average is printed before and after.
 """
 
@@ -152,6 +153,9 @@ def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         server_cm = standalone_server()
         server = server_cm.__enter__()
+    arrivals = None
+    if args.arrival_interval:
+        arrivals = [i * args.arrival_interval for i in range(len(requests))]
     runs = [(c, p) for c in args.configs for p in args.policies]
     out: list[dict[str, Any]] = []
     try:
@@ -167,7 +171,7 @@ def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                 clock = _CPUClockMaker()
                 try:
                     result = run_throughput(
-                        requests, f"{config}/{policy}", kw, clock, repeat=repeat
+                        requests, f"{config}/{policy}", kw, clock, repeat=repeat, arrivals=arrivals
                     )
                 finally:
                     if "kv_disk_path" in kw:
@@ -183,13 +187,19 @@ def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "steps": result.stats.get("steps", 0),
                     "tokens_computed": figures.get("tokens_computed", 0),
                     "preemptions": figures["preemptions"],
+                    "p99_ttft_ms": figures["p99_ttft_ms"],
+                    "tier_tokens": {
+                        k[len("tokens_") :]: v
+                        for k, v in figures.items()
+                        if k.startswith("tokens_") and k != "tokens_computed" and v
+                    },
                 }
                 out.append(row)
                 print(
                     f"  r{repeat} {config:>9}/{policy:<11} {row['requests_per_s']:7.3f} req/s "
                     f"{row['requests_per_cpu_s']:6.3f} req/cpu-s "
                     f"{row['steps']:5.0f} steps {row['tokens_computed']:7.0f} computed "
-                    f"(load {load:.1f})",
+                    f"{row['tier_tokens']} p99 TTFT {row['p99_ttft_ms']:.0f} ms (load {load:.1f})",
                     flush=True,
                 )
     finally:
@@ -287,6 +297,12 @@ def main() -> int:
     p.add_argument("--num-device-blocks", type=int, default=None)
     p.add_argument("--host-gib", type=float, default=HOST_GIB)
     p.add_argument("--trace", default="mix", help="trace file, or a suite name (workload trace)")
+    p.add_argument(
+        "--arrival-interval",
+        type=float,
+        default=0.0,
+        help="seconds between request arrivals (default 0: all at once)",
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     if args.list or args.workload is None:
@@ -301,7 +317,8 @@ def main() -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0))))
     print(f"load average before: {os.getloadavg()}", flush=True)
     rows = _run_all(args)
     print(f"load average after: {os.getloadavg()}")

@@ -53,7 +53,10 @@ def _dataset_args(name: str, tmp_path: Path) -> tuple[list[str], int]:
         return ["--dataset-name", "prefix_repetition", "--num-prompts", "9",
                 "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "4",
                 "--prefix-repetition-num-prefixes", "3", "--output-len", "3",
-                "--num-device-blocks", "24"], 9  # fmt: skip
+                "--num-device-blocks", "24",
+                # arrival order: the prefixes cycle through the host tier (cache-aware order
+                # runs each prefix's requests together, from the device cache)
+                "--scheduling-policy", "fcfs"], 9  # fmt: skip
     if name == "multi_turn":
         return ["--dataset-name", "multi_turn", "--num-prompts", "6", "--multi-turn-num-sessions", "2",
                 "--multi-turn-system-len", "16", "--multi-turn-turn-len", "8", "--output-len", "3",

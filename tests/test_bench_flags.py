@@ -95,13 +95,16 @@ def test_engine_flags_on_a_parser_of_their_own() -> None:
         == "kv_remote_ttl_s: --kv-remote-ttl-s has no effect without --kv-remote-url"
     )
     with pytest.raises(ConfigError) as info:  # a bound of an admission order not chosen
-        engine_config_from_args(parser.parse_args(["--scheduling-max-bypass", "3"]))
+        argv = ["--scheduling-policy", "fcfs", "--scheduling-max-bypass", "3"]
+        engine_config_from_args(parser.parse_args(argv))
     assert str(info.value) == (
         "scheduling_max_bypass: --scheduling-max-bypass has no effect without "
         "--scheduling-policy cache_aware"
     )
-    argv = ["--scheduling-policy", "cache_aware", "--scheduling-max-bypass", "3"]
-    assert engine_config_from_args(parser.parse_args(argv)).scheduling_max_bypass == 3
+    for argv in (["--scheduling-max-bypass", "3"], ["--scheduling-policy", "cache_aware",
+                                                     "--scheduling-max-bypass", "3"]):  # fmt: skip
+        assert engine_config_from_args(parser.parse_args(argv)).scheduling_max_bypass == 3
+    assert engine_config_from_args(parser.parse_args([])).scheduling_policy == "cache_aware"
     with pytest.raises(ConfigError) as info:  # EngineConfig's own checks come through too
         engine_config_from_args(parser.parse_args(["--model", "/nonexistent", "--device", "tpu"]))
     assert info.value.field == "device"

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.engine import Engine, SamplingParams
+from kvoffload.engine.config import EngineConfig
 
 MAX_STEPS = 3000
 ROUNDS = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=3)
@@ -171,15 +172,17 @@ def _hot_and_cold(num_hot: int) -> tuple[list[int], list[list[int]], list[int]]:
     return prefix, hot, random_tokens(rng, 6 * BLOCK_SIZE + 3)
 
 
-def _admit_cold_among_hot(policy: str, max_bypass: int, num_hot: int = 6) -> tuple[list[str], str]:
+def _admit_cold_among_hot(
+    policy: str | None, max_bypass: int | None, num_hot: int = 6
+) -> tuple[list[str], str]:
     """The engine holds the hot prefix (a first request computed it); a cold request arrives,
     then ``num_hot`` hot ones; one request runs at a time. Returns the admission order of the
-    waiting ones and the cold request's id."""
+    waiting ones and the cold request's id. ``None``: the engine's default."""
     prefix, hot, cold = _hot_and_cold(num_hot)
+    order = {"scheduling_policy": policy, "scheduling_max_bypass": max_bypass}
     with tiny_engine(
-        num_device_blocks=24, max_num_seqs=1, scheduling_policy=policy,
-        scheduling_max_bypass=max_bypass,
-    ) as engine:  # fmt: skip
+        num_device_blocks=24, max_num_seqs=1, **{k: v for k, v in order.items() if v is not None}
+    ) as engine:
         engine.generate([[*prefix, 1, 2, 3]], greedy(max_tokens=2))
         log = AdmissionLog(engine)
         log.after_step()
@@ -256,3 +259,45 @@ def test_a_later_turn_waits_for_the_blocks_its_earlier_turn_computes() -> None:
             engine.generate(prompts, params)
             computed[policy] = engine.stats()["forward_tokens"]
     assert computed["cache_aware"] < computed["fcfs"]
+
+
+def test_cache_aware_is_the_default_order() -> None:
+    """An engine built without ``scheduling_policy`` orders by held prefix: the hot requests go
+    before the older cold one (as many as the bound allows: all 6 here)."""
+    assert EngineConfig(model="tiny").scheduling_policy == "cache_aware"
+    order, cold = _admit_cold_among_hot(None, None)
+    assert order[-1] == cold
+
+
+def _no_reuse_schedule(policy: str) -> list[tuple[tuple[str, int], ...]]:
+    """Each step's scheduled (request, tokens) on prompts sharing nothing, with a host tier whose
+    transfers report 1 or 2 steps late (deterministic); preemptions included."""
+    rng = random.Random(11)
+    prompts = [random_tokens(rng, 20 + 7 * (i % 5)) for i in range(12)]
+    with tiny_engine(
+        num_device_blocks=20,
+        max_num_seqs=4,
+        kv_offloading_size=host_gib(32),
+        scheduling_policy=policy,
+    ) as engine:
+        delay_completions(engine, lambda job_id: 1 + job_id % 2)
+        scheduler, steps = engine.scheduler, []
+        schedule = scheduler.schedule
+
+        def logged() -> object:
+            plan = schedule()
+            steps.append(tuple((r.request_id, n) for r, n in plan.scheduled))
+            return plan
+
+        scheduler.schedule = logged  # type: ignore[method-assign]
+        engine.generate(prompts, greedy(max_tokens=5))
+        assert engine.stats()["preemptions"] > 0
+        engine.drain()
+        assert_quiescent(engine)
+    return steps
+
+
+def test_no_reuse_runs_the_fcfs_schedule_step_for_step() -> None:
+    """With nothing resident cache-aware order is FCFS: the same requests and token counts in
+    every step (preemptions and late stores included), so it costs no steps and no tokens."""
+    assert _no_reuse_schedule("cache_aware") == _no_reuse_schedule("fcfs")

@@ -7,22 +7,22 @@ until it answers ``None`` or the scheduler stops; each candidate is admitted
 next step, in its place), or left where it is (the scheduler stopped at it: no room);
 :meth:`~WaitingQueue.end_pass` puts the deferred ones back.
 
-:class:`FCFSQueue` (``scheduling_policy="fcfs"``, the default): arrival order, preempted requests
-first (vLLM's order).
+:class:`FCFSQueue` (``scheduling_policy="fcfs"``): arrival order, preempted requests first
+(vLLM's order, and its default).
 
-:class:`CacheAwareQueue` (``"cache_aware"``): SGLang's longest-prefix-match order, kept by events
-rather than rescans. A request's *score* is the leading run of its prompt blocks that are
-*resident*: in the device prefix cache, being computed or loaded by an admitted request, or held
-by the host tier (the offloading connector's pure probe). Requests are tried preempted first,
-then by score (highest first, ties in arrival order), then the rest in arrival order. So requests
-that share a prefix run together and share its device blocks. Scores only rise by events: each
-waiting request is filed under its *frontier* (the hash of its first non-resident block), and a
-block entering the device cache or an admission's in-flight set advances the requests filed under
-it (``O(blocks that changed)`` per step, no rescan of the queue). A score that fell (blocks
-evicted) is corrected when the request comes up: its run is re-walked then, once per pass.
-A request whose first non-cached block an admitted request is computing right now is passed over
-for this step (in-batch prefix sharing: once cached, it is a hit; admitted now, the request would
-compute it a second time).
+:class:`CacheAwareQueue` (``"cache_aware"``, the default): SGLang's longest-prefix-match order
+(``lpm``, long SGLang's default), kept by events rather than rescans. A request's *score* is the
+leading run of its prompt blocks that are *resident*: in the device prefix cache, being computed or
+loaded by an admitted request, or held by the host tier (the offloading connector's pure probe).
+Requests are tried preempted first, then by score (highest first, ties in arrival order), then the
+rest in arrival order. So requests that share a prefix run together and share its device blocks.
+Scores only rise by events: each waiting request is filed under its *frontier* (the hash of its
+first non-resident block), and a block entering the device cache or an admission's in-flight set
+advances the requests filed under it (``O(blocks that changed)`` per step, no rescan of the queue).
+A score that fell (blocks evicted) is corrected when the request comes up: its run is re-walked
+then, once per pass. A request whose first non-cached block an admitted request is computing right
+now is passed over for this step (in-batch prefix sharing: once cached, it is a hit; admitted now,
+the request would compute it a second time).
 
 Bounded unfairness: no waiting request sees more than ``max_bypass`` requests that arrived after
 it admitted before it. The oldest waiting request has been passed over at least as often as any

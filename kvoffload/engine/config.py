@@ -53,9 +53,9 @@ class EngineConfig:
 
     Device cache: ``num_device_blocks`` engine blocks of ``block_size`` tokens, or, when it is
     ``None``, as many as ``kv_cache_memory`` GiB hold. ``scheduling_policy`` orders the waiting
-    requests (``fcfs``, or ``cache_aware``: longest resident prefix first, with at most
-    ``scheduling_max_bypass`` later arrivals admitted before any request;
-    :mod:`kvoffload.engine.admission`). Offloading is on when
+    requests (``cache_aware``, the default: longest resident prefix first, with at most
+    ``scheduling_max_bypass`` later arrivals admitted before any request; or ``fcfs``, vLLM's
+    arrival order; :mod:`kvoffload.engine.admission`). Offloading is on when
     ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
     ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
     that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
@@ -81,7 +81,7 @@ class EngineConfig:
     kv_cache_memory: float = 1.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "cache_aware"
     scheduling_max_bypass: int = 32
     enable_prefix_caching: bool = True
     kv_offloading_size: float = 0.0

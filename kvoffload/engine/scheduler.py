@@ -2,7 +2,7 @@
 
 Each step: running requests first (decodes and unfinished prefill chunks, in admission order),
 then waiting requests, in the order of the waiting queue's policy (:mod:`~kvoffload.engine.admission`:
-first come, first served, or cache-aware), while the token budget, the sequence limit and free
+cache-aware, the default, or first come, first served), while the token budget, the sequence limit and free
 blocks allow. ``running`` stays in admission order (the order requests left ``waiting``): a
 request whose load lands goes back to its admission place, not to the end. When a running request
 needs a block and none is free, a request not yet scheduled this step is preempted (its blocks
@@ -70,7 +70,7 @@ class EngineScheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         connector: OffloadingConnectorScheduler | None = None,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: str = "cache_aware",
         max_bypass: int = 32,
     ) -> None:
         self.pool = pool
