@@ -91,7 +91,7 @@ bench-vllm: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_PY) benchmarks/vllm_bench.py $(BENCH_VLLM_ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 $(BENCH_ARGS)
+	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 --scheduling-policy fcfs $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff
