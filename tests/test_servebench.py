@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,23 +72,29 @@ def test_definitions_are_vllms() -> None:
         parse_goodput(["itl:5"])
 
 
+def _bench_serve(url: str, output: Path, *flags: str) -> None:
+    """``kvoffload bench serve`` (a process of its own) of a prefix_repetition workload of the
+    tiny model against ``url``, its JSON result written to ``output``; it must succeed."""
+    run = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--base-url", url,
+         "--model", "tiny", "--dataset-name", "prefix_repetition", *flags,
+         "--output-json", str(output)],
+        capture_output=True, text=True, timeout=150, check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_a_run_against_a_real_server(tmp_path) -> None:
     output = tmp_path / "result.json"
     with serve("--kv-offloading-size", "0.01") as server:
         sources = _sources(server.url)
         queries = metric(server.url, "kvoffload_prefix_cache_queries_total")
-        run = subprocess.run(
-            [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--base-url",
-             server.url, "--model", "tiny", "--dataset-name", "prefix_repetition",
-             "--num-prompts", "8", "--prefix-repetition-prefix-len", "64",
-             "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "2",
-             "--prefix-repetition-output-len", "6", "--request-rate", "40", "--max-concurrency",
-             "3", "--goodput", "ttft:60000", "--metric-percentiles", "50,99", "--save-detailed",
-             "--percentile-metrics", ",".join(PERCENTILE_METRICS),
-             "--output-json", str(output)],
-            capture_output=True, text=True, timeout=150, check=False,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr
+        _bench_serve(server.url, output, "--num-prompts", "8", "--prefix-repetition-prefix-len",
+                     "64", "--prefix-repetition-suffix-len", "8",
+                     "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len",
+                     "6", "--request-rate", "40", "--max-concurrency", "3", "--goodput",
+                     "ttft:60000", "--metric-percentiles", "50,99", "--save-detailed",
+                     "--percentile-metrics", ",".join(PERCENTILE_METRICS))
         tokens_by_source = {k: v - sources.get(k, 0.0) for k, v in _sources(server.url).items()}
         queried = metric(server.url, "kvoffload_prefix_cache_queries_total") - queries
     r = json.loads(output.read_text())
@@ -184,16 +191,10 @@ def _sources(url: str) -> dict[str, float]:
 def test_a_warmup_pass_is_sent_first_and_left_out_of_the_figures(tmp_path) -> None:
     output = tmp_path / "result.json"
     with serve("--kv-offloading-size", "0.01") as server:
-        run = subprocess.run(
-            [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--base-url",
-             server.url, "--model", "tiny", "--dataset-name", "prefix_repetition",
-             "--num-prompts", "6", "--prefix-repetition-prefix-len", "64",
-             "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "3",
-             "--prefix-repetition-output-len", "2", "--max-concurrency", "2", "--warmup-pass",
-             "--output-json", str(output)],
-            capture_output=True, text=True, timeout=150, check=False,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr
+        _bench_serve(server.url, output, "--num-prompts", "6", "--prefix-repetition-prefix-len",
+                     "64", "--prefix-repetition-suffix-len", "8",
+                     "--prefix-repetition-num-prefixes", "3", "--prefix-repetition-output-len",
+                     "2", "--max-concurrency", "2", "--warmup-pass")
         queried = metric(server.url, "kvoffload_prefix_cache_queries_total")
     r = json.loads(output.read_text())
     assert (r["completed"], r["num_prompts"]) == (6, 6)

@@ -137,15 +137,19 @@ class Router:
         # blocks: on the backends holding most of them (what a policy trades for load)
         self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost",
                                        "matched_blocks", "best_matched_blocks"), 0)
-        self.session: aiohttp.ClientSession | None = None
         self.connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The pooled HTTP session (health checks, metrics, model lists); ``None`` before
+        :meth:`start`."""
+        return None if self.connections is None else self.connections.pooled
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5))
-        self.session = self.connections.pooled
         await asyncio.gather(*(self._check(b) for b in self.backends))
         self._tasks = [
             asyncio.create_task(self._every(self.health_interval_s, self._check)),
