@@ -289,6 +289,7 @@ class RedisTransport:
                 self.mark_down(exc)
                 raise
             try:
+                conn.begin()
                 conn.send([b"".join(sections)])
                 replies = [conn.read_reply() for _ in sections]
             except OSError as exc:
@@ -385,8 +386,11 @@ class RedisTransport:
         the error that stopped it (the connection is then unusable), else ``None``."""
         window = max(1, self.pipeline_bytes // op.value_bytes)
         try:
+            conn.begin()  # one deadline per window: its replies and the next window's send
             conn.send(op.commands(indices[:window]))
             for start in range(0, len(indices), window):
+                if start:
+                    conn.begin()
                 chunk = indices[start : start + window]
                 following = indices[start + window : start + 2 * window]
                 if following:

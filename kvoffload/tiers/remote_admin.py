@@ -52,6 +52,7 @@ def _drop_on(conn: RedisConnection, pattern: bytes) -> int:
         for _ in range(_MAX_SCANS):
             cursor, keys = conn.call("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
             if keys:
+                conn.begin()
                 conn.send([b"".join(encode_command("UNLINK", key) for key in keys)])
                 replies = [conn.read_reply() for _ in keys]
                 removed += sum(r for r in replies if not isinstance(r, RespError))
