@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from kvoffload.errors import KVOffloadError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.blockformat import (
     HEADER_ALIGN,
@@ -65,7 +66,7 @@ FaultHook = Callable[[str, OffloadKey], None]
 MAX_KEY_BYTES = HEADER_ALIGN - header_size(0, 1)
 
 
-class TemporaryRemovedError(FileNotFoundError):
+class TemporaryRemovedError(KVOffloadError, FileNotFoundError):
     """A write's temporary file vanished before it was published: a scan found it older than
     the stale age and removed it, returning its reservation to the ledger (the writer must not)."""
 

@@ -391,6 +391,9 @@ class RespErrorRaised(KVOffloadError):
         super().__init__(error.text)
         self.error = error
 
+    def __reduce__(self) -> tuple[type[RespErrorRaised], tuple[RespError]]:
+        return type(self), (self.error,)
+
 
 def _advance(buffers: list[bytes | memoryview], sent: int) -> list[bytes | memoryview]:
     """``buffers`` less their first ``sent`` bytes."""
