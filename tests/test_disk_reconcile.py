@@ -29,8 +29,14 @@ def stuck_writer(root: Path, blocks: int, first_key: int, writes: int) -> subpro
     store (see ``disk_tier_proc.py``); returned once it is there."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     proc = subprocess.Popen(
-        [sys.executable, str(TESTS / "disk_tier_proc.py"), str(root), str(blocks),
-         str(first_key), str(writes)],
+        [
+            sys.executable,
+            str(TESTS / "disk_tier_proc.py"),
+            str(root),
+            str(blocks),
+            str(first_key),
+            str(writes),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

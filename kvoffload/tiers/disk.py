@@ -222,9 +222,8 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         if self._old_namespaces.in_use:
             self._old_namespaces.reclaim()
         self._ticks_unreconciled += 1
-        if self._ticks_unreconciled >= RECONCILE_EVERY_TICKS or self._runner.missing_files:
-            self.reconcile_ledger()
-        elif self._ledger.census().dead_slots:  # a process died: one locked read per tick
+        due = self._ticks_unreconciled >= RECONCILE_EVERY_TICKS or self._runner.missing_files
+        if due or self._ledger.census().dead_slots:  # a dead process: one locked read a tick
             self.reconcile_ledger()
 
     def reconcile_ledger(self) -> bool:

@@ -310,7 +310,7 @@ class RedisTransport:
             return [DOWN] * n
         results: list[Any] = [_UNSET] * n
         parts = self._parts(keys, op, results)
-        failures: list[BaseException] = []
+        failures: list[BaseException | None] = []
         if parts:
             futures = [self._workers.submit(self._run_part, *p, op, results) for p in parts[1:]]
             failures.append(self._run_part(*parts[0], op, results))
@@ -358,6 +358,7 @@ class RedisTransport:
         """Pipeline ``indices`` on one connection to ``address``; on a failure the part's
         unanswered keys get the error (returned). A pooled connection the server closed while
         it sat idle (it fails before any reply) is replaced once: every command is idempotent."""
+        error: BaseException | None = None
         for attempt in range(2):
             try:
                 conn, pooled = self._acquire(address)

@@ -36,9 +36,7 @@ def drop_namespace(url: str, timeout_s: float = 5.0) -> int:
     transport = RedisTransport(parsed, timeout_s, connections=1)
     try:
         transport.start()
-        return sum(
-            _drop_on(transport.connect(address), pattern) for address in transport.nodes()
-        )
+        return sum(_drop_on(transport.connect(address), pattern) for address in transport.nodes())
     finally:
         transport.close()
 
