@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvoffload.errors import ContractError
+
 __all__ = ["MAX_OWNERS", "Census", "SpaceLedger"]
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Census:
 class SpaceLedger:
     """The bytes of block files in one namespace, shared by every process using it.
 
-    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
+    The count opens the ledger file; every change happens under an exclusive ``flock`` of that
     file, so processes never both take the last free bytes. A writer reserves a file's bytes
     before writing it and returns them if the write fails; an evictor returns a file's bytes only
     when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
@@ -305,7 +307,7 @@ class SpaceLedger:
         unlink ``garbage`` and free the dead slots, if no step changed the ledger since the
         census (else False: try again later). Only for a quiescent census."""
         if not census.quiescent:
-            raise ValueError("settle_census needs a quiescent census (nothing in flight)")
+            raise ContractError("settle_census needs a quiescent census (nothing in flight)")
         with self._locked():
             count, generation = self._head()
             if generation != census.generation:
