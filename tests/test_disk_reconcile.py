@@ -15,7 +15,7 @@ from tier_cases import disk_tier, host_pool, key, wait_jobs
 
 from kvoffload.base import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.disk import RECONCILE_EVERY_TICKS, DiskTier
 from kvoffload.tiers.diskfiles import SUFFIX
 from kvoffload.tiers.diskscan import count_files
 from kvoffload.tiers.diskspares import SPARE_DIR
@@ -141,5 +141,37 @@ def test_a_reconciliation_is_dropped_when_a_ledger_step_came_between(tmp_path: P
         tier._ledger.release(0)  # another step
         assert not tier._ledger.settle_census(census, 0, [])
         tier.check_ledger()
+    finally:
+        tier.close()
+
+
+def test_the_last_process_to_close_leaves_no_drift(tmp_path: Path) -> None:
+    """Before the fix, with no process left the ledger still counted a killed writer's
+    reservations (and its spares stayed): the survivor's close now reconciles when a dead
+    writer's slot is there, even if no tick came."""
+    survivor = disk_tier(tmp_path, host_pool(4), blocks=64)
+    namespace, file_bytes = survivor.namespace, survivor.file_bytes
+    kill(stuck_writer(tmp_path, 64, 1000, writes=3))
+    assert drift(survivor) == 14 * file_bytes
+    survivor.close()
+    count = int.from_bytes((namespace / "ledger").read_bytes()[:8], "little")
+    assert count == count_files(namespace) * file_bytes == 10 * file_bytes
+    assert os.listdir(namespace / SPARE_DIR) == []
+
+
+def test_files_removed_by_hand_and_never_loaded_leave_the_ledger_within_30_ticks(
+    tmp_path: Path,
+) -> None:
+    """Nothing asks for a reconciliation (no load, no dead process): the periodic one does."""
+    tier = disk_tier(tmp_path, host_pool(4), blocks=8)
+    try:
+        tier.submit_store(TierJob(1, [key(i) for i in range(4)], list(range(4))))
+        assert all(r.success for r in wait_jobs(tier))
+        os.unlink(tier._files.path_of(key(3)))
+        for _ in range(RECONCILE_EVERY_TICKS - 1):
+            tier._upkeep()
+        assert drift(tier) == tier.file_bytes
+        tier._upkeep()
+        assert drift(tier) == 0
     finally:
         tier.close()
