@@ -4,7 +4,7 @@
 at ``DIR`` (the layout of ``tier_cases``), stores 8 blocks and waits for them (its spare files
 are made meanwhile), then submits a store of 16 more whose ``WRITES``-th block write (and every
 later one) blocks for good, prints ``stuck`` and waits to be killed: its reservations are taken,
-``WRITES - 1`` blocks published, the rest never written.
+exactly ``WRITES - 1`` blocks published (one I/O thread), the rest never written.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def main() -> None:
         if started >= writes:
             never.wait()
 
-    tier = disk_tier(Path(path), host_pool(24), blocks=blocks, fault_hook=hook)
+    # One I/O thread: when the WRITES-th write starts, the earlier ones are published.
+    tier = disk_tier(Path(path), host_pool(24), blocks=blocks, fault_hook=hook, num_threads=1)
     tier.submit_store(TierJob(1, [key(first + i) for i in range(8)], list(range(8))))
     if not all(r.success for r in wait_jobs(tier)):
         sys.exit("the first store failed")

@@ -273,9 +273,12 @@ class SpaceLedger:
     def release(self, nbytes: int, settled: int = 0) -> int:
         """Return ``nbytes`` (a failed write, a duplicate, a dropped file); ``settled``: bytes
         of :meth:`reserve_blocks` whose writes are over (published or returned), no longer in
-        flight. Returns the count."""
+        flight. Returns the count (as last seen, when no step was needed: nothing returned and
+        writes still in flight)."""
         with self._thread_lock:
             self._inflight -= settled  # true whatever the step does: the writes are over
+            if not nbytes and self._inflight:  # the slot may overstate what is in flight for
+                return self.last_seen  # now (conservative): it is written when it reaches 0
         with self._locked():
             base, used = self._begin()
             used -= nbytes
