@@ -1,7 +1,7 @@
 """The remote tier's timeout bounds an operation, not each ``recv`` (issue 29): a server whose
 reply trickles in a byte at a time, each byte well within ``timeout_s`` of the last, still
 gives up at ``timeout_s``. A real ``redis-server``, a proxy of ours on loopback; the proxy
-pauses 20 ms per byte, so the reply needs at least 300 x 20 ms = 6 s, twelve times the 0.5 s
+pauses 20 ms per byte, so the reply needs at least 300 x 20 ms = 6 s, six times the 1 s
 timeout: the outcome does not depend on the machine's speed."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from remote_proxy import TrickleProxy
 
 from kvoffload.tiers.redis_connection import RedisConnection
 
-_TIMEOUT_S = 0.5
+_TIMEOUT_S = 1.0
 
 
 def trickle(proxy: TrickleProxy) -> None:
