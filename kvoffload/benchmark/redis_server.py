@@ -26,6 +26,8 @@ from typing import Any
 
 import redis
 
+from kvoffload.errors import KVOffloadError
+
 __all__ = [
     "INSTALL_HINT",
     "RedisClusterServers",
@@ -49,7 +51,7 @@ INSTALL_HINT = (
 START_TIMEOUT_S = 20.0
 
 
-class RedisUnavailableError(RuntimeError):
+class RedisUnavailableError(KVOffloadError, RuntimeError):
     """``redis-server`` or ``redis-cli`` is not installed."""
 
 

@@ -16,15 +16,16 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
 from kvoffload.engine import Engine, EngineConfig
+from kvoffload.errors import ConfigError
 from kvoffload.serving.api import ServingContext, build_app
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.metrics import ServerMetrics
 from kvoffload.serving.prompts import PromptTokenizer
+from kvoffload.tiers.redis_url import parse_redis_url, redacted_url
 
 __all__ = ["KEEP_ALIVE_S", "max_model_len", "remote_tier_id", "serve"]
 
@@ -44,12 +45,22 @@ def max_model_len(engine: Engine) -> int:
 
 
 def remote_tier_id(url: str | None) -> str | None:
-    """The shared tier's identity without credentials: instances with equal ids share blocks."""
+    """The shared tier's identity, derived from the parsed URL: instances with equal ids share
+    blocks, and only they. Scheme (TLS, Cluster), hosts (lower case; a Cluster's seeds sorted),
+    port and db with their defaults, and the key namespace; never credentials or TLS file
+    options. A URL that does not parse (the engine refused it at start) is shown redacted."""
     if not url:
         return None
-    parts = urlsplit(url)
-    hosts = parts.netloc.rpartition("@")[2]
-    return f"{parts.scheme}://{hosts}{parts.path or '/0'}"
+    try:
+        parsed = parse_redis_url(url, env={})
+    except ConfigError:
+        return redacted_url(url)
+    scheme = ("rediss" if parsed.tls else "redis") + ("+cluster" if parsed.cluster else "")
+    nodes = sorted((host.lower(), port) for host, port in parsed.nodes)
+    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in nodes)
+    db = "" if parsed.cluster else f"/{parsed.db}"
+    namespace = f"?namespace={parsed.namespace}" if parsed.namespace else ""
+    return f"{scheme}://{hosts}{db}{namespace}"
 
 
 def kv_event_sources(engine: Engine) -> dict[str, Any]:

@@ -126,7 +126,7 @@ class SecondaryTier(ABC):
     name: ClassVar[str]
 
     def __init__(self, pool: memoryview, layout: KVLayout) -> None:
-        if pool.ndim != 2 or pool.strides[0] != layout.block_bytes:
+        if pool.ndim != 2 or not pool.strides or pool.strides[0] != layout.block_bytes:
             raise ValueError(
                 f"the host pool view must be 2-D with {layout.block_bytes}-byte rows, "
                 f"got shape {pool.shape}"

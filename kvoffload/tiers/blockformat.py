@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from kvoffload.errors import KVOffloadError
+
 if TYPE_CHECKING:
     import mmap
 
@@ -52,12 +54,16 @@ _CHECK = struct.Struct("<Q")
 _KEY_AT = _FIXED.size + _CHECK.size  # 48
 
 
-class CorruptBlockError(Exception):
+class CorruptBlockError(KVOffloadError):
     """A stored block cannot be served. ``cause``: ``"corrupt"``, ``"layout"`` or ``"checksum"``."""
 
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(f"{cause}: {detail}")
         self.cause = cause
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[CorruptBlockError], tuple[str, str]]:
+        return type(self), (self.cause, self.detail)  # pickles with both arguments
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
 from kvoffload.tiers.diskledger import SpaceLedger
 from kvoffload.tiers.diskreclaim import OldNamespaces
-from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, count_files
+from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, census_files, count_files
 from kvoffload.tiers.diskspares import SparePool, remove_all
 
 __all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
@@ -60,6 +60,8 @@ _DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
 _CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
 #: Empty files kept ready for writes (made while idle; see ``diskspares``).
 SPARE_FILES = 64
+#: Rescan ticks between two ledger reconciliations when nothing asked for one sooner.
+RECONCILE_EVERY_TICKS = 30
 _COUNTERS = (
     "filesystem_full_stores",
     "stored_blocks",
@@ -148,7 +150,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         )
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._spares = SparePool(
-            self.namespace, min(SPARE_FILES, self.capacity_blocks), settings.o_direct
+            self.namespace,
+            min(SPARE_FILES, self.capacity_blocks),
+            settings.o_direct,
+            self._ledger.owner,
         )
         self._runner = DiskJobRunner(
             self._files, self._ledger, fb, settings.num_threads, self._spares
@@ -159,6 +164,8 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._dir_used = 0
         self._dir_submitted = 0
         self._closed = False
+        # Rescan ticks since the last reconciliation (rescan thread only).
+        self._ticks_unreconciled = 0
         self._scanner = NamespaceScanner(self.namespace, self._ledger, fb)
         self.scan_seconds = self._warm_start()
         self._warn_if_filesystem_smaller()
@@ -208,11 +215,34 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             )
 
     def _upkeep(self) -> None:
-        """The rescan thread's other periodic work: the limit after a full filesystem, and the
-        older formats' namespaces that were in use at the last try."""
+        """The rescan thread's other periodic work: the limit after a full filesystem, the
+        older formats' namespaces that were in use at the last try, and the ledger's
+        reconciliation when it is due (:meth:`reconcile_ledger`)."""
         self._refit_filesystem_when_idle()
         if self._old_namespaces.in_use:
             self._old_namespaces.reclaim()
+        self._ticks_unreconciled += 1
+        due = self._ticks_unreconciled >= RECONCILE_EVERY_TICKS or self._runner.missing_files
+        if due or self._ledger.census().dead_slots:  # a dead process: one locked read a tick
+            self.reconcile_ledger()
+
+    def reconcile_ledger(self) -> bool:
+        """Make the shared ledger count the namespace's block files, if no process (this one
+        included) has a write in flight: a killed writer's reservations, and the bytes of files
+        removed by hand, leave the count; killed writers' temporaries and spares, and the spares
+        of processes that are gone, are removed. The walk runs unlocked; the count is set only
+        if no ledger step of any process came between (else False: the next tick tries again).
+        Runs on the rescan thread (each tick it is due: a dead process's slot, a load that
+        found a file missing, or every :data:`RECONCILE_EVERY_TICKS` ticks), and at close."""
+        census = self._ledger.census()
+        if not census.quiescent:
+            return False
+        blocks, garbage = census_files(self.namespace, census.live_owners)
+        if not self._ledger.settle_census(census, blocks * self.file_bytes, garbage):
+            return False
+        self._ticks_unreconciled = 0
+        self._runner.missing_files = False
+        return True
 
     def _refit_filesystem_when_idle(self) -> None:
         """After the filesystem filled, raise the limit again as space comes back (rescan
@@ -438,4 +468,9 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._rescanner.close()
         self._runner.close()
         self._spares.close()
+        if self._runner.missing_files or self._ledger.census().dead_slots:
+            try:
+                self.reconcile_ledger()
+            except OSError as exc:  # the next process reconciles
+                logger.warning("disk tier: reconciling the ledger at close failed: %s", exc)
         self._ledger.close()

@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from kvoffload.errors import KVOffloadError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.blockformat import (
     HEADER_ALIGN,
@@ -65,7 +66,7 @@ FaultHook = Callable[[str, OffloadKey], None]
 MAX_KEY_BYTES = HEADER_ALIGN - header_size(0, 1)
 
 
-class TemporaryRemovedError(FileNotFoundError):
+class TemporaryRemovedError(KVOffloadError, FileNotFoundError):
     """A write's temporary file vanished before it was published: a scan found it older than
     the stale age and removed it, returning its reservation to the ledger (the writer must not)."""
 
@@ -216,21 +217,24 @@ class BlockFiles:
             self.fault_hook("read", key)
         payload = self._slot(slot)
         head_len = header_size(len(key))
-        own = head_buf is None or len(head_buf) != head_len
-        if own:
-            head_buf = mmap.mmap(-1, head_len) if self.o_direct else bytearray(head_len)
+        buf: bytearray | mmap.mmap
+        if head_buf is not None and len(head_buf) == head_len:
+            buf, own = head_buf, False
+        else:
+            buf = mmap.mmap(-1, head_len) if self.o_direct else bytearray(head_len)
+            own = True
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY | self._flags)
             try:
-                got = os.preadv(fd, [head_buf, payload], 0)
+                got = os.preadv(fd, [buf, payload], 0)
             finally:
                 os.close(fd)
             if got < head_len:
                 raise CorruptBlockError("corrupt", f"file is {got} bytes, shorter than its header")
-            header = parse_header(head_buf, self.fingerprint, key, HEADER_ALIGN)
+            header = parse_header(buf, self.fingerprint, key, HEADER_ALIGN)
         finally:
-            if own and isinstance(head_buf, mmap.mmap):
-                head_buf.close()
+            if own and isinstance(buf, mmap.mmap):
+                buf.close()
         if got - head_len != header.payload_len or header.payload_len != len(payload):
             raise CorruptBlockError(
                 "corrupt",

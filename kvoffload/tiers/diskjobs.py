@@ -109,6 +109,9 @@ class DiskJobRunner:
         self._full_logged = False
         #: Finished jobs, appended by any thread, popped by the scheduler thread.
         self.done: collections.deque[RunningJob] = collections.deque()
+        #: A load found a block file missing (another process evicted it, or it was removed
+        #: by hand): the ledger's reconciliation is due. Set by I/O threads, reset by it.
+        self.missing_files = False
 
     # ------------------------------------------------------------------ scheduler thread
 
@@ -226,13 +229,11 @@ class DiskJobRunner:
                 failed[key], error = "io", error or exc
         if error is not None:
             logger.warning("disk tier: storing %d blocks failed: %s", len(failed), error)
-        if unused:
-            try:
-                self._ledger.release(unused * self._file_bytes)
-            except Exception:  # the count drifts high (conservative) until a restart reconciles
-                logger.exception(
-                    "disk tier: returning %d bytes to the ledger failed", unused * self._file_bytes
-                )
+        fb = self._file_bytes
+        try:  # the chunk's writes are over: no longer in flight, and unused bytes go back
+            self._ledger.release(unused * fb, settled=len(items) * fb)
+        except Exception:  # the count drifts high (conservative) until a reconciliation
+            logger.exception("disk tier: returning %d bytes to the ledger failed", unused * fb)
         if no_space:
             self._fit_filesystem()
         self._chunk_done(running, len(items), failed, nbytes)
@@ -268,6 +269,7 @@ class DiskJobRunner:
                 nbytes += files.block_bytes
             except FileNotFoundError:
                 failed[key] = "missing"
+                self.missing_files = True
             except CorruptBlockError as exc:
                 failed[key] = exc.cause
                 logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)

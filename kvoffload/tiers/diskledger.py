@@ -3,8 +3,10 @@ process that uses the namespace, under a file lock.
 
 ::
 
-    <namespace>/ledger   the count (8 bytes, little-endian), changed only under an exclusive flock
-    <namespace>/users    every user holds a shared flock on it for its lifetime
+    <namespace>/ledger   the count, a change counter and one slot per user (little-endian),
+                         changed only under an exclusive flock
+    <namespace>/users    every user holds a shared flock on it for its lifetime, and an OFD
+                         lock on byte 0 (shared) and on the byte of its slot (exclusive)
 
 A writer reserves a file's bytes before it writes the file; an evictor returns them only when its
 own ``unlink`` removed the file. Every function here runs on the tier's I/O threads or at start,
@@ -13,25 +15,50 @@ never on the scheduler thread.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SpaceLedger"]
+from kvoffload.errors import ContractError
+
+__all__ = ["MAX_OWNERS", "Census", "SpaceLedger"]
 
 logger = logging.getLogger(__name__)
 
-_U64 = struct.Struct("<Q")
+#: The ledger file: the count, then the change counter (bumped by every step).
+_HEAD = struct.Struct("<QQ")
+#: One slot per user after the head: its owner token (0: free) and its bytes in flight.
+_SLOT = struct.Struct("<QQ")
+#: Users tracked by a slot; a user beyond them is "untracked" and holds byte ``1 + MAX_OWNERS``.
+MAX_OWNERS = 128
+_UNTRACKED_BYTE = 1 + MAX_OWNERS
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """Who uses the namespace, read in one locked step (:meth:`SpaceLedger.census`).
+
+    ``quiescent``: every live user is tracked by a slot and has no bytes in flight (no
+    reservation whose file is yet to be published or returned), so the block files alone are
+    what the count must be. ``live_owners``: the live users' owner names (spare-file prefixes);
+    ``dead_slots``: slots whose user is gone (their spares and temporaries are garbage)."""
+
+    generation: int
+    quiescent: bool
+    live_owners: frozenset[str]
+    dead_slots: tuple[int, ...]
 
 
 class SpaceLedger:
     """The bytes of block files in one namespace, shared by every process using it.
 
-    The count lives in an 8-byte file; every change happens under an exclusive ``flock`` of that
+    The count opens the ledger file; every change happens under an exclusive ``flock`` of that
     file, so processes never both take the last free bytes. A writer reserves a file's bytes
     before writing it and returns them if the write fails; an evictor returns a file's bytes only
     when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
@@ -48,6 +75,15 @@ class SpaceLedger:
     namespace's block files, whatever failed. A step that fails after it unlinked files remembers
     the bytes it freed and settles them at the next step; victims a failed step did not reach are
     unlinked by the next one.
+
+    Convergence: a process killed between a reservation and its files' publication leaves
+    bytes counted for files that never appear, and files removed by hand stay counted. Every
+    user therefore owns a *slot* in the ledger file (an owner token and its bytes in flight),
+    held alive by an OFD lock on the slot's byte of ``users`` (it dies with the process). Any
+    user may :meth:`census` the slots and, when every live user has nothing in flight, count
+    the block files (unlocked) and :meth:`settle_census`: set the count to them, remove the
+    garbage (temporaries, spares with bytes, dead users' spares) and free dead users' slots,
+    unless a step of any process changed the ledger meanwhile (the change counter).
 
     ``capacity`` is the configured bound; :attr:`limit` is what reservations may reach: the bound,
     or less after the filesystem filled first (:meth:`refit`).
@@ -68,6 +104,30 @@ class SpaceLedger:
         self._owed: list[tuple[str, int]] = []
         self._unsettled = 0
         self._ofd_lock = _ofd_lock(self._users_fd, fcntl.F_RDLCK, fcntl.F_OFD_SETLK)
+        # Bytes this process reserved whose files are not yet published or returned (guarded
+        # by _thread_lock), and what its slot in the file says.
+        self._inflight = 0
+        self._slot_inflight = 0
+        self._token = 0
+        self._slot = self._take_slot() if self._ofd_lock else None
+        #: This user's name for its spare files (its slot's token, or untracked: pid and id).
+        self.owner = (
+            f"{self._token:016x}" if self._slot is not None else f"{os.getpid()}-{id(self):x}"
+        )
+
+    def _take_slot(self) -> int | None:
+        """A free slot (its user gone, or never used) with a new token, or None (then this
+        user holds the untracked byte: nobody reconciles while it lives)."""
+        self._token = int.from_bytes(os.urandom(8), "little") | 1
+        with self._locked():
+            for slot in range(MAX_OWNERS):
+                if _ofd_lock(self._users_fd, fcntl.F_WRLCK, fcntl.F_OFD_SETLK, 1 + slot):
+                    count, generation = self._head()
+                    os.pwrite(self._fd, _SLOT.pack(self._token, 0), _HEAD.size + slot * _SLOT.size)
+                    os.pwrite(self._fd, _HEAD.pack(count, generation + 1), 0)
+                    return slot
+        _ofd_lock(self._users_fd, fcntl.F_RDLCK, fcntl.F_OFD_SETLK, _UNTRACKED_BYTE)
+        return None
 
     def alone(self) -> bool:
         """No other process uses the namespace now (False where OFD locks do not work). One
@@ -105,8 +165,13 @@ class SpaceLedger:
             return self._get() + self._unsettled, measure()
 
     def _get(self) -> int:
-        raw = os.pread(self._fd, 8, 0)
-        return _U64.unpack(raw)[0] if len(raw) == 8 else 0
+        return self._head()[0]
+
+    def _head(self) -> tuple[int, int]:
+        """``(count, change counter)``; a ledger of an older version has the count only."""
+        raw = os.pread(self._fd, _HEAD.size, 0).ljust(_HEAD.size, b"\0")
+        count, generation = _HEAD.unpack(raw)
+        return count, generation
 
     def _begin(self) -> tuple[int, int]:
         """A step's start (ledger locked): ``(file value, true count)``, owed victims unlinked."""
@@ -131,12 +196,26 @@ class SpaceLedger:
         """Write the count ``value``; if that fails, remember that the true count is
         ``on_failure`` (the step's file changes without its reservation) and re-raise."""
         try:
-            os.pwrite(self._fd, _U64.pack(max(0, value)), 0)
+            generation = self._head()[1]
+            os.pwrite(self._fd, _HEAD.pack(max(0, value), generation + 1), 0)
         except BaseException:
             self._unsettled = on_failure - base
             raise
         self._unsettled = 0
         self.last_seen = max(0, value)
+        self._write_slot()
+
+    def _write_slot(self) -> None:
+        """This user's bytes in flight into its slot, when they changed (ledger locked; a
+        failure is retried at the next step: only live users' slots are read)."""
+        if self._slot is not None and self._slot_inflight != self._inflight:
+            offset = _HEAD.size + self._slot * _SLOT.size
+            try:
+                os.pwrite(self._fd, _SLOT.pack(self._token, self._inflight), offset)
+            except OSError as exc:  # the count is written: this step stands
+                logger.warning("disk tier: cannot update this process's ledger slot: %s", exc)
+                return
+            self._slot_inflight = self._inflight
 
     def reserve_blocks(
         self,
@@ -163,9 +242,11 @@ class SpaceLedger:
             for path in recycled[fit:]:
                 used -= _unlink(path, block_bytes)
             del recycled[fit:]
+            self._inflight += fit * block_bytes
             try:
                 self._commit(base, used + (fit - len(recycled)) * block_bytes, used)
             except BaseException:
+                self._inflight -= fit * block_bytes
                 for path in recycled:
                     self._unsettled -= _unlink(path, block_bytes)
                 raise
@@ -189,13 +270,65 @@ class SpaceLedger:
             return []
         return [spare for spare, _ in renamed]
 
-    def release(self, nbytes: int) -> int:
-        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); returns the count."""
+    def release(self, nbytes: int, settled: int = 0) -> int:
+        """Return ``nbytes`` (a failed write, a duplicate, a dropped file); ``settled``: bytes
+        of :meth:`reserve_blocks` whose writes are over (published or returned), no longer in
+        flight. Returns the count (as last seen, when no step was needed: nothing returned and
+        writes still in flight)."""
+        with self._thread_lock:
+            self._inflight -= settled  # true whatever the step does: the writes are over
+            if not nbytes and self._inflight:  # the slot may overstate what is in flight for
+                return self.last_seen  # now (conservative): it is written when it reaches 0
         with self._locked():
             base, used = self._begin()
             used -= nbytes
             self._commit(base, used, used)
             return max(0, used)
+
+    def census(self) -> Census:
+        """The slots, read under the lock: who is alive, and whether anyone has bytes in flight."""
+        with self._locked():
+            generation = self._head()[1]
+            raw = os.pread(self._fd, MAX_OWNERS * _SLOT.size, _HEAD.size)
+            quiescent = self._slot is not None and self._inflight == 0
+            if quiescent and _held(self._users_fd, _UNTRACKED_BYTE):
+                quiescent = False  # an untracked user's writes cannot be seen
+            live, dead = {self.owner}, []
+            for slot in range(len(raw) // _SLOT.size):
+                token, inflight = _SLOT.unpack_from(raw, slot * _SLOT.size)
+                if not token or slot == self._slot:
+                    continue
+                if _held(self._users_fd, 1 + slot):
+                    live.add(f"{token:016x}")
+                    quiescent = quiescent and inflight == 0
+                else:
+                    dead.append(slot)
+            return Census(generation, quiescent, frozenset(live), tuple(dead))
+
+    def settle_census(self, census: Census, nbytes: int, garbage: Sequence[str]) -> bool:
+        """Set the count to ``nbytes`` (the block files a walk counted since ``census``),
+        unlink ``garbage`` and free the dead slots, if no step changed the ledger since the
+        census (else False: try again later). Only for a quiescent census."""
+        if not census.quiescent:
+            raise ContractError("settle_census needs a quiescent census (nothing in flight)")
+        with self._locked():
+            count, generation = self._head()
+            if generation != census.generation:
+                return False
+            for path in garbage:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            for slot in census.dead_slots:
+                os.pwrite(self._fd, _SLOT.pack(0, 0), _HEAD.size + slot * _SLOT.size)
+            used = nbytes - self._unlink_owed()  # owed victims are block files the walk counted
+            if used != count + self._unsettled:
+                logger.info(
+                    "disk tier: ledger reconciled with the files: %d bytes counted, %d on disk",
+                    count + self._unsettled,
+                    used,
+                )
+            self._commit(count, used, used)
+            return True
 
     def remove(self, path: str, nbytes: int) -> int:
         """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
@@ -248,11 +381,11 @@ def _unlink(path: str, nbytes: int) -> int:
 _FLOCK = struct.Struct("hhqqi4x")
 
 
-def _ofd_lock(fd: int, kind: int, command: int, query: bool = False) -> bool:
-    """An OFD lock ``command`` for byte 0 of ``fd``. Setting: True if taken (False where OFD
-    locks do not work). ``query``: True if no other open file description holds a lock that
-    conflicts with ``kind``."""
-    arg = _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0)
+def _ofd_lock(fd: int, kind: int, command: int, start: int = 0, query: bool = False) -> bool:
+    """An OFD lock ``command`` for byte ``start`` of ``fd``. Setting: True if taken (False where
+    OFD locks do not work, or another holds it). ``query``: True if no other open file
+    description holds a lock that conflicts with ``kind``."""
+    arg = _FLOCK.pack(kind, os.SEEK_SET, start, 1, 0)
     if query:
         return _FLOCK.unpack(fcntl.fcntl(fd, command, arg))[0] == fcntl.F_UNLCK
     try:
@@ -260,6 +393,11 @@ def _ofd_lock(fd: int, kind: int, command: int, query: bool = False) -> bool:
         return True
     except OSError:
         return False
+
+
+def _held(fd: int, byte: int) -> bool:
+    """Another open file description holds a lock on ``byte`` of ``fd`` (its user is alive)."""
+    return not _ofd_lock(fd, fcntl.F_WRLCK, fcntl.F_OFD_GETLK, byte, query=True)
 
 
 class _LedgerLock:

@@ -22,9 +22,9 @@ from pathlib import Path
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.diskfiles import SUFFIX, TMP_SUFFIX
 from kvoffload.tiers.diskledger import SpaceLedger
-from kvoffload.tiers.diskspares import SPARE_SUFFIX
+from kvoffload.tiers.diskspares import SPARE_DIR, SPARE_SUFFIX
 
-__all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner", "count_files"]
+__all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner", "census_files", "count_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,34 @@ def count_files(namespace: Path) -> int:
                     ):
                         inodes.add(entry.inode())
     return len(inodes)
+
+
+def census_files(namespace: Path, live_owners: frozenset[str]) -> tuple[int, list[str]]:
+    """``(block files, garbage)`` of ``namespace`` while nothing is in flight (a quiescent
+    :class:`~kvoffload.tiers.diskledger.Census`): then every temporary file is a killed
+    writer's (or a published block's second name), and so is every spare with bytes; empty
+    spares whose owner is not in ``live_owners`` belong to users that are gone. Reads
+    directory entries only (one ``stat`` per spare)."""
+    blocks, garbage = 0, []
+    spare_dir = str(namespace / SPARE_DIR)
+    for sub in os.scandir(namespace):
+        if not sub.is_dir(follow_symlinks=False) or sub.path == spare_dir:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(sub.path):
+                if entry.name.endswith(SUFFIX):
+                    blocks += 1
+                elif entry.name.endswith(TMP_SUFFIX):
+                    garbage.append(entry.path)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(spare_dir):
+            if entry.name.split(".", 1)[0] not in live_owners:
+                garbage.append(entry.path)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat(follow_symlinks=False).st_size:
+                    garbage.append(entry.path)
+    return blocks, garbage
 
 
 class Rescanner:

@@ -5,6 +5,10 @@ other jobs write to the same filesystem (300-700 µs under load, against 3 µs t
 
     <namespace>/spare/<owner>.<n>.spare   an empty file made while idle, or a victim's file
 
+``<owner>`` is the ledger's name for the process (:attr:`SpaceLedger.owner
+<kvoffload.tiers.diskledger.SpaceLedger.owner>`): the spares of a process that is gone are
+removed by the next ledger reconciliation (or the next process that starts alone).
+
 Two sources, one rule: no reader can hold a spare. A :class:`SparePool` creates empty spares
 while the tier is idle; a store that evicts may *recycle* a victim's file into a spare instead
 of unlinking it (its blocks are then overwritten, not allocated again), but only while no other
@@ -72,17 +76,18 @@ class SparePool:
     """Empty files for the next writes, made while the tier is idle (any thread may take one).
 
     ``target`` spares are kept; :meth:`refill` makes them one at a time and stops as soon as
-    ``busy()`` says a job came. Names are unique to this pool (pid, a counter, the pool's id).
+    ``busy()`` says a job came. Names are unique to this pool (``owner``, a counter).
     :meth:`close` removes the spares left; those of a killed process are removed by the next
-    process that finds itself alone on the directory (:func:`remove_all`).
+    ledger reconciliation, or the next process that finds itself alone on the directory
+    (:func:`remove_all`).
     """
 
-    def __init__(self, namespace: Path, target: int, o_direct: bool) -> None:
+    def __init__(self, namespace: Path, target: int, o_direct: bool, owner: str) -> None:
         self.directory = str(namespace / SPARE_DIR)
         self.target = target
         self._flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if o_direct else 0)
         self._names = itertools.count()
-        self._owner = f"{os.getpid()}-{id(self):x}"
+        self._owner = owner
         self._spares: collections.deque[str] = collections.deque()
         os.makedirs(self.directory, exist_ok=True)
 

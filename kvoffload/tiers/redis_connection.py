@@ -12,9 +12,12 @@ then the payload is received with ``recv_into`` straight into the caller's ``mem
 host slot: one copy, kernel to slot) and its xxh3-64 is computed while it is hot in cache. A value
 whose length is not the expected one is skipped without a byte reaching the caller's buffer.
 
-Timeouts: on plain TCP the kernel's ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` bound every call, so one
-``recv(MSG_WAITALL)`` receives a whole payload (one wake-up, the GIL released throughout); TLS
-sockets use Python's socket timeout. Either way a call that waits longer than ``timeout_s`` raises
+Timeouts: one deadline per operation, not per call. :meth:`RedisConnection.begin` starts an
+operation (``timeout_s`` from now, by default); every send and receive until the next ``begin``
+must finish by then, so a server that trickles its reply a byte at a time still gives up at the
+deadline. Before each call the time left is set as the kernel's ``SO_RCVTIMEO`` /
+``SO_SNDTIMEO`` on plain TCP (so one ``recv(MSG_WAITALL)`` still receives a whole payload: one
+wake-up, the GIL released throughout) or as Python's socket timeout on TLS. Past the deadline,
 ``TimeoutError``. A connection that timed out, broke or was handed a reply it cannot parse is
 unusable (its place in the reply stream is lost): :attr:`RedisConnection.broken` is set, and its
 owner closes it and opens another.
@@ -31,10 +34,13 @@ import contextlib
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
+
+from kvoffload.errors import KVOffloadError
 
 __all__ = [
     "ProtocolError",
@@ -66,7 +72,7 @@ class RespError:
         return f"RespError({self.text!r})"
 
 
-class ProtocolError(ConnectionError):
+class ProtocolError(KVOffloadError, ConnectionError):
     """The server's bytes are not a RESP reply, or the connection closed in the middle of one."""
 
 
@@ -95,8 +101,9 @@ def tls_context(options: Sequence[tuple[str, str]]) -> ssl.SSLContext:
 
 
 def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    """``seconds`` (> 0) as a ``struct timeval``, at least 1 µs (a zero one means "forever")."""
+    micros = max(1, int(seconds * 1e6))
+    return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
 
 
 class RedisConnection:
@@ -126,6 +133,7 @@ class RedisConnection:
         self._start = 0
         self._end = 0
         self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
         sock = socket.create_connection((host, port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -133,9 +141,7 @@ class RedisConnection:
                 sock = tls.wrap_socket(sock, server_hostname=host)
                 self._waitall = 0
             else:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
-                sock.settimeout(None)  # blocking: the kernel's timeouts above bound each call
+                sock.settimeout(None)  # blocking: the kernel's timeouts (_left) bound each call
                 self._waitall = socket.MSG_WAITALL
             self._sock: socket.socket = sock
             self._tls = tls is not None
@@ -143,6 +149,23 @@ class RedisConnection:
         except BaseException:
             sock.close()
             raise
+
+    def begin(self, timeout_s: float | None = None) -> None:
+        """Start an operation: its sends and receives must all be done within ``timeout_s``
+        (default: the connection's) from now, however the server's bytes arrive."""
+        self._deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
+
+    def _left(self, option: int) -> None:
+        """Bound the next socket call by the time left to the deadline (``option``:
+        ``SO_RCVTIMEO`` or ``SO_SNDTIMEO``); ``TimeoutError`` once it passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            self.broken = True
+            raise TimeoutError(f"the operation took longer than {self._timeout_s} s")
+        if self._tls:
+            self._sock.settimeout(left)
+        else:
+            self._sock.setsockopt(socket.SOL_SOCKET, option, _timeval(left))
 
     def _handshake(self, username: str | None, password: str | None, db: int) -> None:
         commands = []
@@ -166,6 +189,7 @@ class RedisConnection:
     def call(self, *args: bytes | str | int) -> Any:
         """Send one command and return its reply (a :class:`RespError` is raised as
         :class:`RespErrorRaised`)."""
+        self.begin()
         self.send([encode_command(*args)])
         reply = self.read_reply()
         if isinstance(reply, RespError):
@@ -175,22 +199,25 @@ class RedisConnection:
     # ------------------------------------------------------------------ sending
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
-        """Send every buffer, in order (``sendmsg`` on plain TCP: nothing is joined)."""
+        """Send every buffer, in order (``sendmsg`` on plain TCP: nothing is joined), by the
+        current operation's deadline (:meth:`begin`)."""
         try:
             if self._tls:
                 for buf in buffers:
+                    self._left(socket.SO_SNDTIMEO)
                     self._sock.sendall(buf)
                 return
             pending = list(buffers)
             while pending:
                 batch = pending[:_MAX_IOV]
+                self._left(socket.SO_SNDTIMEO)
                 sent = self._sock.sendmsg(batch)
                 total = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in batch)
                 if sent == total:
                     del pending[: len(batch)]
                     continue
                 pending = _advance(pending, sent)
-        except BlockingIOError:
+        except (BlockingIOError, TimeoutError):  # the deadline passed while sending
             self.broken = True
             raise TimeoutError(f"no room to send within {self._timeout_s} s") from None
         except OSError:
@@ -200,10 +227,12 @@ class RedisConnection:
     # ---------------------------------------------------------------- receiving
 
     def _recv(self, view: memoryview, flags: int = 0) -> int:
-        """Receive into ``view`` (at least one byte; all of it with ``MSG_WAITALL``)."""
+        """Receive into ``view`` (at least one byte; all of it with ``MSG_WAITALL``), by the
+        current operation's deadline."""
+        self._left(socket.SO_RCVTIMEO)
         try:
             got = self._sock.recv_into(view, len(view), flags)
-        except BlockingIOError:  # SO_RCVTIMEO expired
+        except (BlockingIOError, TimeoutError):  # the deadline passed while waiting
             self.broken = True
             raise TimeoutError(f"no answer within {self._timeout_s} s") from None
         except OSError:
@@ -354,13 +383,16 @@ class RedisConnection:
         raise ProtocolError(f"not a GET reply: {line[:40]!r}")
 
 
-class RespErrorRaised(Exception):
+class RespErrorRaised(KVOffloadError):
     """A server's error reply raised where the caller expected success (a handshake, a single
     :meth:`RedisConnection.call`)."""
 
     def __init__(self, error: RespError) -> None:
         super().__init__(error.text)
         self.error = error
+
+    def __reduce__(self) -> tuple[type[RespErrorRaised], tuple[RespError]]:
+        return type(self), (self.error,)
 
 
 def _advance(buffers: list[bytes | memoryview], sent: int) -> list[bytes | memoryview]:

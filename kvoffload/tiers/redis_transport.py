@@ -289,6 +289,7 @@ class RedisTransport:
                 self.mark_down(exc)
                 raise
             try:
+                conn.begin()
                 conn.send([b"".join(sections)])
                 replies = [conn.read_reply() for _ in sections]
             except OSError as exc:
@@ -309,7 +310,7 @@ class RedisTransport:
             return [DOWN] * n
         results: list[Any] = [_UNSET] * n
         parts = self._parts(keys, op, results)
-        failures: list[BaseException] = []
+        failures: list[BaseException | None] = []
         if parts:
             futures = [self._workers.submit(self._run_part, *p, op, results) for p in parts[1:]]
             failures.append(self._run_part(*parts[0], op, results))
@@ -357,6 +358,7 @@ class RedisTransport:
         """Pipeline ``indices`` on one connection to ``address``; on a failure the part's
         unanswered keys get the error (returned). A pooled connection the server closed while
         it sat idle (it fails before any reply) is replaced once: every command is idempotent."""
+        error: BaseException | None = None
         for attempt in range(2):
             try:
                 conn, pooled = self._acquire(address)
@@ -385,8 +387,11 @@ class RedisTransport:
         the error that stopped it (the connection is then unusable), else ``None``."""
         window = max(1, self.pipeline_bytes // op.value_bytes)
         try:
+            conn.begin()  # one deadline per window: its replies and the next window's send
             conn.send(op.commands(indices[:window]))
             for start in range(0, len(indices), window):
+                if start:
+                    conn.begin()
                 chunk = indices[start : start + window]
                 following = indices[start + window : start + 2 * window]
                 if following:

@@ -36,9 +36,7 @@ def drop_namespace(url: str, timeout_s: float = 5.0) -> int:
     transport = RedisTransport(parsed, timeout_s, connections=1)
     try:
         transport.start()
-        return sum(
-            _drop_on(transport.connect(address), pattern) for address in transport.nodes()
-        )
+        return sum(_drop_on(transport.connect(address), pattern) for address in transport.nodes())
     finally:
         transport.close()
 
@@ -52,6 +50,7 @@ def _drop_on(conn: RedisConnection, pattern: bytes) -> int:
         for _ in range(_MAX_SCANS):
             cursor, keys = conn.call("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
             if keys:
+                conn.begin()
                 conn.send([b"".join(encode_command("UNLINK", key) for key in keys)])
                 replies = [conn.read_reply() for _ in keys]
                 removed += sum(r for r in replies if not isinstance(r, RespError))

@@ -64,7 +64,7 @@ class RemoteBlocks:
         namespace: str = "",
     ) -> None:
         self._flat = pool.cast("B") if pool.format != "B" or pool.ndim != 1 else pool
-        self._num_slots = pool.shape[0]
+        self._num_slots = len(pool)  # rows of the 2-D pool
         self._size = layout.block_bytes
         self._fingerprint = layout.fingerprint()
         self.prefix = remote_key_prefix(layout, namespace)
