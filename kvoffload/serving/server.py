@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvoffload.engine import Engine, EngineConfig
 from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.metrics import ServerMetrics
 from kvoffload.serving.prompts import PromptTokenizer
@@ -82,6 +83,8 @@ def serve(
     served_model_name: str | None = None,
     log_level: str = "warning",
     sock: socket.socket | None = None,
+    api_key: ApiKey | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> int:
     """Build the engine and serve it until SIGTERM (returns the exit status) or Ctrl-C (raises
     ``KeyboardInterrupt`` after the same graceful end)."""
@@ -98,6 +101,8 @@ def serve(
         tokenizer=PromptTokenizer(config.model),
         registries=registries,
         kv_event_sources=kv_event_sources(engine),
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
     )
     app = build_app(ctx)
 
