@@ -54,6 +54,23 @@ def _run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # a refused flag or bad setting: one line, exit 2
     flags = resolve_flags(args)
     logging.basicConfig(level=flags.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
-                 api_key=api_key_from(flags.api_key, API_KEY_ENV),
-                 max_request_bytes=flags.max_request_bytes)
+    status = serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
+                   api_key=api_key_from(flags.api_key, API_KEY_ENV),
+                   max_request_bytes=flags.max_request_bytes)
+    _exit_now(status)
+    return status  # pragma: no cover - not reached
+
+
+def _exit_now(status: int) -> None:
+    """End the process at once: the server has stopped and the engine is closed (its stores
+    landed, its events sent), so nothing is left to finalize, and the interpreter's own teardown
+    (collecting the model's and torch's objects, 1-5 s measured) only delays the exit that a
+    supervisor waits for. Logs and output are flushed first."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -15,7 +15,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
+from kvoffload.serving.drain import Drain, DrainGate
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
 from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard
 from kvoffload.serving.loop import Delta, EngineLoop, RequestStream, Unavailable
@@ -43,7 +44,8 @@ T = TypeVar("T")
 class ServingContext:
     """What the endpoints serve: the engine loop, its model's name and limits, the prompt
     tokenizer, the metrics registries, the KV event sources to advertise, and the front door's
-    settings (:class:`~kvoffload.serving.guard.RequestGuard`)."""
+    settings (:class:`~kvoffload.serving.guard.RequestGuard`) and its drain on SIGTERM
+    (:class:`~kvoffload.serving.drain.Drain`)."""
 
     loop: EngineLoop
     model_name: str
@@ -54,12 +56,14 @@ class ServingContext:
     created: int = 0
     api_key: ApiKey | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    drain: Drain = field(default_factory=Drain)
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvoffload serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=ctx.api_key, max_body_bytes=ctx.max_request_bytes)
+    app.add_middleware(DrainGate, drain=ctx.drain)  # outermost: counts every request
     ctx.created = ctx.created or int(time.time())
     decode = ctx.loop.engine.tokenizer.decode
 
