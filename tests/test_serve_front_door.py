@@ -72,11 +72,10 @@ def test_every_endpoint_but_health_and_metrics_needs_the_key(server: str, reques
             assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
         assert _get(process.url + path, key)[0] == 200
     for path in ("/v1/completions", "/v1/chat/completions"):
-        body = COMPLETION if "chat" not in path else CHAT
-        status, answer = post_raw(process.url + path, json.dumps(body).encode())
+        data = json.dumps(COMPLETION if "chat" not in path else CHAT).encode()
+        status, answer = post_raw(process.url + path, data)
         assert status == 401, answer
-        status, answer = post_raw(process.url + path, json.dumps(body).encode(),
-                                  headers=auth(key))
+        status, answer = post_raw(process.url + path, data, headers=auth(key))
         assert status == 200, answer
     assert _get(process.url + "/health")[0] == 200
     status, text = _get(process.url + "/metrics")

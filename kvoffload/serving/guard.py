@@ -21,7 +21,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.serving.errors import error_body
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "ApiKey", "RequestGuard"]
@@ -65,7 +65,7 @@ class ApiKey:
         raise TypeError("an ApiKey is not picklable")
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(KVOffloadError):
     """Internal: the body read so far passed the cap."""
 
 

@@ -146,6 +146,8 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or not self.started:
+            if self.drain.draining and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: no more waiting
             super().handle_exit(sig, frame)
             return
         self._captured_signals.append(sig)  # re-raised by uvicorn once it has stopped
