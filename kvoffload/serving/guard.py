@@ -145,9 +145,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 async def _answer(send: Send, status: int, message: str, code: str | None = None) -> None:
     payload = json.dumps(error_body(message, status, code=code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    if status == 413:  # the rest of the body is not read: the connection cannot be reused
-        headers.append((b"connection", b"close"))
+    # The body (or its rest) is not read: the connection is not reused.
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
