@@ -1,11 +1,12 @@
 """``EngineLoop``: the reference engine on a thread of its own, fed by an asyncio server.
 
-The engine is not thread-safe, so one thread owns it: it takes queued commands (add a request,
-abort one) between steps, steps while there is work (live requests, or transfers still in
+The engine is not thread-safe, so one thread owns it, from its first step to its ``close``: it
+takes queued commands (add a request, abort one, stop; each a small object that applies itself)
+between steps, steps while there is work (live requests, or transfers still in
 flight: a finished request's stores reach the tiers and their KV events go out even when no
 request follows), and hands each step's new tokens to the requests' :class:`RequestStream`
 through the event loop (one ``call_soon_threadsafe`` per step). Requests are added while others
-run: the engine's scheduler batches them continuously.
+run: the engine's scheduler batches them continuously. Its lifecycle is :class:`LoopState`.
 
 It also measures the engine's cost: a step of ``n`` forward tokens takes about ``base + n *
 per_token`` seconds, fitted by exponentially weighted least squares over the steps that computed
