@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.engine import ByteTokenizer, RequestOutput
+from kvoffload.engine import ByteTokenizer, HFTokenizer, RequestOutput
 from kvoffload.serving.loop import Delta
 from kvoffload.serving.output import MAX_WINDOW_TOKENS, TextAssembler
 
@@ -93,3 +93,37 @@ def test_decoding_work_per_token_is_bounded() -> None:
         assert decode.calls <= 2 * len(ids) + 2
         assert decode.ids <= 2 * (MAX_WINDOW_TOKENS + 1) * len(ids), decode.ids
         assert assembler.text == TOKENIZER.decode(ids)
+
+
+def _bpe_tokenizer() -> HFTokenizer:
+    """A byte-level BPE tokenizer (as the tiny Llama's), trained here on multi-byte text, so
+    that merged tokens end mid-character too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    lines = ["naïve café — €5, ünïcode 😀 text", "the quick brown fox", "日本語のテキスト"] * 50
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return HFTokenizer(tokenizer, eos_token_id=1)
+
+
+BPE = _bpe_tokenizer()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 399), min_size=1, max_size=80),
+       st.lists(st.integers(0, 80), max_size=30))
+def test_bpe_streamed_text_equals_decoding_everything(ids: list[int], cuts: list[int]) -> None:
+    assembler = TextAssembler(BPE.decode, [])
+    bounds = sorted({c for c in cuts if 0 < c < len(ids)} | {len(ids)})
+    streamed, start = [], 0
+    for end in bounds:
+        final = end == len(ids)
+        streamed.append(assembler.feed(Delta(ids[start:end], [],
+                                             _finished(ids) if final else None)).text)
+        start = end
+    assert "".join(streamed) == BPE.decode(ids)
