@@ -40,18 +40,30 @@ def events_config() -> str:
     )
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
-    """GET (or POST ``body``) and decode the JSON answer; raises HTTPError for 4xx/5xx."""
+def http_json(
+    url: str, body: dict[str, Any] | None = None, timeout: float = 30.0, key: str | None = None
+) -> Any:
+    """GET (or POST ``body``) and decode the JSON answer; raises HTTPError for 4xx/5xx. ``key``:
+    sent as the API key."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json",
+                                                 **auth(key)})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         text = response.read()
     return json.loads(text) if text else None
 
 
-def post_raw(url: str, data: bytes, timeout: float = 30.0) -> tuple[int, Any]:
+def auth(key: str | None) -> dict[str, str]:
+    """The header that carries API key ``key`` (none for ``None``)."""
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+def post_raw(
+    url: str, data: bytes, timeout: float = 30.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     """POST raw bytes; returns (status, decoded JSON body)."""
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json",
+                                                 **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
@@ -195,18 +207,23 @@ def _front(name: str, backend: HasURL) -> Iterator[Endpoint]:
 
 
 @contextlib.contextmanager
-def route(backends: Sequence[HasURL], *extra: str, model: str = "tiny") -> Iterator[Process]:
+def route(
+    backends: Sequence[HasURL], *extra: str, model: str = "tiny", key: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Process]:
+    """``kvoffload route`` over ``backends``, once all are in rotation (``key``: its API key,
+    for its /router/stats)."""
     port = free_port()
     args = ["route", "--port", str(port), "--model", model, "--health-interval", "0.2",
             "--metrics-interval", "0.5", *extra]
     for b in backends:
         args += ["--backend", b.url]
-    with Process(args, port) as process:
+    with Process(args, port, env) as process:
         process.wait_ready()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while sum(b["healthy"] for b in http_json(f"{process.url}/router/stats")["backends"]) < len(
-            backends
-        ):
+        while sum(
+            b["healthy"] for b in http_json(f"{process.url}/router/stats", key=key)["backends"]
+        ) < len(backends):
             assert time.monotonic() < deadline, "backends not in rotation"
             time.sleep(0.1)
         yield process

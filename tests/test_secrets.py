@@ -158,3 +158,50 @@ def test_the_benchmark_never_shows_it(secret, tmp_path: Path) -> None:
     failed = run_cli(*WORKLOAD, "--kv-remote-url", wrong, "--instances", "2", cwd=tmp_path)
     assert failed.returncode == 2 and "kv_remote_url" in failed.stderr, failed.stderr[-2000:]
     assert_hidden(password, failed.stdout, failed.stderr)
+
+
+# -- the API key of serve and route --------------------------------------------------------------
+
+API_KEY = "sk-serve-Secret-8812"
+BACKEND_KEY = "sk-backend-Secret-4471"
+
+
+def test_api_keys_never_show(caplog: pytest.LogCaptureFixture) -> None:
+    """``serve`` (key from the environment) and ``route`` (its key and the backends' as flags),
+    at DEBUG: their output, /metrics, /router/stats, the error answers, and the objects that
+    hold a key (repr, str, pickling refused)."""
+    from serve_cases import auth, post_raw, route, serve
+
+    from kvoffload.serving.guard import ApiKey, RequestGuard
+
+    key = ApiKey(API_KEY)
+    guard = RequestGuard(lambda *_: None, key, 1024)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError):
+        pickle.dumps(key)
+    with caplog.at_level(logging.DEBUG):
+        logging.getLogger("t").info("%s %r %s", key, key, guard)
+    shown: list[object] = [repr(key), str(key), repr(guard), f"{key}", caplog.text]
+    with serve("--log-level", "debug", env={"KVOFFLOAD_API_KEY": BACKEND_KEY}) as backend:
+        with route([backend], "--api-key", API_KEY, "--backend-api-key", BACKEND_KEY,
+                   "--log-level", "debug", key=API_KEY) as router:
+            statuses = []
+            for url, good in ((router.url, API_KEY), (backend.url, BACKEND_KEY)):
+                for headers in ({}, auth("wrong"), auth(good)):
+                    status, answer = post_raw(f"{url}/v1/completions",
+                                              b'{"prompt": "hi", "max_tokens": 2}',
+                                              headers=headers)
+                    statuses.append(status)
+                    shown.append(answer)
+                with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+                    shown.append(response.read())
+            request = urllib.request.Request(f"{router.url}/router/stats", headers=auth(API_KEY))
+            with urllib.request.urlopen(request, timeout=30) as response:
+                shown.append(response.read())
+            # The router's request with its key went through, carrying the backend's key.
+            assert statuses == [401, 401, 200] * 2
+            router.terminate(60)
+            shown.append(router.output())
+        backend.terminate(60)
+        shown.append(backend.output())
+    for secret in (API_KEY, BACKEND_KEY):
+        assert_hidden(secret, *shown)

@@ -13,6 +13,13 @@ from uvicorn.config import LOG_LEVELS
 from kvoffload.cli.args import int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, add_flags, resolve_flags
+from kvoffload.cli.front_door_flags import (
+    API_KEY_ENV,
+    BACKEND_API_KEY_ENV,
+    FRONT_DOOR_FLAGS,
+    api_key_from,
+    secret,
+)
 from kvoffload.routing.policies import POLICIES, TIER_WEIGHTS
 
 __all__ = ["ROUTE_FLAGS", "add_parser"]
@@ -38,6 +45,9 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
     Flag("metrics_interval", "seconds between scrapes of the backends' /metrics (measured "
          "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS"),
     Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning"),
+    *FRONT_DOOR_FLAGS,
+    Flag("backend_api_key", "the key sent to every backend as 'Authorization: Bearer KEY'",
+         parse=secret, unit="KEY", unset=f"${BACKEND_API_KEY_ENV}, else none"),
 )
 
 
@@ -78,8 +88,9 @@ def _run(args: argparse.Namespace) -> int:
     router = Router(
         specs, Policy(args.policy, args.tier_weights), tokenizer, args.block_size,
         args.health_interval, args.health_failures, args.metrics_interval,
+        backend_api_key=api_key_from(args.backend_api_key, BACKEND_API_KEY_ENV),
     )
-    app = build_app(router)
+    app = build_app(router, api_key_from(args.api_key, API_KEY_ENV), args.max_request_bytes)
     # Everything imported and built so far lives as long as the process: out of every future
     # collection, so a full one walks only what serving creates (the index never: it is
     # untracked by construction), and its pause stays short in whichever request it lands.

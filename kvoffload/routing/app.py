@@ -29,6 +29,8 @@ from prometheus_client.registry import Collector
 from kvoffload.routing.index import TIERS
 from kvoffload.routing.router import Backend, Router, Ticket
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
+from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard
+from kvoffload.serving.request_body import parse_json_object
 
 __all__ = ["build_app"]
 
@@ -48,7 +50,12 @@ _RETRIABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(
+    router: Router, api_key: ApiKey | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The router's app; ``api_key`` and ``max_request_bytes`` set its front door
+    (:class:`~kvoffload.serving.guard.RequestGuard`: /health and /metrics stay open)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
@@ -60,6 +67,7 @@ def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvoffload route", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_bytes)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_RouterCollector(router))
 
@@ -118,12 +126,7 @@ def router_stats(router: Router) -> dict[str, Any]:
 
 async def _route(router: Router, raw: Request, path: str) -> Response:
     data = await raw.body()
-    try:
-        body = json.loads(data)
-    except ValueError as exc:
-        raise APIError(f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError("the body must be a JSON object")
+    body = parse_json_object(data)
     start = time.perf_counter()
     session_key = raw.headers.get("x-session-id") or (
         body.get("user") if isinstance(body.get("user"), str) else None

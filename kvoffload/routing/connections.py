@@ -12,6 +12,7 @@ second failure is raised as it is: the server is gone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -25,13 +26,18 @@ STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSErro
 class Connections:
     """A pooled session (``pooled``: use it for anything else too) and a session whose
     connections serve one request each, for the second attempt. ``stale_retries`` counts the
-    POSTs sent twice. Create and close it on the event loop that uses it."""
+    POSTs sent twice. ``headers`` go with every request of both (the backends' API key: every
+    request to a backend goes through here). Create and close it on the event loop that uses
+    it."""
 
-    def __init__(self, timeout: aiohttp.ClientTimeout) -> None:
-        self.pooled = aiohttp.ClientSession(timeout=timeout,
+    def __init__(
+        self, timeout: aiohttp.ClientTimeout, headers: Mapping[str, str] | None = None
+    ) -> None:
+        self.pooled = aiohttp.ClientSession(timeout=timeout, headers=headers,
                                             connector=aiohttp.TCPConnector(limit=0))
         self._fresh = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            timeout=timeout, headers=headers,
+            connector=aiohttp.TCPConnector(limit=0, force_close=True))
         self.stale_retries = 0
 
     async def post(self, url: str, **kwargs: Any) -> aiohttp.ClientResponse:

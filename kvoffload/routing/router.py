@@ -28,7 +28,10 @@ from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
 from kvoffload.routing.keys import token_bytes
 from kvoffload.routing.policies import BackendLoad, Policy, choose, prefill_s
+from kvoffload.serving.errors import APIError
+from kvoffload.serving.guard import ApiKey
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
+from kvoffload.serving.request_body import check_token_ids
 
 __all__ = ["Backend", "BackendSpec", "Ranking", "Router", "Ticket"]
 
@@ -122,8 +125,10 @@ class Router:
         health_interval_s: float = 1.0,
         failures: int = 2,
         metrics_interval_s: float = 1.0,
+        backend_api_key: ApiKey | None = None,
     ) -> None:
         self.policy = policy
+        self.backend_api_key = backend_api_key
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.index = PrefixIndex(block_size)
@@ -149,7 +154,9 @@ class Router:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5))
+        key = self.backend_api_key
+        self.connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                       key.header() if key is not None else None)
         await asyncio.gather(*(self._check(b) for b in self.backends))
         self._tasks = [
             asyncio.create_task(self._every(self.health_interval_s, self._check)),
@@ -268,7 +275,8 @@ class Router:
 
     def prompt_ids(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's token ids as the backends will see them (``None``: not a prompt the
-        router understands; the backend will answer the error)."""
+        router understands; the backend will answer the error). Token ids out of range
+        (:func:`~kvoffload.serving.request_body.check_token_ids`) raise :class:`APIError`."""
         try:
             if path.endswith("chat/completions"):
                 messages = body.get("messages")
@@ -280,8 +288,10 @@ class Router:
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)
-            if isinstance(prompt, list) and all(isinstance(t, int) and t >= 0 for t in prompt):
-                return prompt
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return check_token_ids(prompt, "prompt")  # ids the keys can pack, else 400
+        except APIError:
+            raise
         except Exception:  # a template error or odd content: the backend answers it
             return None
         return None

@@ -3,9 +3,10 @@
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
 ``/v1/models``, ``/health``, ``/metrics`` (the engine's Prometheus registry and the server's own
 series, on the same port), ``/kv_event_sources`` (vLLM's discovery endpoint: where the KV events
-are published) and ``/tokenize``. A request is validated before it reaches the engine (the field
-at fault is named, status 400), then added to the running engine loop; a client that disconnects
-aborts its request, which frees its blocks.
+are published) and ``/tokenize``. Every request passes the front door first (API key, body cap:
+:mod:`kvoffload.serving.guard`). A request is parsed, validated and tokenized on a worker thread
+(the field at fault is named, status 400), then added to the running engine loop; a client that
+disconnects aborts its request, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -14,20 +15,25 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
+from kvoffload.serving.drain import Drain, DrainGate
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
+from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard
 from kvoffload.serving.loop import Delta, EngineLoop, RequestStream, Unavailable
 from kvoffload.serving.output import TextAssembler, TextPiece, chat_logprobs, completion_logprobs
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 from kvoffload.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvoffload.serving.request_body import check_token_ids, parse_json_object
 
 __all__ = ["ServingContext", "build_app"]
 
@@ -37,7 +43,9 @@ T = TypeVar("T")
 @dataclass
 class ServingContext:
     """What the endpoints serve: the engine loop, its model's name and limits, the prompt
-    tokenizer, the metrics registries, and the KV event sources to advertise."""
+    tokenizer, the metrics registries, the KV event sources to advertise, and the front door's
+    settings (:class:`~kvoffload.serving.guard.RequestGuard`) and its drain on SIGTERM
+    (:class:`~kvoffload.serving.drain.Drain`)."""
 
     loop: EngineLoop
     model_name: str
@@ -46,11 +54,16 @@ class ServingContext:
     registries: list[CollectorRegistry]
     kv_event_sources: dict[str, Any]
     created: int = 0
+    api_key: ApiKey | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    drain: Drain = field(default_factory=Drain)
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="kvoffload serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=ctx.api_key, max_body_bytes=ctx.max_request_bytes)
+    app.add_middleware(DrainGate, drain=ctx.drain)  # outermost: counts every request
     ctx.created = ctx.created or int(time.time())
     decode = ctx.loop.engine.tokenizer.decode
 
@@ -83,32 +96,16 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:
-        body = await _json_body(raw)
-        messages = body.get("messages")
-        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-            ids = ctx.tokenizer.encode_chat(chat_messages(body["messages"]))
-        elif isinstance(body.get("prompt"), str):
-            ids = ctx.tokenizer.encode(body["prompt"])
-        else:
-            raise APIError("give a string 'prompt' or a list of 'messages' objects", "prompt")
-        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        return await asyncio.to_thread(_tokenize, ctx, await raw.body())
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        _check_model(ctx, body.model)
-        ids = _completion_prompt(ctx, body.prompt)
-        sampling = _sampling(ctx, body, len(ids), body.max_tokens, "prompt", body.logprobs)
+    async def completions(raw: Request) -> Response:
+        body, ids, sampling = await asyncio.to_thread(_prepare_completion, ctx, await raw.body())
         return await _generate(ctx, raw, body, ids, sampling, _CompletionFormat(ctx, body, decode))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        _check_model(ctx, body.model)
-        ids = ctx.tokenizer.encode_chat(chat_messages([m.model_dump() for m in body.messages]))
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        sampling = _sampling(ctx, body, len(ids), max_tokens, "messages", top, chat=True)
+    async def chat(raw: Request) -> Response:
+        body, ids, sampling = await asyncio.to_thread(_prepare_chat, ctx, await raw.body())
         return await _generate(ctx, raw, body, ids, sampling, _ChatFormat(ctx, body, decode))
 
     return app
@@ -117,14 +114,54 @@ def build_app(ctx: ServingContext) -> FastAPI:
 # -- validation ----------------------------------------------------------------------------------
 
 
-async def _json_body(raw: Request) -> dict[str, Any]:
+# Parsing, validation and tokenization run on a worker thread (``asyncio.to_thread``): a large
+# body never holds up the event loop, so /health and the streams in flight keep answering.
+
+M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
+
+
+def _validated(model: type[M], data: bytes) -> M:
+    """``data`` as a ``model`` request; a field at fault is a :class:`RequestValidationError`
+    (status 400 naming it, as FastAPI's own validation)."""
     try:
-        body = await raw.json()
-    except ValueError as exc:
-        raise APIError(f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError("the body must be a JSON object")
-    return body
+        return model.model_validate(parse_json_object(data))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _prepare_completion(
+    ctx: ServingContext, data: bytes
+) -> tuple[CompletionRequest, list[int], SamplingParams]:
+    body = _validated(CompletionRequest, data)
+    _check_model(ctx, body.model)
+    ids = _completion_prompt(ctx, body.prompt)
+    return body, ids, _sampling(ctx, body, len(ids), body.max_tokens, "prompt", body.logprobs)
+
+
+def _prepare_chat(
+    ctx: ServingContext, data: bytes
+) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+    body = _validated(ChatCompletionRequest, data)
+    _check_model(ctx, body.model)
+    ids = ctx.tokenizer.encode_chat(chat_messages([m.model_dump() for m in body.messages]))
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    sampling = _sampling(ctx, body, len(ids), max_tokens, "messages", top, chat=True)
+    return body, ids, sampling
+
+
+def _tokenize(ctx: ServingContext, data: bytes) -> dict[str, Any]:
+    body = parse_json_object(data)
+    messages = body.get("messages")
+    if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+        ids = ctx.tokenizer.encode_chat(chat_messages(messages))
+    elif isinstance(body.get("prompt"), str):
+        ids = ctx.tokenizer.encode(body["prompt"])
+    else:
+        raise APIError("give a string 'prompt' or a list of 'messages' objects", "prompt")
+    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
 
 def _check_model(ctx: ServingContext, model: str | None) -> None:
@@ -145,12 +182,7 @@ def _completion_prompt(ctx: ServingContext, prompt: Any) -> list[int]:
         if not prompt:
             raise APIError("the prompt must not be empty", "prompt")
         return ctx.tokenizer.encode(prompt)
-    if not prompt:
-        raise APIError("the prompt must not be empty", "prompt")
-    vocab = ctx.loop.engine.model_config.vocab_size
-    if max(prompt) >= vocab:
-        raise APIError(f"token ids must be in [0, {vocab})", "prompt")
-    return list(prompt)
+    return check_token_ids(prompt, "prompt", ctx.loop.engine.model_config.vocab_size)
 
 
 def _sampling(
@@ -176,7 +208,9 @@ def _sampling(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the input, "
             f"{max_tokens} in the completion).",
-            "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens",
+            "max_completion_tokens"
+            if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens
+            else "max_tokens",
         )
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
     try:

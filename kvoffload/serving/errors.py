@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = ["APIError", "error_body", "install_error_handlers"]
 
@@ -34,7 +34,7 @@ _TYPES = {
 _BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "constrained-int"})
 
 
-class APIError(Exception):
+class APIError(KVOffloadError):
     """An error answered with ``status``; ``param`` names the request field at fault."""
 
     def __init__(
@@ -65,7 +65,9 @@ def error_body(
     }
 
 
-def _response(status: int, message: str, param: str | None = None, code: str | None = None):
+def _response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, code), status_code=status)
 
 

@@ -14,14 +14,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvoffload.serving.drain import Drain
 from kvoffload.serving.loop import EngineLoop
 
 __all__ = ["ServerMetrics"]
 
 
 class _LoopCollector(Collector):
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, drain: Drain) -> None:
         self._loop = loop
+        self._drain = drain
 
     def collect(self) -> Iterator[Metric]:
         cost = self._loop.cost
@@ -49,11 +51,16 @@ class _LoopCollector(Collector):
             "Requests added to the engine and not finished.",
             value=self._loop.num_live,
         )
+        yield GaugeMetricFamily(
+            "kvoffload_serve_http_requests_in_flight",
+            "HTTP requests being answered (this scrape included); a drain waits for them.",
+            value=self._drain.in_flight,
+        )
 
 
 class ServerMetrics:
     """The server's registry (one per server)."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, drain: Drain) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_LoopCollector(loop))
+        self.registry.register(_LoopCollector(loop, drain))

@@ -1,11 +1,13 @@
 """Turning a request's token deltas into OpenAI text: incremental decoding, stop strings and
 log-probabilities.
 
-Text is decoded from all output ids so far, so a character split across tokens comes out whole:
-a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until the next tokens complete it
-or the request ends. While streaming, the last ``len(longest stop string) - 1`` characters are
-held back too, so a stop string is never sent before it is recognised; the output ends before
-the stop string (OpenAI's rule) and the request is aborted at once.
+Text is decoded incrementally, as vLLM does (:class:`IncrementalDecoder`: a window of tokens from
+a prefix offset, its text past the read offset is new), so each token is decoded a bounded number
+of times and a character split across tokens comes out whole: while the window's text ends in
+U+FFFD (an incomplete UTF-8 sequence) it is held back until the next tokens complete it or the
+request ends. While streaming, the last ``len(longest stop string) - 1`` characters are held back
+too, so a stop string is never sent before it is recognised; the output ends before the stop
+string (OpenAI's rule) and the request is aborted at once.
 """
 
 from __future__ import annotations
@@ -17,15 +19,51 @@ from typing import Any
 from kvoffload.engine import RequestOutput
 from kvoffload.serving.loop import Delta
 
-__all__ = ["TextAssembler", "TextPiece", "finish_reason_of"]
+__all__ = ["MAX_WINDOW_TOKENS", "IncrementalDecoder", "TextAssembler", "TextPiece",
+           "finish_reason_of"]
 
 _REPLACEMENT = "\ufffd"
+#: The most tokens a decoding window holds while its text ends in U+FFFD; past it the U+FFFD is
+#: taken as final (a byte that starts no character), so a model that keeps sampling such bytes
+#: costs bounded work per token. A character's bytes span at most 4 byte tokens.
+MAX_WINDOW_TOKENS = 32
 
 
 def finish_reason_of(output: RequestOutput) -> str:
     """OpenAI's finish reason: ``length`` at max_tokens, else ``stop`` (EOS, a stop token or
     string, or an abort)."""
     return "length" if output.finish_reason == "length" else "stop"
+
+
+class IncrementalDecoder:
+    """The text of a growing token sequence, decoded a window at a time (vLLM's prefix and read
+    offsets). Invariants: ``ids[:read]`` is decoded into :attr:`text` (the pieces returned so
+    far); ``prefix <= read`` and the text of ``ids[prefix:read]`` ends on a whole character, so
+    the new text is what decoding ``ids[prefix:]`` adds to it. Each :meth:`add` decodes at most
+    ``read - prefix + MAX_WINDOW_TOKENS`` tokens twice, however long the sequence is; the result
+    equals decoding all ids at once whenever no character spans more than
+    :data:`MAX_WINDOW_TOKENS` tokens."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Take ``token_ids``; return the text they complete (``final``: everything left)."""
+        ids = self._ids
+        ids.extend(token_ids)
+        if len(ids) == self._read:
+            return ""
+        new_text = self._decode(ids[self._prefix :])
+        if not final and new_text.endswith(_REPLACEMENT) and (
+            len(ids) - self._prefix <= MAX_WINDOW_TOKENS
+        ):
+            return ""  # an incomplete character: wait for the tokens that complete it
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        self._prefix, self._read = self._read, len(ids)
+        return new_text[len(prefix_text) :]
 
 
 @dataclass(slots=True)
@@ -41,56 +79,61 @@ class TextPiece:
 
 
 class TextAssembler:
-    """Feeds on a request's :class:`Delta` objects, gives back :class:`TextPiece` objects."""
+    """Feeds on a request's :class:`Delta` objects, gives back :class:`TextPiece` objects. Work
+    per delta is bounded by the delta and the held-back text, never the text sent so far."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
-        self._decode = decode
+        self._decoder = IncrementalDecoder(decode)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
-        self.text = ""  # everything sent so far
+        self._sent: list[str] = []  # the pieces' texts so far
+        self._unsent = ""  # decoded, held back (at most ``_hold`` characters between deltas)
         self._pending_ids: list[int] = []
         self._pending_lps: list[dict[int, float]] = []
         self.output: RequestOutput | None = None
         self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything sent so far."""
+        return "".join(self._sent)
 
     def feed(self, delta: Delta) -> TextPiece:
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self._pending_ids.extend(delta.token_ids)
         self._pending_lps.extend(delta.logprobs)
-        final = delta.finished is not None
-        if final:
-            self.output = delta.finished
-        full = self._decode(self.token_ids)
-        cut = self._find_stop(full)
+        finished = delta.finished
+        if finished is not None:
+            self.output = finished
+        self._unsent += self._decoder.add(delta.token_ids, final=finished is not None)
+        cut = self._find_stop()
         if cut is not None:
-            return self._emit(full[:cut], "stop", stopped=True)
-        if final:
-            assert delta.finished is not None
-            return self._emit(full, finish_reason_of(delta.finished))
-        ready = len(full)
-        while ready > len(self.text) and full[ready - 1] == _REPLACEMENT:
-            ready -= 1
-        ready = max(len(self.text), ready - self._hold)
-        return self._emit(full[:ready], None)
+            return self._emit(cut, "stop", stopped=True)
+        if finished is not None:
+            return self._emit(len(self._unsent), finish_reason_of(finished))
+        return self._emit(max(0, len(self._unsent) - self._hold), None)
 
-    def _find_stop(self, full: str) -> int | None:
+    def _find_stop(self) -> int | None:
+        """Where the first stop string starts in the held-back text (one ending in text sent
+        earlier would have been found then: the held-back tail covers every partial one)."""
         if not self._stop:
             return None
-        start = max(0, len(self.text) - self._hold)
-        found = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+        found = [i for i in (self._unsent.find(s) for s in self._stop) if i >= 0]
         return min(found) if found else None
 
-    def _emit(self, upto: str, finish_reason: str | None, stopped: bool = False) -> TextPiece:
-        piece = TextPiece(upto[len(self.text) :], finish_reason=finish_reason, stopped=stopped)
+    def _emit(self, upto: int, finish_reason: str | None, stopped: bool = False) -> TextPiece:
+        piece = TextPiece(self._unsent[:upto], finish_reason=finish_reason, stopped=stopped)
+        self._unsent = "" if finish_reason is not None else self._unsent[upto:]
         if finish_reason is not None:
             self.finish_reason = finish_reason
         if piece.text or finish_reason is not None:
             piece.token_ids, self._pending_ids = self._pending_ids, []
             piece.logprobs, self._pending_lps = self._pending_lps, []
-        self.text = upto if len(upto) >= len(self.text) else self.text
+        if piece.text:
+            self._sent.append(piece.text)
         return piece
 
 

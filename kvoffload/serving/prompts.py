@@ -17,13 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvoffload.engine.model_config import PRESETS
 from kvoffload.errors import ConfigError
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "PRESET_NAMES", "PromptTokenizer", "chat_messages"]
 
-#: The engine's presets (``kvoffload.engine.model_config.PRESETS``; a test keeps them equal),
-#: named here so the router need not import torch to know them.
-PRESET_NAMES: frozenset[str] = frozenset({"small", "tiny"})
+#: The engine's presets, from their one source (``kvoffload.engine.model_config``: torch-free,
+#: so the router knows them without importing torch).
+PRESET_NAMES: frozenset[str] = frozenset(PRESETS)
 
 #: The chat template of models without one (the presets): one line per turn, then the
 #: assistant's header.

@@ -1,10 +1,13 @@
 """Running ``kvoffload serve``: the engine, its loop thread, the app, uvicorn, and a clean end.
 
-SIGTERM (and a first Ctrl-C) stop the server gracefully: uvicorn stops accepting connections
-and waits for the requests in flight to finish; then the engine loop lets the stores of
-finished requests reach every tier (their KV events go out), closes the engine, and the process
-exits 0. After a Ctrl-C, :func:`serve` raises ``KeyboardInterrupt`` once all that is done (the
-command prints one line and exits 130).
+SIGTERM (and a first Ctrl-C) stop the server gracefully. First it drains
+(:mod:`kvoffload.serving.drain`): the listener stays open, every new request is answered 503
+(``/health`` too; ``/metrics`` still answers), and the requests in flight run to their end. When
+none is left uvicorn stops (listener closed, idle connections closed); then the engine loop lets
+the stores of finished requests reach every tier (their KV events go out) and closes the engine
+on its own thread, and the process exits 0. A second SIGTERM stops waiting for the requests in
+flight; a second Ctrl-C quits at once. After a Ctrl-C, :func:`serve` raises
+``KeyboardInterrupt`` once all that is done (the command prints one line and exits 130).
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvoffload.engine import Engine, EngineConfig
 from kvoffload.errors import ConfigError
 from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.serving.drain import Drain
+from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.metrics import ServerMetrics
 from kvoffload.serving.prompts import PromptTokenizer
@@ -93,14 +100,15 @@ def serve(
     served_model_name: str | None = None,
     log_level: str = "warning",
     sock: socket.socket | None = None,
+    api_key: ApiKey | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> int:
     """Build the engine and serve it until SIGTERM (returns the exit status) or Ctrl-C (raises
     ``KeyboardInterrupt`` after the same graceful end)."""
-    import uvicorn
-
     engine = Engine(**_engine_kwargs(config))
     loop = EngineLoop(engine)
-    server_metrics = ServerMetrics(loop)
+    drain = Drain()
+    server_metrics = ServerMetrics(loop, drain)
     registries: list[CollectorRegistry] = [engine.metrics.registry, server_metrics.registry]
     ctx = ServingContext(
         loop=loop,
@@ -109,6 +117,9 @@ def serve(
         tokenizer=PromptTokenizer(config.model),
         registries=registries,
         kv_event_sources=kv_event_sources(engine),
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        drain=drain,
     )
     app = build_app(ctx)
 
@@ -125,16 +136,40 @@ def serve(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
         timeout_keep_alive=KEEP_ALIVE_S,
     )
-    server = uvicorn.Server(uv_config)
+    server = _DrainingServer(uv_config, drain)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if loop.alive:  # startup failed before the lifespan ran its shutdown
-            loop.stop(drain=False)
-        engine.close()
+        loop.close()  # after a failed startup; never closes the engine beside its thread
     return 1 if loop.failed is not None or not server.started else 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, whose first SIGTERM or SIGINT starts ``drain`` instead of stopping at once: it
+    stops (as uvicorn does on a signal) once nothing is in flight, checked every tick (0.1 s).
+    A second signal stops it now (a second SIGINT: without waiting for connections)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain.draining or not self.started:
+            if self.drain.draining and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: no more waiting
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # re-raised by uvicorn once it has stopped
+        self.drain.start()
+        logger.warning("draining: new requests are answered 503; %d in flight",
+                       self.drain.in_flight)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.done:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def _engine_kwargs(config: EngineConfig) -> dict[str, Any]:

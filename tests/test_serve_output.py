@@ -1,0 +1,129 @@
+"""Incremental detokenization (issue #29): the text a request streams equals decoding all its ids
+at once, for any ids and any split into steps, stop strings included; and the decoding work per
+token is bounded (counted in decoded token ids, never timed), where decoding everything at every
+step was quadratic."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.engine import ByteTokenizer, HFTokenizer, RequestOutput
+from kvoffload.serving.loop import Delta
+from kvoffload.serving.output import MAX_WINDOW_TOKENS, TextAssembler
+
+TOKENIZER = ByteTokenizer(512, 256)
+#: Ids a byte-level model samples: ASCII, UTF-8 lead and continuation bytes, EOS, non-bytes.
+IDS = st.one_of(
+    st.integers(0, 127), st.integers(128, 255), st.sampled_from([0xE2, 0x82, 0xAC, 0xF0, 0x9F]),
+    st.integers(256, 511),
+)
+#: Real multi-byte text, split at every byte.
+TEXT_IDS = st.text(min_size=1, max_size=60).map(lambda t: list(t.encode("utf-8")))
+
+
+class CountingDecode:
+    """The tokenizer's decode, counting the ids it was given."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.ids = 0
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        self.calls += 1
+        self.ids += len(ids)
+        return TOKENIZER.decode(ids)
+
+
+def _finished(ids: list[int]) -> RequestOutput:
+    return RequestOutput("r", [1], ids, "length", None, 1, 0, 0, 0.0, 0.0, 0)
+
+
+def _run(ids: list[int], cuts: list[int], stop: list[str]) -> tuple[str, TextAssembler, bool]:
+    """Feed ``ids`` in steps ending at ``cuts``; the text streamed, the assembler, and whether
+    a stop string ended it."""
+    assembler = TextAssembler(TOKENIZER.decode, stop)
+    bounds = sorted({c for c in cuts if 0 < c < len(ids)} | {len(ids)})
+    streamed, start = [], 0
+    for end in bounds:
+        final = end == len(ids)
+        piece = assembler.feed(Delta(ids[start:end], [], _finished(ids) if final else None))
+        streamed.append(piece.text)
+        start = end
+        if piece.finish_reason is not None:
+            return "".join(streamed), assembler, piece.stopped
+    raise AssertionError("no finish")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(IDS, min_size=1, max_size=120), TEXT_IDS),
+       st.lists(st.integers(0, 120), max_size=40))
+def test_streamed_text_equals_decoding_everything(ids: list[int], cuts: list[int]) -> None:
+    text, assembler, stopped = _run(ids, cuts, [])
+    assert text == TOKENIZER.decode(ids) == assembler.text
+    assert not stopped and assembler.token_ids == ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(IDS, min_size=1, max_size=120), TEXT_IDS),
+       st.lists(st.integers(0, 120), max_size=40),
+       st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
+def test_stop_strings_cut_where_full_decoding_finds_them(
+    ids: list[int], cuts: list[int], stop: list[str]
+) -> None:
+    full = TOKENIZER.decode(ids)
+    found = [i for i in (full.find(s) for s in stop) if i >= 0]
+    text, _, stopped = _run(ids, cuts, stop)
+    # The incomplete character at the very end (U+FFFD, flushed at the finish) may only match
+    # a stop string once it is final: as full decoding sees it.
+    assert text == (full[: min(found)] if found else full)
+    assert stopped == bool(found)
+
+
+def test_decoding_work_per_token_is_bounded() -> None:
+    """One token per step, 2000 steps: the ids decoded per step stay within a window, whatever
+    the text so far (decoding everything each step would decode 2000 * 2001 / 2 ids)."""
+    for ids in (list("the quick brown fox €, ünïcode ".encode()) * 50, [0xE2] * 2000):
+        decode = CountingDecode()
+        assembler = TextAssembler(decode, ["zz"])
+        for i, token in enumerate(ids):
+            assembler.feed(Delta([token], [], _finished(ids) if i == len(ids) - 1 else None))
+        assert decode.calls <= 2 * len(ids) + 2
+        assert decode.ids <= 2 * (MAX_WINDOW_TOKENS + 1) * len(ids), decode.ids
+        assert assembler.text == TOKENIZER.decode(ids)
+
+
+def _bpe_tokenizer() -> HFTokenizer:
+    """A byte-level BPE tokenizer (as the tiny Llama's), trained here on multi-byte text, so
+    that merged tokens end mid-character too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    lines = ["naïve café — €5, ünïcode 😀 text", "the quick brown fox", "日本語のテキスト"] * 50
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return HFTokenizer(tokenizer, eos_token_id=1)
+
+
+BPE = _bpe_tokenizer()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 399), min_size=1, max_size=80),
+       st.lists(st.integers(0, 80), max_size=30))
+def test_bpe_streamed_text_equals_decoding_everything(ids: list[int], cuts: list[int]) -> None:
+    assembler = TextAssembler(BPE.decode, [])
+    bounds = sorted({c for c in cuts if 0 < c < len(ids)} | {len(ids)})
+    streamed, start = [], 0
+    for end in bounds:
+        final = end == len(ids)
+        streamed.append(assembler.feed(Delta(ids[start:end], [],
+                                             _finished(ids) if final else None)).text)
+        start = end
+    assert "".join(streamed) == BPE.decode(ids)
