@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli.main import main
-from kvoffload.engine.model_config import PRESETS
-from kvoffload.serving.prompts import PRESET_NAMES, PromptTokenizer
+from kvoffload.serving.prompts import PromptTokenizer
 
 
 def _word_tokenizer(path: Path) -> None:
@@ -26,10 +25,6 @@ def _word_tokenizer(path: Path) -> None:
 def _route(model: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
     code = main(["route", "--model", model, "--backend", "http://127.0.0.1:1"])
     return code, capsys.readouterr().err.splitlines()
-
-
-def test_preset_names_are_the_engines() -> None:
-    assert set(PRESET_NAMES) == set(PRESETS)
 
 
 @pytest.mark.parametrize("kind", ["hub name", "no tokenizer.json", "empty directory"])
