@@ -37,6 +37,9 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
          parse=int_in(1), default=2, unit="N"),
     Flag("metrics_interval", "seconds between scrapes of the backends' /metrics (measured "
          "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS"),
+    Flag("stream_idle_timeout", "seconds a streamed answer may go without a byte from its "
+         "backend before it ends with an error event", parse=real_in(0, positive=True),
+         default=60.0, unit="SECONDS"),
     Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning"),
 )
 
@@ -59,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvoffload.routing.app import build_app
-    from kvoffload.routing.policies import Policy
+    from kvoffload.routing.policies import create_policy
     from kvoffload.routing.router import BackendSpec, Router
     from kvoffload.serving.prompts import PromptTokenizer
     from kvoffload.serving.server import KEEP_ALIVE_S
@@ -76,8 +79,9 @@ def _run(args: argparse.Namespace) -> int:
     # silent fall back to byte-level ids that match none of the backends' blocks.
     tokenizer = PromptTokenizer(args.model, require_tokenizer=True)
     router = Router(
-        specs, Policy(args.policy, args.tier_weights), tokenizer, args.block_size,
+        specs, create_policy(args.policy, args.tier_weights), tokenizer, args.block_size,
         args.health_interval, args.health_failures, args.metrics_interval,
+        args.stream_idle_timeout,
     )
     app = build_app(router)
     # Everything imported and built so far lives as long as the process: out of every future
