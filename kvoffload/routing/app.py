@@ -247,15 +247,16 @@ class _Relay:
         try:
             await asyncio.wait({read, self._lost}, timeout=self.router.stream_idle_timeout_s,
                                return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not read.done():
-                read.cancel()
-        if read.cancelled():
-            if self._lost.done():
-                raise BackendLost(f"{self.backend.url} left the rotation")
-            raise TimeoutError(f"{self.backend.url} sent nothing for "
-                               f"{self.router.stream_idle_timeout_s} s")
-        return read.result()
+        except BaseException:  # the client left
+            read.cancel()
+            raise
+        if read.done():
+            return read.result()
+        read.cancel()
+        if self._lost.done():
+            raise BackendLost(f"{self.backend.url} left the rotation")
+        raise TimeoutError(f"{self.backend.url} sent nothing for "
+                           f"{self.router.stream_idle_timeout_s} s")
 
     def close(self) -> None:
         if self._lost is not None:
