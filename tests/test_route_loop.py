@@ -54,8 +54,8 @@ async def _until(check: Callable[[], bool], what: str) -> None:
 
 
 def _with_router(body: Callable[[Router, ZmqEventPublisher], Awaitable[None]]) -> None:
-    with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                           topic="kv") as pub:
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv")
+    with pub:
         # published before the router subscribes: its follower fetches it by replay
         pub.publish(KVEventBatch(0.0, [BlockStored([11, 12], None, TOKENS, BS, None, "GPU",
                                                    None)]))
