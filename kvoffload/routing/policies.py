@@ -114,7 +114,7 @@ Score = Callable[[BackendLoad, BackendCosts, Match, float], float]
 def prefill_s(costs: BackendCosts, m: Match) -> float:
     """Predicted seconds of the request's own prefill: computed blocks, plus loaded blocks at
     each tier's measured cost."""
-    seconds = _compute_s(costs, m)
+    seconds = m.computed * costs.compute_block_s + (costs.fleet_step_s if m.total else 0.0)
     if m.host:
         seconds += m.host * costs.load_block_s("host")
     if m.disk:
@@ -122,10 +122,6 @@ def prefill_s(costs: BackendCosts, m: Match) -> float:
     if m.remote:
         seconds += m.remote * costs.load_block_s("remote")
     return seconds
-
-
-def _compute_s(costs: BackendCosts, m: Match) -> float:
-    return m.computed * costs.compute_block_s + (costs.fleet_step_s if m.total else 0.0)
 
 
 def _ttft_measured(load: BackendLoad, costs: BackendCosts, m: Match, now: float) -> float:
@@ -136,7 +132,8 @@ def _ttft_measured(load: BackendLoad, costs: BackendCosts, m: Match, now: float)
 
 def _ttft_blind(load: BackendLoad, costs: BackendCosts, m: Match, now: float) -> float:
     """As :func:`_ttft_measured`, a cached block free wherever it is."""
-    return load.queued_s(now) + _compute_s(costs, m)
+    return (load.queued_s(now) + m.computed * costs.compute_block_s
+            + (costs.fleet_step_s if m.total else 0.0))
 
 
 def _cost_dynamo(load: BackendLoad, costs: BackendCosts, m: Match, now: float) -> float:
@@ -192,7 +189,9 @@ class Policy(ABC):
 
 def _by_score(scores: Sequence[float], targets: Sequence[Target], turn: int, n: int) -> list[int]:
     """Lowest score first; ties: fewer requests in flight, then in turn from ``turn``."""
-    return sorted(range(n), key=lambda i: (scores[i], targets[i].load.in_flight, (i - turn) % n))
+    ranked = sorted(zip(scores, [t.load.in_flight for t in targets],
+                        [(i - turn) % n for i in range(n)], range(n)))
+    return [r[3] for r in ranked]
 
 
 class RoundRobin(Policy):
@@ -238,13 +237,13 @@ class KVAware(Policy):
                session_key: str | None, turn: int, n: int) -> list[int]:
         now = time.monotonic()
         score = self.score
-        scores = [
-            score(t.load, t.costs,
-                  matches.get(t.index_id, _NO_MATCH) if t.index_id is not None else _NO_MATCH,
-                  now)
-            for t in targets
-        ]
-        return _by_score(scores, targets, turn, n)
+        ranked = []
+        for i, t in enumerate(targets):
+            iid = t.index_id
+            m = matches.get(iid, _NO_MATCH) if iid is not None else _NO_MATCH
+            ranked.append((score(t.load, t.costs, m, now), t.load.in_flight, (i - turn) % n, i))
+        ranked.sort()
+        return [r[3] for r in ranked]
 
 
 _POLICY_TYPES: dict[str, type[Policy]] = {

@@ -297,7 +297,7 @@ class Router:
             backend.follower = EventFollower(
                 backend.url, events, replay, topic or "",
                 apply=lambda evs: self._apply_of(backend, iid, evs),
-                reset=lambda: self.index.clear(iid),
+                reset=lambda: self._reset_of(backend, iid),
                 loop=asyncio.get_running_loop(),
             ).start()
         backend.lost = asyncio.Event()
@@ -323,6 +323,13 @@ class Router:
         counted (:meth:`failed`) and the follower goes on with the next."""
         try:
             self._apply(iid, events)
+        except Exception as exc:
+            self.failed("events", backend, exc)
+
+    def _reset_of(self, backend: Backend, iid: int) -> None:
+        """``backend``'s entries dropped before its events are replayed afresh, on the loop."""
+        try:
+            self.index.clear(iid)
         except Exception as exc:
             self.failed("events", backend, exc)
 
