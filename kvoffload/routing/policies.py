@@ -187,14 +187,9 @@ class Policy(ABC):
                session_key: str | None, turn: int, n: int) -> list[int]: ...
 
 
-def _by_score(scores: Sequence[float], targets: Sequence[Target], turn: int, n: int) -> list[int]:
-    """Lowest score first; ties: fewer requests in flight, then in turn from ``turn``."""
-    ranked = sorted(zip(scores, [t.load.in_flight for t in targets],
-                        [(i - turn) % n for i in range(n)], range(n)))
-    return [r[3] for r in ranked]
-
-
 class RoundRobin(Policy):
+    """In turn, from the next one."""
+
     name = "round_robin"
 
     def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
@@ -203,11 +198,14 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
+    """The fewest requests in flight first; ties in turn."""
+
     name = "least_load"
 
     def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
                session_key: str | None, turn: int, n: int) -> list[int]:
-        return _by_score([float(t.load.in_flight) for t in targets], targets, turn, n)
+        ranked = sorted((t.load.in_flight, (i - turn) % n, i) for i, t in enumerate(targets))
+        return [r[2] for r in ranked]
 
 
 class Session(LeastLoad):
@@ -226,6 +224,9 @@ class Session(LeastLoad):
 
 
 class KVAware(Policy):
+    """The lowest score of its tier weighting first (:func:`score_of`); ties: fewer requests
+    in flight, then in turn."""
+
     name = "kv_aware"
     needs_match = True
 
