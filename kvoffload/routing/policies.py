@@ -179,6 +179,8 @@ class Policy(ABC):
         one holds nothing of the prompt). Equal scores go round in turn, so ties spread.
         Sorts ``len(targets)`` small tuples: nothing per block."""
         n = len(targets)
+        if n == 0:
+            return []
         turn = next(self._turn) % n
         return self._order(targets, matches, session_key, turn, n)
 

@@ -92,34 +92,41 @@ class Backend:
         return self.spec.url
 
 
+class _Step(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
 class Ticket:
     """One routed request's share of its backend's load: prefill until its first token, then
-    decode, then nothing. Each step happens once."""
+    decode, then nothing (PREFILL -> DECODE -> DONE). Each step happens once; a step asked for
+    again, or out of order, is a no-op, so every path may end a ticket."""
 
     def __init__(self, backend: Backend, prefill_s: float, blocks: int) -> None:
         self.backend = backend
         self.prefill_s = prefill_s
         self.blocks = blocks
-        self.state = "prefill"
+        self.step = _Step.PREFILL
         load = backend.load
         load.in_flight += 1
         load.start_prefill(id(self), prefill_s, blocks, time.monotonic())
 
     def first_token(self) -> None:
-        if self.state == "prefill":
+        if self.step is _Step.PREFILL:
             load = self.backend.load
             load.end_prefill(id(self), self.blocks, time.monotonic())
             load.decode_blocks += self.blocks
-            self.state = "decode"
+            self.step = _Step.DECODE
 
     def done(self) -> None:
-        if self.state == "done":
+        if self.step is _Step.DONE:
             return
         self.first_token()
         load = self.backend.load
         load.decode_blocks -= self.blocks
         load.in_flight -= 1
-        self.state = "done"
+        self.step = _Step.DONE
 
 
 class RouterState(enum.Enum):
