@@ -13,13 +13,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import pytest
+import uvicorn
 from aiohttp import web
 
 from kvoffload.errors import ContractError, KVOffloadError
 from kvoffload.events import BlockStored, KVEventBatch
 from kvoffload.events.publisher import ZmqEventPublisher
-from kvoffload.routing.app import BackendLost, BackendUnavailable
+from kvoffload.routing.app import BackendLost, BackendUnavailable, build_app
 from kvoffload.routing.follower import EventFollower, FollowerState
 from kvoffload.routing.policies import create_policy
 from kvoffload.routing.router import BackendSpec, Router, RouterState
@@ -131,6 +133,50 @@ def test_no_batch_is_applied_once_a_follower_stopped() -> None:
 
     _with_router(body)
     assert applied == []
+
+
+def test_a_prompt_is_tokenized_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a prompt is being tokenized (here: held until the router answers ``/health``, at
+    most 5 s), the loop serves other requests. Before, tokenizing ran on the loop: ``/health``
+    waited for it, and the tokenizer saw no answer while it was held."""
+    entered, answered = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    async def run() -> None:
+        runner, url = await _health_server()
+        router = Router([BackendSpec(url)], create_policy(), PromptTokenizer("tiny"), BS,
+                        health_interval_s=3600, metrics_interval_s=3600)
+        encode = router.tokenizer.encode
+
+        def held(text: str) -> list[int]:
+            entered.set()
+            seen.append(answered.wait(5))
+            return encode(text)
+
+        monkeypatch.setattr(router.tokenizer, "encode", held)
+        server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=0,
+                                               log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        try:
+            await _until(lambda: server.started, "the router did not start")
+            port = server.servers[0].sockets[0].getsockname()[1]
+            base = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as client:
+                post = asyncio.create_task(client.post(f"{base}/v1/completions",
+                                                       json={"prompt": "hi", "max_tokens": 1}))
+                await _until(entered.is_set, "the prompt was never tokenized")
+                async with client.get(f"{base}/health") as health:
+                    assert health.status == 200
+                answered.set()
+                (await post).release()
+        finally:
+            answered.set()
+            server.should_exit = True
+            await serving
+            await runner.cleanup()
+
+    asyncio.run(run())
+    assert seen == [True]
 
 
 def test_router_lifecycle_moves_are_checked() -> None:
