@@ -145,8 +145,9 @@ _MOVES = {
 
 
 class Router:
-    """Routes requests over ``specs`` with ``policy``; every method runs on the server's event
-    loop (the index, the backends' loads and states are that thread's alone)."""
+    """Routes requests over ``specs`` with ``policy``. Every method but :meth:`prompt_ids`
+    (which reads only the tokenizer, and runs on a worker thread) runs on the server's event
+    loop: the index, the backends' loads and states are that thread's alone."""
 
     def __init__(
         self,
