@@ -29,7 +29,8 @@ from array import array
 import numpy as np
 
 from kvoffload.events import BlockRemoved, BlockStored, EventDecoder, EventEncoder, KVEventBatch
-from kvoffload.routing.policies import Policy
+from kvoffload.events.messages import ExternalBlockHash
+from kvoffload.routing.policies import create_policy
 from kvoffload.routing.router import BackendSpec, Router
 from kvoffload.serving.prompts import PromptTokenizer
 
@@ -49,10 +50,12 @@ class Workload:
         n = self.args.prompt_blocks * self.args.block_size
         return array("I", (self.rng.randrange(1, 256) for _ in range(n)))
 
-    def _hashes(self, instance: int, serial: int) -> tuple[list[int], list[int]]:
+    def _hashes(
+        self, instance: int, serial: int
+    ) -> tuple[list[ExternalBlockHash], list[ExternalBlockHash]]:
         """The engine hashes of a prefix's device half and host half."""
         blocks = self.args.prompt_blocks
-        hashes = [(instance << 48) | (serial << 12) | k for k in range(blocks)]
+        hashes: list[ExternalBlockHash] = [(instance << 48) | (serial << 12) | k for k in range(blocks)]
         return hashes[: blocks // 2], hashes[blocks // 2 :]
 
     def stored(self, instance: int, tokens: array) -> list[BlockStored]:
@@ -84,7 +87,7 @@ class Workload:
 
 
 def build(args: argparse.Namespace) -> tuple[Router, Workload]:
-    router = Router([BackendSpec(f"http://b{i}") for i in range(args.instances)], Policy(),
+    router = Router([BackendSpec(f"http://b{i}") for i in range(args.instances)], create_policy(),
                     PromptTokenizer("tiny"), args.block_size)
     for b in router.backends:
         b.index_id = router.index.add_instance()

@@ -44,6 +44,9 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
          parse=int_in(1), default=2, unit="N"),
     Flag("metrics_interval", "seconds between scrapes of the backends' /metrics (measured "
          "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS"),
+    Flag("stream_idle_timeout", "seconds a streamed answer may go without a byte from its "
+         "backend before it ends with an error event", parse=real_in(0, positive=True),
+         default=60.0, unit="SECONDS"),
     Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning"),
     *FRONT_DOOR_FLAGS,
     Flag("backend_api_key", "the key sent to every backend as 'Authorization: Bearer KEY'",
@@ -69,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvoffload.routing.app import build_app
-    from kvoffload.routing.policies import Policy
+    from kvoffload.routing.policies import create_policy
     from kvoffload.routing.router import BackendSpec, Router
     from kvoffload.serving.prompts import PromptTokenizer
     from kvoffload.serving.server import KEEP_ALIVE_S
@@ -86,8 +89,9 @@ def _run(args: argparse.Namespace) -> int:
     # silent fall back to byte-level ids that match none of the backends' blocks.
     tokenizer = PromptTokenizer(args.model, require_tokenizer=True)
     router = Router(
-        specs, Policy(args.policy, args.tier_weights), tokenizer, args.block_size,
+        specs, create_policy(args.policy, args.tier_weights), tokenizer, args.block_size,
         args.health_interval, args.health_failures, args.metrics_interval,
+        args.stream_idle_timeout,
         backend_api_key=api_key_from(args.backend_api_key, BACKEND_API_KEY_ENV),
     )
     app = build_app(router, api_key_from(args.api_key, API_KEY_ENV), args.max_request_bytes)

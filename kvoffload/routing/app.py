@@ -6,7 +6,11 @@ streamed answers relayed chunk by chunk); ``/v1/models`` comes from a healthy ba
 (decisions per backend, decision time quantiles, retries, backends in rotation, index size,
 each backend's measured costs). A request whose backend cannot be reached, fails before any
 byte of its answer was relayed, or answers 503 (shutting down, engine failed), is retried on the
-next-best backend, which is then out of rotation; a request with no backend left gets 503.
+next-best backend (by the policy's ranking), which is then out of rotation; a request with no
+backend left gets 503, one whose backend answered malformed HTTP 502. A stream whose backend
+leaves the rotation, fails, or sends nothing for ``Router.stream_idle_timeout_s`` after its first
+byte ends with an error event and ``[DONE]``. Every request's share of its backend's load
+(:class:`~kvoffload.routing.router.Ticket`) ends on every path.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -25,22 +30,26 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import Receive, Scope, Send
 
+from kvoffload.errors import KVOffloadError
 from kvoffload.routing.index import TIERS
 from kvoffload.routing.router import Backend, Router, Ticket
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
 from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard
 from kvoffload.serving.request_body import parse_json_object
 
-__all__ = ["build_app"]
+__all__ = ["BackendLost", "BackendUnavailable", "build_app"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-class BackendLost(Exception):
+class BackendLost(KVOffloadError, ConnectionError):
     """The backend left the rotation (its health checks failed) before its first byte."""
 
 
-class BackendUnavailable(Exception):
+class BackendUnavailable(KVOffloadError):
     """The backend answered 503 (shutting down, its engine failed): nothing of the request was
     served, so another backend may serve it."""
 
@@ -86,7 +95,7 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> Response:
         for backend in router.backends:
-            if backend.healthy and router.session is not None:
+            if backend.healthy:
                 with contextlib.suppress(*_RETRIABLE):
                     async with router.session.get(f"{backend.url}/v1/models") as resp:
                         return Response(await resp.read(), resp.status,
@@ -112,8 +121,9 @@ def router_stats(router: Router) -> dict[str, Any]:
         "decisions": len(router.decision_us),
         "decision_us_p50": float(np.percentile(times, 50)),
         "decision_us_p99": float(np.percentile(times, 99)),
-        "counters": {**router.counters, "stale_connection_retries":
-                     router.connections.stale_retries if router.connections else 0},
+        "counters": {**router.counters, "stale_connection_retries": router.stale_retries},
+        "background_failures": [{"task": task, "cause": cause, "count": n}
+                                for (task, cause), n in sorted(router.failures.items())],
         "index": {"keys": router.index.num_keys(), **router.index.counters},
         "backends": [
             {"url": b.url, "healthy": b.healthy, "requests": b.requests,
@@ -131,34 +141,40 @@ async def _route(router: Router, raw: Request, path: str) -> Response:
     session_key = raw.headers.get("x-session-id") or (
         body.get("user") if isinstance(body.get("user"), str) else None
     )
-    ids = router.prompt_ids(path, body)
+    ids = await asyncio.to_thread(router.prompt_ids, path, body)  # the loop relays meanwhile
     ranking = router.rank(ids, session_key)
     router.decision_us.append((time.perf_counter() - start) * 1e6)
     router.counters["requests"] += 1
     stream = body.get("stream") is True
     headers = {"Content-Type": "application/json"}
-    tried: set[str] = set()
-    while True:
-        backend = next((b for b in ranking.backends if b.url not in tried and b.healthy), None)
-        if backend is None:
-            router.counters["no_backend"] += 1
-            return JSONResponse(error_body("no backend is available", 503), status_code=503)
-        tried.add(backend.url)
+    for backend in ranking.backends:  # best first, then the next-best
+        if not backend.healthy:  # left the rotation since the decision
+            continue
         ticket = Ticket(backend, ranking.prefill_s(backend), ranking.total)
         backend.requests += 1
+        response: Response | None = None
         try:
-            return await _forward(router, backend, path, data, headers, stream, ticket)
+            response = await _forward(router, backend, path, data, headers, stream, ticket)
+            return response
         except _RETRIABLE as exc:
-            ticket.done()
             router.mark_dead(backend, f"request failed: {exc!r}")
             router.counters["retries"] += 1
+        except aiohttp.ClientError as exc:  # an answer that is not HTTP: the backend served it
+            router.counters["bad_answers"] += 1
+            logger.warning("%s answered malformed HTTP: %r", backend.url, exc)
+            return JSONResponse(error_body("the backend's answer was malformed", 502),
+                                status_code=502)
+        finally:  # a relayed stream ends its ticket when it ends; anything else, here
+            if not isinstance(response, _RelayResponse):
+                ticket.done()
+    router.counters["no_backend"] += 1
+    return JSONResponse(error_body("no backend is available", 503), status_code=503)
 
 
 async def _forward(
     router: Router, backend: Backend, path: str, data: bytes, headers: dict[str, str],
     stream: bool, ticket: Ticket,
 ) -> Response:
-    assert router.connections is not None
     post = router.connections.post(f"{backend.url}{path}", data=data, headers=headers)
     resp = await _unless_lost(backend, post)
     try:
@@ -168,7 +184,6 @@ async def _forward(
             payload = await _unless_lost(backend, resp.read())
             if resp.status == 503:
                 raise BackendUnavailable(payload[:200].decode(errors="replace"))
-            ticket.done()
             return Response(payload, resp.status, _headers(resp),
                             media_type=resp.headers.get("Content-Type"))
         # a failure here can still be retried
@@ -179,8 +194,8 @@ async def _forward(
         resp.close()  # not released to the pool: a lost backend's connection may hang
         raise
     ticket.first_token()
-    return StreamingResponse(_relay(router, backend, resp, first, ticket), resp.status,
-                             _headers(resp), media_type="text/event-stream")
+    relay = _Relay(router, backend, resp, first, ticket)
+    return _RelayResponse(relay, resp.status, _headers(resp))
 
 
 async def _unless_lost(backend: Backend, work: Awaitable[T]) -> T:
@@ -202,20 +217,70 @@ async def _unless_lost(backend: Backend, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _relay(
-    router: Router, backend: Backend, resp: aiohttp.ClientResponse, first: bytes, ticket: Ticket
-) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        while chunk := await resp.content.readany():
-            yield chunk
-    except _RETRIABLE as exc:  # tokens were sent already: end the stream with an error event
-        router.mark_dead(backend, f"stream failed: {exc!r}")
-        yield b"data: " + json.dumps(error_body("the backend failed mid-stream", 503)).encode()
-        yield b"\n\ndata: [DONE]\n\n"
-    finally:
-        ticket.done()
-        resp.close()  # a client that left: the backend sees the disconnect and aborts
+class _Relay:
+    """A streamed answer being relayed: its first chunk (read already), the rest as they come.
+    The wait for each chunk ends when the backend leaves the rotation or has sent nothing for
+    the router's ``stream_idle_timeout_s``; then, as on any failure once bytes went out, the
+    stream ends with an error event and ``[DONE]``. :meth:`close` (idempotent) ends the
+    ticket and drops the backend's connection; it runs however the stream ends, also when its
+    chunks were never asked for."""
+
+    def __init__(self, router: Router, backend: Backend, resp: aiohttp.ClientResponse,
+                 first: bytes, ticket: Ticket) -> None:
+        self.router, self.backend, self.resp = router, backend, resp
+        self.first, self.ticket = first, ticket
+        self._lost: asyncio.Future[Any] | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            yield self.first
+            while chunk := await self._next():
+                yield chunk
+        except _RETRIABLE as exc:  # tokens were sent already: end the stream with an error event
+            self.router.mark_dead(self.backend, f"stream failed: {exc!r}")
+            yield b"data: " + json.dumps(error_body("the backend failed mid-stream", 503)).encode()
+            yield b"\n\ndata: [DONE]\n\n"
+        finally:
+            self.close()
+
+    async def _next(self) -> bytes:
+        if self._lost is None:
+            self._lost = asyncio.ensure_future(self.backend.lost.wait())
+        read = asyncio.ensure_future(self.resp.content.readany())
+        try:
+            await asyncio.wait({read, self._lost}, timeout=self.router.stream_idle_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the client left
+            read.cancel()
+            raise
+        if read.done():
+            return read.result()
+        read.cancel()
+        if self._lost.done():
+            raise BackendLost(f"{self.backend.url} left the rotation")
+        raise TimeoutError(f"{self.backend.url} sent nothing for "
+                           f"{self.router.stream_idle_timeout_s} s")
+
+    def close(self) -> None:
+        if self._lost is not None:
+            self._lost.cancel()
+        self.ticket.done()
+        self.resp.close()  # a client that left: the backend sees the disconnect and aborts
+
+
+class _RelayResponse(StreamingResponse):
+    """A relayed stream that releases its :class:`_Relay` once sent, or once the client left
+    (a generator never started runs no ``finally``)."""
+
+    def __init__(self, relay: _Relay, status: int, headers: dict[str, str]) -> None:
+        super().__init__(relay.chunks(), status, headers, media_type="text/event-stream")
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.relay.close()
 
 
 def _headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
@@ -252,10 +317,16 @@ class _RouterCollector(Collector):
         costs = GaugeMetricFamily("kvoffload_route_backend_cost_seconds",
                                   "Measured seconds per computed block and per loaded block.",
                                   labels=["backend", "what"])
+        failures = CounterMetricFamily(
+            "kvoffload_route_background_failures",
+            "Background work that failed (health checks, scrapes, event batches), by cause.",
+            labels=["task", "cause"])
+        for (task, cause), n in sorted(r.failures.items()):
+            failures.add_metric([task, cause], n)
         for b in r.backends:
             healthy.add_metric([b.url], float(b.healthy))
             routed.add_metric([b.url], b.requests)
             costs.add_metric([b.url, "compute"], b.costs.compute_block_s)
             for tier in TIERS[1:]:
                 costs.add_metric([b.url, f"load_{tier}"], b.costs.load_block_s(tier))
-        return [*out, healthy, routed, costs]
+        return [*out, healthy, routed, costs, failures]

@@ -196,11 +196,11 @@ class PrefixIndex:
                 self._add(instance, held[t], t, h if not group else (group, h), span)
             return
         for h in hashes:  # token-less: keys already learned from a described event
-            span = self._span_of.get(h)
-            if span is None or (size and _span_len(span) * ebs != size):
+            learned = self._span_of.get(h)
+            if learned is None or (size and _span_len(learned) * ebs != size):
                 self.counters["unresolved"] += 1
                 continue
-            self._add(instance, held[t], t, h if not group else (group, h), span)
+            self._add(instance, held[t], t, h if not group else (group, h), learned)
 
     def _learn(self, h: ExternalBlockHash, span: Span, last_key: int) -> None:
         key_of, span_of = self._key_of, self._span_of

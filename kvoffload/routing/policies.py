@@ -1,5 +1,9 @@
 """Routing policies: which backend gets a request.
 
+Each policy is an object chosen once, by name, at construction (:func:`create_policy`); per
+request it ranks the healthy backends best first (:meth:`Policy.order`): the first gets the
+request, the next ones its retries, in that order.
+
 * ``round_robin``: the next healthy backend in turn.
 * ``least_load``: the fewest requests in flight (from this router), ties in turn.
 * ``session``: sticky by the ``x-session-id`` header or the body's ``user`` (rendezvous hashing
@@ -26,17 +30,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import xxhash
 
+from kvoffload.errors import ConfigError
 from kvoffload.routing.costs import BackendCosts
 from kvoffload.routing.index import Match
 
-__all__ = ["DYNAMO_CREDITS", "POLICIES", "TIER_WEIGHTS", "BackendLoad", "Policy", "Target",
-           "choose", "predicted_ttft", "prefill_s"]
+__all__ = ["DYNAMO_CREDITS", "POLICIES", "TIER_WEIGHTS", "BackendLoad", "KVAware", "LeastLoad",
+           "Policy", "RoundRobin", "Session", "Target", "create_policy", "prefill_s", "score_of"]
 
 POLICIES = ("kv_aware", "round_robin", "least_load", "session")
 TIER_WEIGHTS = ("measured", "blind", "dynamo")
@@ -100,81 +106,157 @@ class Target(Protocol):
     index_id: int | None
 
 
-@dataclass
-class Policy:
-    name: str = "kv_aware"
-    tier_weights: str = "measured"
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.name!r}")
-        if self.tier_weights not in TIER_WEIGHTS:
-            raise ValueError(f"tier_weights must be one of {TIER_WEIGHTS}, got {self.tier_weights!r}")
-
-    @property
-    def needs_match(self) -> bool:
-        return self.name == "kv_aware"
+#: A backend's score for a request (lower is better): its load, its costs, what it holds of
+#: the prompt, and the time now.
+Score = Callable[[BackendLoad, BackendCosts, Match, float], float]
 
 
-def prefill_s(costs: BackendCosts, m: Match, weights: str = "measured") -> float:
-    """Predicted seconds of the request's own prefill: computed blocks, plus (``measured``)
-    loaded blocks at each tier's cost."""
-    compute = m.computed * costs.compute_block_s + (costs.fleet_step_s if m.total else 0.0)
-    if weights == "measured":
-        if m.host:
-            compute += m.host * costs.load_block_s("host")
-        if m.disk:
-            compute += m.disk * costs.load_block_s("disk")
-        if m.remote:
-            compute += m.remote * costs.load_block_s("remote")
-    return compute
+def prefill_s(costs: BackendCosts, m: Match) -> float:
+    """Predicted seconds of the request's own prefill: computed blocks, plus loaded blocks at
+    each tier's measured cost."""
+    seconds = m.computed * costs.compute_block_s + (costs.fleet_step_s if m.total else 0.0)
+    if m.host:
+        seconds += m.host * costs.load_block_s("host")
+    if m.disk:
+        seconds += m.disk * costs.load_block_s("disk")
+    if m.remote:
+        seconds += m.remote * costs.load_block_s("remote")
+    return seconds
 
 
-def predicted_ttft(load: BackendLoad, costs: BackendCosts, m: Match, weights: str,
-                   now: float) -> float:
-    """Seconds until the first token on this backend for a request sent at ``now``
-    (``measured`` / ``blind``), or Dynamo's cost in blocks (``dynamo``). Plain arithmetic: it
-    runs per backend and request."""
-    if weights == "dynamo":
-        credit = (m.device * DYNAMO_CREDITS["device"] + m.host * DYNAMO_CREDITS["host"]
-                  + m.disk * DYNAMO_CREDITS["disk"] + m.remote * DYNAMO_CREDITS["remote"])
-        return max(load.prefill_blocks + m.total - credit, 0.0) + load.decode_blocks
-    return load.queued_s(now) + prefill_s(costs, m, weights)
+def _ttft_measured(load: BackendLoad, costs: BackendCosts, m: Match, now: float) -> float:
+    """Seconds until the first token for a request sent at ``now``: its queue, then its
+    prefill (cached blocks loaded at their tier's cost)."""
+    return load.queued_s(now) + prefill_s(costs, m)
 
 
-def choose(
-    policy: Policy,
-    targets: Sequence[Target],
-    matches: Mapping[int, Match],
-    session_key: str | None = None,
-) -> int:
-    """The position in ``targets`` to send the request to (``matches``: by index id; a target
-    without one holds nothing of the prompt). Ties go round in turn. Allocates nothing per
-    target beyond a session key's hash input."""
-    n = len(targets)
-    turn = next(policy._turn) % n
-    if policy.name == "round_robin":
-        return turn
-    if policy.name == "session" and session_key is not None:
-        best, top = 0, -1
+def _ttft_blind(load: BackendLoad, costs: BackendCosts, m: Match, now: float) -> float:
+    """As :func:`_ttft_measured`, a cached block free wherever it is."""
+    return (load.queued_s(now) + m.computed * costs.compute_block_s
+            + (costs.fleet_step_s if m.total else 0.0))
+
+
+def _cost_dynamo(load: BackendLoad, costs: BackendCosts, m: Match, now: float) -> float:
+    """Dynamo's cost in blocks: prefill blocks less the tiers' static credits, plus decode."""
+    credit = (m.device * DYNAMO_CREDITS["device"] + m.host * DYNAMO_CREDITS["host"]
+              + m.disk * DYNAMO_CREDITS["disk"] + m.remote * DYNAMO_CREDITS["remote"])
+    return max(load.prefill_blocks + m.total - credit, 0.0) + load.decode_blocks
+
+
+_SCORES: dict[str, Score] = {"measured": _ttft_measured, "blind": _ttft_blind,
+                             "dynamo": _cost_dynamo}
+
+
+def score_of(tier_weights: str) -> Score:
+    """The ``kv_aware`` score of a tier weighting (see the module docstring)."""
+    score = _SCORES.get(tier_weights)
+    if score is None:
+        raise ConfigError("tier_weights",
+                          f"must be one of {TIER_WEIGHTS}, got {tier_weights!r}")
+    return score
+
+
+class Policy(ABC):
+    """Ranks backends for a request. ``tier_weights`` only changes ``kv_aware``; it is kept on
+    every policy for the router's stats."""
+
+    name: ClassVar[str]
+    #: whether :meth:`order` reads ``matches`` (the router skips the index walk otherwise)
+    needs_match: ClassVar[bool] = False
+
+    def __init__(self, tier_weights: str = "measured") -> None:
+        score_of(tier_weights)  # checked here, whatever the policy
+        self.tier_weights = tier_weights
+        self._turn = itertools.count()
+
+    def order(
+        self,
+        targets: Sequence[Target],
+        matches: Mapping[int, Match],
+        session_key: str | None = None,
+    ) -> list[int]:
+        """Positions in ``targets``, best first (``matches``: by index id; a target without
+        one holds nothing of the prompt). Equal scores go round in turn, so ties spread.
+        Sorts ``len(targets)`` small tuples: nothing per block."""
+        n = len(targets)
+        if n == 0:
+            return []
+        turn = next(self._turn) % n
+        return self._order(targets, matches, session_key, turn, n)
+
+    @abstractmethod
+    def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
+               session_key: str | None, turn: int, n: int) -> list[int]: ...
+
+
+class RoundRobin(Policy):
+    """In turn, from the next one."""
+
+    name = "round_robin"
+
+    def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
+               session_key: str | None, turn: int, n: int) -> list[int]:
+        return [(turn + k) % n for k in range(n)]
+
+
+class LeastLoad(Policy):
+    """The fewest requests in flight first; ties in turn."""
+
+    name = "least_load"
+
+    def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
+               session_key: str | None, turn: int, n: int) -> list[int]:
+        ranked = sorted((t.load.in_flight, (i - turn) % n, i) for i, t in enumerate(targets))
+        return [r[2] for r in ranked]
+
+
+class Session(LeastLoad):
+    """Rendezvous hashing of the session key over the backends (highest weight first, so a
+    retry goes where the session would move if its backend were lost); ``least_load``
+    without a key."""
+
+    name = "session"
+
+    def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
+               session_key: str | None, turn: int, n: int) -> list[int]:
+        if session_key is None:
+            return super()._order(targets, matches, session_key, turn, n)
+        weights = [xxhash.xxh3_64_intdigest(f"{session_key}/{t.url}".encode()) for t in targets]
+        return sorted(range(n), key=lambda i: -weights[i])
+
+
+class KVAware(Policy):
+    """The lowest score of its tier weighting first (:func:`score_of`); ties: fewer requests
+    in flight, then in turn."""
+
+    name = "kv_aware"
+    needs_match = True
+
+    def __init__(self, tier_weights: str = "measured") -> None:
+        super().__init__(tier_weights)
+        self.score = score_of(tier_weights)
+
+    def _order(self, targets: Sequence[Target], matches: Mapping[int, Match],
+               session_key: str | None, turn: int, n: int) -> list[int]:
+        now = time.monotonic()
+        score = self.score
+        ranked = []
         for i, t in enumerate(targets):
-            weight = xxhash.xxh3_64_intdigest(f"{session_key}/{t.url}".encode())
-            if weight > top:
-                best, top = i, weight
-        return best
-    least_load = policy.name in ("least_load", "session")
-    now = time.monotonic()
-    best, best_score, best_busy = turn, float("inf"), 0
-    for k in range(n):
-        i = (turn + k) % n
-        t = targets[i]
-        busy = t.load.in_flight
-        if least_load:
-            score = float(busy)
-        else:
-            m = matches.get(t.index_id, _NO_MATCH) if t.index_id is not None else _NO_MATCH
-            score = predicted_ttft(t.load, t.costs, m, policy.tier_weights, now)
-        if score < best_score or (score == best_score and busy < best_busy):
-            best, best_score, best_busy = i, score, busy
-    return best
+            iid = t.index_id
+            m = matches.get(iid, _NO_MATCH) if iid is not None else _NO_MATCH
+            ranked.append((score(t.load, t.costs, m, now), t.load.in_flight, (i - turn) % n, i))
+        ranked.sort()
+        return [r[3] for r in ranked]
+
+
+_POLICY_TYPES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (KVAware, RoundRobin, LeastLoad, Session)
+}
+
+
+def create_policy(name: str = "kv_aware", tier_weights: str = "measured") -> Policy:
+    """The policy called ``name`` (one of :data:`POLICIES`)."""
+    cls = _POLICY_TYPES.get(name)
+    if cls is None:
+        raise ConfigError("policy", f"must be one of {POLICIES}, got {name!r}")
+    return cls(tier_weights)

@@ -5,35 +5,48 @@ it; a wildcard or ``0.0.0.0`` host is the backend's own), or given explicitly. A
 fails its health check (``failures`` in a row) or a request's connection is out of rotation and
 its index entries are dropped; when it answers again it rejoins and its events are replayed.
 Each decision tokenizes the prompt as the backends do, asks the index what every healthy
-backend holds of it, and lets the policy choose; its cost is recorded (:attr:`decision_us`).
+backend holds of it, and lets the policy rank them; its cost is recorded (:attr:`decision_us`).
+
+Threads: the index is touched only on the router's event loop. Each backend's
+:class:`~kvoffload.routing.follower.EventFollower` receives and decodes its events on a thread
+of its own and hands each batch to the loop, so nothing on the loop waits for a follower (no
+lock, no join): a relayed stream never stalls behind a batch. Background work (health checks,
+scrapes, event batches) that fails is logged once per task and cause, and counted
+(:attr:`Router.failures`).
+
+Lifecycle: ``CREATED`` -> :meth:`~Router.start` -> ``RUNNING`` -> :meth:`~Router.stop` ->
+``STOPPED`` (also from ``CREATED``; stopping twice is a no-op); any other move, and using the
+connections outside ``RUNNING``, raises :class:`~kvoffload.errors.ContractError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from kvoffload.errors import ContractError
+from kvoffload.events.messages import KVCacheEvent
 from kvoffload.routing.connections import Connections
 from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_cost
 from kvoffload.routing.follower import EventFollower
 from kvoffload.routing.index import Match, PrefixIndex
 from kvoffload.routing.keys import token_bytes
-from kvoffload.routing.policies import BackendLoad, Policy, choose, prefill_s
+from kvoffload.routing.policies import BackendLoad, Policy, prefill_s
 from kvoffload.serving.errors import APIError
 from kvoffload.serving.guard import ApiKey
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages
 from kvoffload.serving.request_body import check_token_ids
 
-__all__ = ["Backend", "BackendSpec", "Ranking", "Router", "Ticket"]
+__all__ = ["Backend", "BackendSpec", "Ranking", "Router", "RouterState", "Ticket"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,39 +95,62 @@ class Backend:
         return self.spec.url
 
 
+class _Step(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
 class Ticket:
     """One routed request's share of its backend's load: prefill until its first token, then
-    decode, then nothing. Each step happens once."""
+    decode, then nothing (PREFILL -> DECODE -> DONE). Each step happens once; a step asked for
+    again, or out of order, is a no-op, so every path may end a ticket."""
 
     def __init__(self, backend: Backend, prefill_s: float, blocks: int) -> None:
         self.backend = backend
         self.prefill_s = prefill_s
         self.blocks = blocks
-        self.state = "prefill"
+        self.step = _Step.PREFILL
         load = backend.load
         load.in_flight += 1
         load.start_prefill(id(self), prefill_s, blocks, time.monotonic())
 
     def first_token(self) -> None:
-        if self.state == "prefill":
+        if self.step is _Step.PREFILL:
             load = self.backend.load
             load.end_prefill(id(self), self.blocks, time.monotonic())
             load.decode_blocks += self.blocks
-            self.state = "decode"
+            self.step = _Step.DECODE
 
     def done(self) -> None:
-        if self.state == "done":
+        if self.step is _Step.DONE:
             return
         self.first_token()
         load = self.backend.load
         load.decode_blocks -= self.blocks
         load.in_flight -= 1
-        self.state = "done"
+        self.step = _Step.DONE
+
+
+class RouterState(enum.Enum):
+    """Where a router is in its life: CREATED -> RUNNING -> STOPPED."""
+
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+_MOVES = {
+    RouterState.CREATED: {RouterState.RUNNING, RouterState.STOPPED},
+    RouterState.RUNNING: {RouterState.STOPPED},
+    RouterState.STOPPED: set(),
+}
 
 
 class Router:
-    """Routes requests over ``specs`` with ``policy``; :meth:`start` and :meth:`stop` run on the
-    server's event loop."""
+    """Routes requests over ``specs`` with ``policy``. Every method but :meth:`prompt_ids`
+    (which reads only the tokenizer, and runs on a worker thread) runs on the server's event
+    loop: the index, the backends' loads and states are that thread's alone."""
 
     def __init__(
         self,
@@ -125,6 +161,7 @@ class Router:
         health_interval_s: float = 1.0,
         failures: int = 2,
         metrics_interval_s: float = 1.0,
+        stream_idle_timeout_s: float = 60.0,
         backend_api_key: ApiKey | None = None,
     ) -> None:
         self.policy = policy
@@ -132,52 +169,100 @@ class Router:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.index = PrefixIndex(block_size)
-        self.lock = threading.Lock()
         self.backends = [Backend(s, BackendCosts(block_size)) for s in specs]
         self.health_interval_s = health_interval_s
         self.max_failures = failures
         self.metrics_interval_s = metrics_interval_s
+        #: the longest a relayed stream waits for its backend's next chunk
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.decision_us: deque[float] = deque(maxlen=100_000)
         # matched_blocks: cached blocks of the prompts on the backends chosen; best_matched_
         # blocks: on the backends holding most of them (what a policy trades for load)
+        # bad_answers: requests whose backend answered malformed HTTP (502)
         self.counters = dict.fromkeys(("requests", "retries", "no_backend", "backend_lost",
-                                       "matched_blocks", "best_matched_blocks"), 0)
-        self.connections: Connections | None = None
+                                       "bad_answers", "matched_blocks", "best_matched_blocks"), 0)
+        #: background failures by (task, cause: the exception's type); each logged once
+        self.failures: Counter[tuple[str, str]] = Counter()
+        self._state = RouterState.CREATED
+        self._connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
-    def session(self) -> aiohttp.ClientSession | None:
-        """The pooled HTTP session (health checks, metrics, model lists); ``None`` before
-        :meth:`start`."""
-        return None if self.connections is None else self.connections.pooled
+    def state(self) -> RouterState:
+        return self._state
+
+    @property
+    def connections(self) -> Connections:
+        """The HTTP connections to the backends (only while ``RUNNING``)."""
+        if self._state is not RouterState.RUNNING or self._connections is None:
+            raise ContractError(f"the router is {self._state.value}: it has no connections")
+        return self._connections
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled HTTP session (health checks, metrics, model lists); only while
+        ``RUNNING``."""
+        return self.connections.pooled
+
+    @property
+    def stale_retries(self) -> int:
+        """POSTs sent a second time after a kept-alive connection closed under them."""
+        return 0 if self._connections is None else self._connections.stale_retries
+
+    def _move(self, to: RouterState) -> None:
+        if to not in _MOVES[self._state]:
+            raise ContractError(f"the router is {self._state.value}: cannot become {to.value}")
+        self._state = to
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._move(RouterState.RUNNING)
         key = self.backend_api_key
-        self.connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                       key.header() if key is not None else None)
+        self._connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                        key.header() if key is not None else None)
         await asyncio.gather(*(self._check(b) for b in self.backends))
         self._tasks = [
-            asyncio.create_task(self._every(self.health_interval_s, self._check)),
-            asyncio.create_task(self._every(self.metrics_interval_s, self._scrape)),
+            asyncio.create_task(self._every("health", self.health_interval_s, self._check)),
+            asyncio.create_task(self._every("scrape", self.metrics_interval_s, self._scrape)),
         ]
 
     async def stop(self) -> None:
+        """Stop checking, following and connecting. Idempotent."""
+        if self._state is RouterState.STOPPED:
+            return
+        self._move(RouterState.STOPPED)
         for task in self._tasks:
             task.cancel()
         for backend in self.backends:
             self._leave(backend)
-        if self.connections is not None:
-            await self.connections.close()
+        if self._connections is not None:
+            await self._connections.close()
 
-    async def _every(self, interval: float, action: Any) -> None:
+    async def _every(
+        self, task: str, interval: float, action: Callable[[Backend], Awaitable[None]]
+    ) -> None:
         while True:
             await asyncio.sleep(interval)
-            await asyncio.gather(*(action(b) for b in self.backends), return_exceptions=True)
+            results = await asyncio.gather(*(action(b) for b in self.backends),
+                                           return_exceptions=True)
+            for backend, result in zip(self.backends, results, strict=True):
+                if isinstance(result, Exception):
+                    self.failed(task, backend, result)
+                elif isinstance(result, BaseException):  # cancelled: the router stops
+                    raise result
+
+    def failed(self, task: str, backend: Backend, exc: BaseException) -> None:
+        """Count a background failure of ``task`` for ``backend``; the first of each cause is
+        logged (with its traceback), the rest only counted."""
+        cause = (task, type(exc).__name__)
+        self.failures[cause] += 1
+        if self.failures[cause] == 1:
+            logger.error("%s of %s failed: %r (logged once; counted in /metrics as "
+                         "kvoffload_route_background_failures)", task, backend.url, exc,
+                         exc_info=exc)
 
     async def _check(self, backend: Backend) -> None:
-        assert self.session is not None
         try:
             async with self.session.get(f"{backend.url}/health", timeout=_short()) as resp:
                 ok = resp.status == 200
@@ -193,7 +278,7 @@ class Router:
                 self.mark_dead(backend, "health check failed")
 
     async def _scrape(self, backend: Backend) -> None:
-        if not backend.healthy or self.session is None:
+        if not backend.healthy:
             return
         try:
             async with self.session.get(f"{backend.url}/metrics", timeout=_short(5)) as resp:
@@ -219,21 +304,22 @@ class Router:
                 if isinstance(size, int) and size != self.block_size:
                     logger.warning("%s: block size %s, router keys %s-token blocks", backend.url,
                                    size, self.block_size)
-        with self.lock:
-            backend.index_id = self.index.add_instance(group)
+        if self._state is not RouterState.RUNNING:  # stopped while we asked
+            return
+        iid = self.index.add_instance(group)
+        backend.index_id = iid
         if events:
-            iid = backend.index_id
             backend.follower = EventFollower(
                 backend.url, events, replay, topic or "",
-                apply=lambda evs, iid=iid: self._apply(iid, evs),
-                reset=lambda iid=iid: self._clear(iid),
+                apply=lambda evs: self._apply_of(backend, iid, evs),
+                reset=lambda: self._reset_of(backend, iid),
+                loop=asyncio.get_running_loop(),
             ).start()
         backend.lost = asyncio.Event()
         backend.healthy = True
         logger.warning("backend %s in rotation", backend.url)
 
-    async def _event_source(self, backend: Backend) -> dict[str, Any] | None:
-        assert self.session is not None
+    async def _event_source(self, backend: Backend) -> Mapping[str, Any] | None:
         try:
             async with self.session.get(f"{backend.url}/kv_event_sources", timeout=_short()) as r:
                 sources = await r.json() if r.status == 200 else {}
@@ -244,13 +330,23 @@ class Router:
         first = sources.get("0", next(iter(sources.values())))
         return first if isinstance(first, Mapping) else None
 
-    def _apply(self, iid: int, events: list[Any]) -> None:
-        with self.lock:
-            self.index.apply(iid, events)
+    def _apply(self, iid: int, events: list[KVCacheEvent]) -> None:
+        self.index.apply(iid, events)
 
-    def _clear(self, iid: int) -> None:
-        with self.lock:
+    def _apply_of(self, backend: Backend, iid: int, events: list[KVCacheEvent]) -> None:
+        """A batch of ``backend``'s events, on the loop; a batch the index cannot apply is
+        counted (:meth:`failed`) and the follower goes on with the next."""
+        try:
+            self._apply(iid, events)
+        except Exception as exc:
+            self.failed("events", backend, exc)
+
+    def _reset_of(self, backend: Backend, iid: int) -> None:
+        """``backend``'s entries dropped before its events are replayed afresh, on the loop."""
+        try:
             self.index.clear(iid)
+        except Exception as exc:
+            self.failed("events", backend, exc)
 
     def mark_dead(self, backend: Backend, why: str) -> None:
         """Out of rotation, its index entries dropped; requests still waiting for its first byte
@@ -267,8 +363,7 @@ class Router:
             backend.follower.stop()
             backend.follower = None
         if backend.index_id is not None:
-            with self.lock:
-                self.index.remove_instance(backend.index_id)
+            self.index.remove_instance(backend.index_id)
             backend.index_id = None
 
     # -- decisions ---------------------------------------------------------------------------
@@ -297,30 +392,33 @@ class Router:
         return None
 
     def rank(self, token_ids: list[int] | None, session_key: str | None) -> Ranking:
-        """Healthy backends, the policy's choice first, with what each holds of the prompt.
-        Allocation-light: a handful of small objects per decision, none per block (a decision
-        that allocates little rarely trips a garbage collection)."""
-        healthy = [b for b in self.backends if b.healthy and b.index_id is not None]
+        """Healthy backends in the policy's order (its choice first, then the retries, next-best
+        first), with what each holds of the prompt. Allocation-light: a handful of small
+        objects per decision, none per block (a decision that allocates little rarely trips a
+        garbage collection)."""
+        healthy: list[Backend] = []
+        ids: list[int] = []
+        for b in self.backends:
+            if b.healthy and b.index_id is not None:
+                healthy.append(b)
+                ids.append(b.index_id)
         if not healthy:
             return Ranking(healthy, {}, 0)
         data = token_bytes(token_ids) if token_ids else b""
         matches: dict[int, Match] = {}
         if token_ids and self.policy.needs_match:
-            ids = [b.index_id for b in healthy]
-            with self.lock:
-                matches = self.index.match(data, ids)  # type: ignore[arg-type]
-        best = choose(self.policy, healthy, matches, session_key)
+            matches = self.index.match(data, ids)
+        order = self.policy.order(healthy, matches, session_key)
         if matches:
-            chosen = matches.get(healthy[best].index_id)  # type: ignore[arg-type]
+            chosen = matches.get(ids[order[0]])
             self.counters["matched_blocks"] += chosen.cached if chosen is not None else 0
             self.counters["best_matched_blocks"] += max(m.cached for m in matches.values())
-        healthy[0], healthy[best] = healthy[best], healthy[0]
-        return Ranking(healthy, matches, len(data) // (self.block_size * 4))
+        return Ranking([healthy[i] for i in order], matches, len(data) // (self.block_size * 4))
 
 
 @dataclass(slots=True)
 class Ranking:
-    """A decision: ``backends`` healthy, best first (the rest: retries, in order); ``matches``
+    """A decision: ``backends`` healthy, best first (the rest: retries, next-best first); ``matches``
     what each holds of the prompt (by index id; none when the policy does not look);
     ``total`` the prompt's full blocks."""
 
