@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,6 +43,16 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
 
 
+def _wait_until_indexed(url: str, timeout_s: float = 60.0) -> None:
+    """Return once some backend's blocks are in the router's index (polled, bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(b["indexed_blocks"] > 0 for b in http_json(f"{url}/router/stats")["backends"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no KV event reached the router within {timeout_s} s")
+
+
 def test_outputs_through_route_equal_one_instance(backends: list[Process]) -> None:
     prompts = [SHARED + f"Question {i}?" for i in range(4)] * 2
     tok = PromptTokenizer("tiny")
@@ -49,9 +60,16 @@ def test_outputs_through_route_equal_one_instance(backends: list[Process]) -> No
         want = [engine.tokenizer.decode(o.output_token_ids) for o in engine.generate(
             [tok.encode(p) for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))]
     with route(backends) as router, _client(router.url) as client:
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
-               for p in prompts]
+        def complete(prompt: str) -> str:
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                             temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        got = [complete(prompts[0])]
+        # The first answer's blocks reach the router as KV events, asynchronously: the next
+        # request can follow them only once they are indexed (else both backends look empty).
+        _wait_until_indexed(router.url)
+        got += [complete(p) for p in prompts[1:]]
         assert got == want
         streamed = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8,
                                              temperature=0, stream=True,
