@@ -142,21 +142,29 @@ def _one(args: argparse.Namespace, name: str, remote: str | None,
         return run(args, stack.enter_context(_process(serve, port)))
 
 
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def _cell(figure: dict[str, float] | None) -> str:
+    if figure is None:
+        return "-"
+    return f"{_number(figure['median'])} [{_number(figure['min'])}-{_number(figure['max'])}]"
+
+
 def print_comparison(summary: dict[str, dict[str, dict[str, float]]], repeats: int) -> None:
     """The table (a row per figure, a column per configuration: median [min-max]) and each
     configuration's ratios against no offloading where both have the figure."""
     names = list(summary)
+    rows = []
+    for key, label, _ in _FIGURES:
+        if any(key in summary[n] for n in names):
+            rows.append([label, *(_cell(summary[n].get(key)) for n in names)])
+    width = max(len(c) for row in [["", *names], *rows] for c in row[1:]) + 2
     print(f"== offloading, median [min-max] of {repeats} interleaved repeats; load "
           f"{os.getloadavg()[0]:.1f} ==")
-    print(f"{'':<20}" + "".join(f"{n:>26}" for n in names))
-    for key, label, _ in _FIGURES:
-        if not any(key in summary[n] for n in names):
-            continue
-        cells = []
-        for n in names:
-            f = summary[n].get(key)
-            cells.append("-" if f is None else f"{f['median']:.3g} [{f['min']:.3g}-{f['max']:.3g}]")
-        print(f"{label:<20}" + "".join(f"{c:>26}" for c in cells))
+    for row in [["", *names], *rows]:
+        print(f"{row[0]:<18}" + "".join(f"{c:>{width}}" for c in row[1:]))
     base = summary.get(BASELINE)
     if not base:
         return
