@@ -77,15 +77,32 @@ async def _through_recording_proxy(backend: str, flags, think, exchanges: list, 
         await runner.cleanup()
 
 
-def test_each_turn_resends_the_answers_the_server_returned() -> None:
+def test_each_turn_resends_the_answers_the_server_returned(tmp_path) -> None:
     flags = resolve_flags(_args(*SMALL, "--sessions-think-time", "0.5",
                                 "--sessions-think-time-dist", "fixed"))
     think = think_times(2, 3, 0.5, "fixed", 0)
     exchanges: list = []
     slept: list = []
+    output = tmp_path / "result.json"
     with serve() as server:
         turns, _ = asyncio.run(_through_recording_proxy(server.url, flags, think, exchanges,
                                                         slept))
+        cli = subprocess.run(
+            [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--base-url",
+             server.url, "--model", "tiny", *SMALL, "--sessions-think-time", "0",
+             "--save-detailed", "--output-json", str(output)],
+            capture_output=True, text=True, timeout=150, check=False,
+        )
+    # The command: the same conversations, vLLM's keys over every turn, a table per round.
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "Per round" in cli.stdout
+    r = json.loads(output.read_text())
+    assert (r["completed"], r["failed"], r["num_prompts"], r["not_sent"]) == (6, 0, 6, 0)
+    assert r["users_of_requests"] == [0, 0, 0, 1, 1, 1]
+    assert r["rounds_of_requests"] == [1, 2, 3, 1, 2, 3]
+    assert [x["completed"] for x in r["rounds"]] == [2, 2, 2]
+    assert r["input_lens"][0] == turns[0].result.prompt_len  # round 1: the same text, seeded
+    assert sum(r["tokens_by_source"].values()) == sum(r["input_lens"])
     assert [(t.user, t.round) for t in turns] == [(u, r) for u in range(2) for r in range(3)]
     assert all(t.result.success and t.result.output_tokens == 5 for t in turns)
     # One user at a time (--max-concurrency 1): the proxy saw the turns in the users' order.
@@ -118,6 +135,36 @@ def test_each_turn_resends_the_answers_the_server_returned() -> None:
                                               if t.round == r["round"] - 1)
     assert rounds[0]["total_input_tokens"] < rounds[1]["total_input_tokens"] < rounds[2][
         "total_input_tokens"]
+
+
+async def _against_a_failing_server(flags, slept: list):
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        return await run_users(f"http://127.0.0.1:{port}", "tiny", build_workload(flags),
+                               think_times(2, 3, 1.0, "fixed", 0), None, sleep=sleep)
+    finally:
+        await runner.cleanup()
+
+
+def test_a_failed_turn_ends_its_users_conversation() -> None:
+    slept: list = []
+    turns, _ = asyncio.run(_against_a_failing_server(resolve_flags(_args(*SMALL)), slept))
+    assert [(t.user, t.round) for t in turns] == [(0, 0), (1, 0)]  # nothing to re-send after
+    assert all(not t.result.success and t.result.error.startswith("HTTP 503") for t in turns)
+    assert slept == []
+    rounds = round_figures(turns, 3, [99])
+    assert [(r["completed"], r["failed"]) for r in rounds] == [(0, 2), (0, 0), (0, 0)]
 
 
 def test_think_times_are_drawn_per_user_from_the_seed() -> None:
