@@ -1,10 +1,14 @@
 """``kvoffload bench serve``: an online benchmark against one OpenAI-compatible URL, with ``vllm
 bench serve``'s flags, metric definitions and JSON keys; ``--compare-routing N`` starts N
-``kvoffload serve`` instances and one ``kvoffload route`` per policy and compares them."""
+``kvoffload serve`` instances and one ``kvoffload route`` per policy and compares them;
+``--dataset-name sessions`` runs closed-loop chat users (:mod:`kvoffload.servebench.sessions`);
+``--compare-offloading`` one instance per offloading configuration
+(:mod:`kvoffload.servebench.offloading`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -12,8 +16,10 @@ from kvoffload.benchmark.traces import SUITE
 from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
-from kvoffload.cli.workload_flags import TRACE, add_workload_flags
+from kvoffload.cli.workload_flags import TRACE, WORKLOAD_FLAGS
 from kvoffload.servebench.configs import CONFIG_NAMES
+from kvoffload.servebench.offloading import OFFLOADING_CONFIGS
+from kvoffload.servebench.sessions import THINK_TIME_DISTS
 
 __all__ = ["add_parser"]
 
@@ -40,7 +46,26 @@ def _config_names(text: str) -> tuple[str, ...]:
 
 _config_names.bound = "names, comma-separated"  # type: ignore[attr-defined]
 
+
+def _offloading_names(text: str) -> tuple[str, ...]:
+    """A comma list of --compare-offloading configurations, each known, none twice."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in OFFLOADING_CONFIGS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"give distinct names of {', '.join(OFFLOADING_CONFIGS)}; got {text!r}")
+    return names
+
+
+_offloading_names.bound = "names, comma-separated"  # type: ignore[attr-defined]
+
 COMPARE = Needs("--compare-routing", lambda f, _: f.compare_routing is not None)
+OFFLOADING = Needs("--compare-offloading", lambda f, _: bool(f.compare_offloading))
+ANY_COMPARE = Needs("--compare-routing or --compare-offloading",
+                    lambda f, _: f.compare_routing is not None or bool(f.compare_offloading))
+SESSIONS = Needs("--dataset-name sessions", lambda f, _: f.dataset_name == "sessions")
+#: The flags that mean nothing to the closed-loop sessions workload (refused with it).
+NOT_FOR_SESSIONS = ("num_prompts", "output_len", "request_rate", "burstiness", "warmup_pass")
 REDIS = Needs("--compare-routing-redis", lambda f, _: bool(f.compare_routing_redis))
 
 #: bench serve's own flags (vLLM's names where vLLM has the flag); the workload's come from
@@ -83,19 +108,50 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          "loopback simulating a network)", parse=real_in(0, positive=True), unit="MB/S",
          needs=REDIS, unset="direct (loopback)"),
     Flag("num_device_blocks", "each instance's device cache", parse=int_in(1), default=64,
-         unit="BLOCKS", needs=COMPARE),
+         unit="BLOCKS", needs=ANY_COMPARE),
     Flag("compare_routing_host_size", "each instance's host tier", parse=real_in(0), default=0.05,
          unit="GiB", needs=COMPARE),
     Flag("compare_routing_disk_size", "each instance's own disk tier (a fresh directory per run)",
          parse=real_in(0, positive=True), unit="GiB", needs=COMPARE, unset="no disk tier"),
     Flag("serve_args", "more flags for every serve instance", unit="FLAGS",
-         needs=COMPARE, unset="none"),
+         needs=ANY_COMPARE, unset="none"),
     Flag("repeats", "interleaved repeats of every configuration", parse=int_in(1), default=1,
-         unit="N", needs=COMPARE),
+         unit="N", needs=ANY_COMPARE),
     Flag("compare_routing_configs", "the configurations to run (the order rotates by one each "
          "repeat): "
          + ", ".join(CONFIG_NAMES), parse=_config_names, unit="NAME,...", needs=COMPARE,
          unset="all"),
+    Flag("compare_offloading", "start one serve instance per offloading configuration (no "
+         "offloading, host, host + disk, host + Redis) and compare them", kind="switch"),
+    Flag("compare_offloading_configs", "the configurations to run (the order rotates by one "
+         "each repeat): " + ", ".join(OFFLOADING_CONFIGS), parse=_offloading_names,
+         unit="NAME,...", needs=OFFLOADING, unset="all"),
+    Flag("compare_offloading_host_size", "the host tier of every configuration but "
+         "no_offloading", parse=real_in(0, positive=True), default=0.05, unit="GiB",
+         needs=OFFLOADING),
+    Flag("compare_offloading_disk_size", "host_disk's disk tier (a fresh directory per run)",
+         parse=real_in(0, positive=True), default=0.2, unit="GiB", needs=OFFLOADING),
+)
+
+#: The sessions workload's flags (closed-loop chat users; vLLM's multi-turn names where it has
+#: them).
+SESSIONS_FLAGS: tuple[Flag, ...] = (
+    Flag("sessions_num_users", "users, each holding one conversation", parse=int_in(1),
+         default=8, unit="N", needs=SESSIONS),
+    Flag("sessions_num_rounds", "turns of each conversation", parse=int_in(1), default=4,
+         unit="N", needs=SESSIONS),
+    Flag("sessions_system_prompt_len", "tokens of the system prompt every user shares",
+         parse=int_in(0), default=512, unit="TOKENS", needs=SESSIONS),
+    Flag("sessions_user_context_len", "tokens of each user's own context (its first message)",
+         parse=int_in(0), default=1024, unit="TOKENS", needs=SESSIONS),
+    Flag("sessions_question_len", "tokens of each question", parse=int_in(1), default=64,
+         unit="TOKENS", needs=SESSIONS),
+    Flag("sessions_answer_len", "max_tokens of every answer (ignore_eos: exactly this many)",
+         parse=int_in(1), default=64, unit="TOKENS", needs=SESSIONS),
+    Flag("sessions_think_time", "mean seconds a user waits after an answer before its next "
+         "turn", parse=real_in(0), default=1.0, unit="SECONDS", needs=SESSIONS),
+    Flag("sessions_think_time_dist", "the think time's distribution (drawn per user from "
+         "--seed)", choices=THINK_TIME_DISTS, default="exponential", needs=SESSIONS),
 )
 
 
@@ -105,10 +161,15 @@ def add_parser(sub: Any) -> None:
         help="online serving benchmark (like vllm bench serve)",
         description="Send a workload to an OpenAI-compatible server or router at Poisson "
         "arrivals and report vLLM's serving figures, plus the prefix-hit rate by source from the "
-        "servers' /metrics. --compare-routing N compares routing policies over N fresh instances.",
+        "servers' /metrics. --dataset-name sessions runs closed-loop chat users instead (TTFT per "
+        "round). --compare-routing N compares routing policies over N fresh instances; "
+        "--compare-offloading compares offloading configurations.",
     )
-    add_workload_flags(p)
+    add_flags(p, tuple(  # bench throughput's workloads, plus sessions (online only)
+        dataclasses.replace(f, choices=(*f.choices, "sessions"))  # type: ignore[misc]
+        if f.dest == "dataset_name" else f for f in WORKLOAD_FLAGS))
     add_flags(p, BENCH_SERVE_FLAGS)
+    add_flags(p, SESSIONS_FLAGS)
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                    help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's "
                    "(default: none)")
@@ -120,7 +181,18 @@ def _run(args: argparse.Namespace) -> int:
     from kvoffload.benchmark.trace_file import check_trace_path
     from kvoffload.errors import ConfigError
 
+    given = {name for name in NOT_FOR_SESSIONS if getattr(args, name) not in (None, False)}
     args = resolve_flags(args)
+    if args.dataset_name == "sessions" and given:
+        raise ConfigError(sorted(given)[0], "--dataset-name sessions is a closed loop of "
+                          "--sessions-num-users x --sessions-num-rounds turns: it takes no "
+                          + ", ".join("--" + g.replace("_", "-") for g in sorted(given)))
+    if args.compare_routing and args.compare_offloading:
+        raise ConfigError("compare_offloading", "give --compare-routing or --compare-offloading, "
+                          "not both")
+    if args.compare_routing and args.dataset_name == "sessions":
+        raise ConfigError("compare_routing", "--compare-routing runs open-loop workloads; with "
+                          "--dataset-name sessions use --compare-offloading or --base-url")
     if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
         raise ConfigError("dataset_path",
                           "--dataset-name trace needs --dataset-path or --generate (one)")
@@ -130,14 +202,20 @@ def _run(args: argparse.Namespace) -> int:
     for setting in ("output_json", "plot"):
         if getattr(args, setting):
             check_output_path(setting, getattr(args, setting))
+    from kvoffload.servebench.run import run_once
+    from kvoffload.servebench.sessions import run_sessions
+
+    run = run_sessions if args.dataset_name == "sessions" else run_once
     if args.compare_routing:
         from kvoffload.servebench.compare import compare_routing
 
         result = compare_routing(args)
-    else:
-        from kvoffload.servebench.run import run_once
+    elif args.compare_offloading:
+        from kvoffload.servebench.offloading import compare_offloading
 
-        result = run_once(args, args.base_url.rstrip("/"))
+        result = compare_offloading(args, lambda a, url: run(a, url, quiet=True))
+    else:
+        result = run(args, args.base_url.rstrip("/"))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -149,9 +149,17 @@ def _stats(name: str, values: list[float], percentiles: Sequence[float]) -> dict
 
 
 def scrape_sources(urls: Sequence[str]) -> dict[str, float]:
-    """``kvoffload_tokens_by_source_total`` summed over ``urls`` (vLLM servers: its prefix-cache
-    queries and hits as ``device`` / ``computed``)."""
+    """``kvoffload_tokens_by_source_total`` summed over ``urls``. vLLM servers: their prompt
+    tokens by source (``vllm:prompt_tokens_by_source_total``'s ``local_compute`` as ``computed``,
+    ``vllm:prompt_tokens_cached_by_source_total``'s ``device``, ``host``, ``disk``, ...: an
+    offloading connector's loads included), else, where a vLLM has no such series, its
+    prefix-cache queries and hits as ``device`` / ``computed``."""
     totals: dict[str, float] = {}
+    by_source: dict[str, float] = {}  # vLLM's prompt tokens by source, where it has them
+
+    def add(into: dict[str, float], key: str, value: float) -> None:
+        into[key] = into.get(key, 0.0) + value
+
     for url in urls:
         try:
             with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
@@ -161,14 +169,22 @@ def scrape_sources(urls: Sequence[str]) -> dict[str, float]:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "kvoffload_tokens_by_source_total":
-                    src = s.labels.get("source", "?")
-                    totals[src] = totals.get(src, 0.0) + s.value
+                    add(totals, s.labels.get("source", "?"), s.value)
                 elif s.name == "vllm:prefix_cache_queries_total":
-                    totals["_vllm_queries"] = totals.get("_vllm_queries", 0.0) + s.value
+                    add(totals, "_vllm_queries", s.value)
                 elif s.name == "vllm:prefix_cache_hits_total":
-                    totals["device"] = totals.get("device", 0.0) + s.value
+                    add(totals, "device", s.value)
+                elif s.name == "vllm:prompt_tokens_cached_by_source_total":
+                    add(by_source, s.labels.get("source", "?"), s.value)
+                elif (s.name == "vllm:prompt_tokens_by_source_total"
+                      and s.labels.get("source") == "local_compute"):
+                    add(by_source, "computed", s.value)
     if "_vllm_queries" in totals:
-        totals["computed"] = totals.pop("_vllm_queries") - totals.get("device", 0.0)
+        queries = totals.pop("_vllm_queries")
+        if "computed" in by_source:
+            totals.update(by_source)
+        else:
+            totals["computed"] = queries - totals.get("device", 0.0)
     return totals
 
 

@@ -1,0 +1,181 @@
+"""``kvoffload bench serve --compare-offloading``: the same workload against one fresh
+``kvoffload serve`` per offloading configuration (no offloading / host / host + disk / host +
+Redis), interleaved over ``--repeats`` (the order rotated by one each repeat); figures as median
+[min-max] and as ratios against no offloading.
+
+Every run starts a fresh instance on a free loopback port with ``--num-device-blocks`` and
+``--serve-args``, and stops it at the end: a run never finds an earlier run's cache (the disk
+tier gets a fresh directory, the Redis server started here for ``host_redis`` is flushed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import redis
+
+from kvoffload.servebench.compare import _port, _process
+from kvoffload.servebench.configs import repeat_order
+
+__all__ = ["OFFLOADING_CONFIGS", "compare_offloading", "offloading_args"]
+
+#: The configurations, the baseline first.
+OFFLOADING_CONFIGS: tuple[str, ...] = ("no_offloading", "host", "host_disk", "host_redis")
+BASELINE = OFFLOADING_CONFIGS[0]
+
+#: The figures compared: (result key, label, lower is better); the shares come from the
+#: servers' tokens by source.
+_FIGURES: tuple[tuple[str, str, bool], ...] = (
+    ("round1_mean_ttft_ms", "round 1 TTFT ms", True),
+    ("later_rounds_mean_ttft_ms", "rounds 2+ TTFT ms", True),
+    ("mean_ttft_ms", "mean TTFT ms", True),
+    ("p99_ttft_ms", "P99 TTFT ms", True),
+    ("mean_itl_ms", "mean ITL ms", True),
+    ("output_throughput", "output tok/s", False),
+    ("prefix_hit_rate", "hit rate", False),
+    ("share_device", "device", False),
+    ("share_host", "host", False),
+    ("share_disk", "disk", False),
+    ("share_remote", "remote", False),
+    ("failed", "failed", True),
+)
+
+
+def offloading_args(args: argparse.Namespace, name: str, disk: str | None,
+                    remote: str | None) -> list[str]:
+    """``kvoffload serve``'s flags for configuration ``name`` (no ``--port``)."""
+    if name not in OFFLOADING_CONFIGS:
+        raise ValueError(f"unknown offloading configuration {name!r}")
+    out = ["serve", "--model", args.model, "--num-device-blocks", str(args.num_device_blocks),
+           *shlex.split(args.serve_args or "")]
+    if name != BASELINE:
+        out += ["--kv-offloading-size", f"{args.compare_offloading_host_size:g}"]
+    if name == "host_disk":
+        if disk is None:
+            raise ValueError("host_disk needs a disk directory")
+        out += ["--kv-disk-path", disk, "--kv-disk-size",
+                f"{args.compare_offloading_disk_size:g}"]
+    if name == "host_redis":
+        if remote is None:
+            raise ValueError("host_redis needs a Redis URL")
+        out += ["--kv-remote-url", remote]
+    return out
+
+
+def _derived(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` plus the compared figures it does not hold as such: each source's share and,
+    for sessions, the TTFT of round 1 and of the later rounds (mean over their turns)."""
+    out = dict(result)
+    for source, share in result.get("share_by_source", {}).items():
+        out[f"share_{source}"] = share
+    rounds = result.get("rounds") or []
+    if rounds:
+        out["round1_mean_ttft_ms"] = rounds[0]["mean_ttft_ms"] if rounds[0]["completed"] else None
+        later = [(r["mean_ttft_ms"], r["completed"]) for r in rounds[1:] if r["completed"]]
+        total = sum(n for _, n in later)
+        out["later_rounds_mean_ttft_ms"] = (sum(m * n for m, n in later) / total
+                                            if total else None)
+    return out
+
+
+def _spread(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for key, _, _ in _FIGURES:
+        values = [r[key] for r in results if r.get(key) is not None]
+        if values:
+            out[key] = {"median": float(np.median(values)), "min": float(min(values)),
+                        "max": float(max(values))}
+    return out
+
+
+def compare_offloading(args: argparse.Namespace,
+                       run: Callable[[argparse.Namespace, str], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``run(args, url)`` against a fresh instance of every configuration of
+    ``args.compare_offloading_configs``, ``args.repeats`` times interleaved; prints the table and
+    returns ``{"configs": summary, "runs": results, "loadavg": ...}``."""
+    configs = tuple(args.compare_offloading_configs or OFFLOADING_CONFIGS)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    remote_ctx: Any = contextlib.nullcontext(None)
+    if "host_redis" in configs:
+        from kvoffload.benchmark.redis_server import standalone_server
+
+        remote_ctx = standalone_server()
+    with remote_ctx as server:
+        remote = None if server is None else server.url
+        for repeat in range(args.repeats):
+            order = repeat_order(configs, repeat)
+            print(f"repeat {repeat + 1}/{args.repeats}: order {', '.join(order)}", flush=True)
+            for name in order:
+                result = _derived(_one(args, name, remote, run))
+                result["loadavg"] = os.getloadavg()
+                runs[name].append(result)
+                print(f"repeat {repeat + 1}/{args.repeats}: {name}: hit rate "
+                      f"{result['prefix_hit_rate'] or 0:.3f}, mean TTFT "
+                      f"{result['mean_ttft_ms']:.1f} ms, failed {result['failed']}, load "
+                      f"{result['loadavg'][0]:.1f}", flush=True)
+    summary = {name: _spread(results) for name, results in runs.items()}
+    print_comparison(summary, args.repeats)
+    return {"configs": summary, "runs": runs, "loadavg": os.getloadavg()}
+
+
+def _one(args: argparse.Namespace, name: str, remote: str | None,
+         run: Callable[[argparse.Namespace, str], dict[str, Any]]) -> dict[str, Any]:
+    if remote is not None and name == "host_redis":  # every run starts from an empty tier
+        client = redis.Redis.from_url(remote)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+    with contextlib.ExitStack() as stack:
+        disk = None
+        if name == "host_disk":
+            disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-disk-"))
+        port = _port()
+        serve = [*offloading_args(args, name, disk, remote), "--port", str(port)]
+        return run(args, stack.enter_context(_process(serve, port)))
+
+
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def _cell(figure: dict[str, float] | None) -> str:
+    if figure is None:
+        return "-"
+    return f"{_number(figure['median'])} [{_number(figure['min'])}-{_number(figure['max'])}]"
+
+
+def print_comparison(summary: dict[str, dict[str, dict[str, float]]], repeats: int) -> None:
+    """The table (a row per figure, a column per configuration: median [min-max]) and each
+    configuration's ratios against no offloading where both have the figure."""
+    names = list(summary)
+    rows = []
+    for key, label, _ in _FIGURES:
+        if any(key in summary[n] for n in names):
+            rows.append([label, *(_cell(summary[n].get(key)) for n in names)])
+    width = max(len(c) for row in [["", *names], *rows] for c in row[1:]) + 2
+    print(f"== offloading, median [min-max] of {repeats} interleaved repeats; load "
+          f"{os.getloadavg()[0]:.1f} ==")
+    for row in [["", *names], *rows]:
+        print(f"{row[0]:<18}" + "".join(f"{c:>{width}}" for c in row[1:]))
+    base = summary.get(BASELINE)
+    if not base:
+        return
+    for n in names:
+        if n == BASELINE:
+            continue
+        parts = []
+        for key, label, lower_better in _FIGURES[:6]:
+            b, f = base.get(key), summary[n].get(key)
+            if b and f and b["median"] and f["median"]:
+                ratio = b["median"] / f["median"] if lower_better else f["median"] / b["median"]
+                parts.append(f"{label} {ratio:.2f}x")
+        if parts:
+            print(f"{n} vs {BASELINE} (>1: better): " + ", ".join(parts))
