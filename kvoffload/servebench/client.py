@@ -10,7 +10,8 @@ timestamps, with at most ``max_concurrency`` in flight; a request's ``queue_time
 it waited for a slot. A request whose pooled connection the server had closed before answering
 (its keep-alive timeout racing the reuse: it never read the request) is sent once more on a new
 connection, timed from the first send (:class:`~kvoffload.routing.connections.Connections`;
-``vllm bench serve`` counts it as failed).
+``vllm bench serve`` counts it as failed). A server that needs a key gets the one in
+``OPENAI_API_KEY`` as ``Authorization: Bearer`` (``vllm bench serve``'s rule), on every request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +31,18 @@ import numpy as np
 from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.routing.connections import Connections
 
-__all__ = ["RequestResult", "arrival_gaps", "replay_gaps", "run_requests"]
+__all__ = ["RequestResult", "arrival_gaps", "bench_connections", "replay_gaps", "run_requests"]
+
+
+#: The environment variable whose key every benchmark request carries (as ``vllm bench serve``).
+API_KEY_ENV = "OPENAI_API_KEY"
+
+
+def bench_connections(timeout: aiohttp.ClientTimeout) -> Connections:
+    """The benchmark's HTTP connections, carrying ``$OPENAI_API_KEY`` as a bearer token when set
+    (never printed)."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return Connections(timeout, {"Authorization": f"Bearer {key}"} if key else None)
 
 
 @dataclass
@@ -141,7 +154,7 @@ async def run_requests(
         out.queue_time = out.start_time - arrival
         return out
 
-    conns = Connections(timeout)
+    conns = bench_connections(timeout)
     try:
         start = time.perf_counter()
         tasks = []

@@ -32,9 +32,8 @@ from typing import Any
 
 import aiohttp
 
-from kvoffload.routing.connections import Connections
 from kvoffload.servebench.chat import chat_turn
-from kvoffload.servebench.client import RequestResult
+from kvoffload.servebench.client import RequestResult, bench_connections
 from kvoffload.servebench.metrics import (
     DETAILED_KEYS,
     hit_rates_by_source,
@@ -176,7 +175,7 @@ async def run_users(
                     return
                 answers.append(result.generated_text)
 
-    conns = Connections(aiohttp.ClientTimeout(total=None, sock_connect=10))
+    conns = bench_connections(aiohttp.ClientTimeout(total=None, sock_connect=10))
     try:
         start = time.perf_counter()
         await asyncio.gather(*(converse(u) for u in range(workload.num_users)))
