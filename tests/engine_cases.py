@@ -198,6 +198,7 @@ def assert_quiescent(engine: Engine) -> None:
     assert not scheduler.has_work
     assert not scheduler.held
     assert not scheduler.loading and not scheduler.running and not scheduler.waiting
+    scheduler.waiting.check_invariants()
     assert engine.pool.num_free_blocks == engine.num_device_blocks
     assert all(block.ref_cnt == 0 for block in engine.pool.blocks)
     if engine.connector is None:
