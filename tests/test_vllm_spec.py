@@ -207,3 +207,36 @@ def test_tier_blocks_are_named_by_the_models_content_not_its_path(tmp_path: Path
     shutil.rmtree(first)
     shutil.copytree(other, first)  # new weights under the old path
     assert model_of(first) == model_of(other)
+
+
+def _undigestible_checkpoint(directory: Path) -> Path:
+    """A checkpoint whose weight file cannot be read: naming the model by content fails."""
+    directory.mkdir()
+    (directory / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (directory / "model.safetensors").symlink_to(directory / "gone")
+    return directory
+
+
+def test_no_tier_no_weight_digest(tmp_path: Path) -> None:
+    """Without a secondary tier nothing leaves this process: the weights are not digested (a
+    checkpoint that cannot be digested starts); with a disk tier the digest fails loudly."""
+    model = str(_undigestible_checkpoint(tmp_path / "ckpt"))
+    config = offloading_config(SPEC, num_chunks=4, model_name=model)
+    spec = OffloadingSpecFactory.create_spec(config)
+    spec.get_manager().shutdown()
+    tiers = [{"kind": "disk", "path": str(tmp_path / "kv"), "size_gib": 0.01}]
+    config = offloading_config({**SPEC, "kvoffload_tiers": tiers}, num_chunks=4, model_name=model)
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadingSpecFactory.create_spec(config).get_manager()
+
+
+@pytest.mark.parametrize(
+    ("key", "close"),
+    [("kvoffload_tier", "kvoffload_tiers"), ("kvoffload_lookup_retry", "kvoffload_lookup_retry_s")],
+)
+def test_misspelt_kvoffload_setting_is_an_error_naming_it(key: str, close: str) -> None:
+    config = offloading_config({**SPEC, key: []}, num_chunks=4)
+    with pytest.raises(ConfigError) as info:
+        OffloadingSpecFactory.create_spec(config)
+    assert info.value.field == key
+    assert close in str(info.value)
