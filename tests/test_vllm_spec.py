@@ -9,6 +9,7 @@ maps, same engine id), written and read at the chunk ids the manager returns.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from kvoffload.errors import ConfigError  # noqa: E402
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager  # noqa: E402
+from kvoffload.integrations.vllm.region import region_path  # noqa: E402
 from kvoffload.integrations.vllm.replay import serve_request  # noqa: E402
 from kvoffload.integrations.vllm.spec import KVOffloadSpec  # noqa: E402
 from kvoffload.managers import FilterReusedOffloadingManager  # noqa: E402
@@ -41,6 +43,17 @@ STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm.spec"}
 
 
+def worker_region(spec: Any) -> SharedOffloadRegion:
+    """A worker's mapping of ``spec``'s pool (rank 0)."""
+    return SharedOffloadRegion(
+        engine_id=spec.config.engine_id,
+        num_chunks=spec.num_chunks,
+        rank=0,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
+
+
 class SpecHarness:
     def __init__(self, extra: dict[str, Any], num_chunks: int = 8) -> None:
         engine_id = unique_engine_id()
@@ -49,19 +62,14 @@ class SpecHarness:
         )
         self.spec = OffloadingSpecFactory.create_spec(config)
         assert isinstance(self.spec, KVOffloadSpec)
+        # The worker's mapping of the same pool (what vLLM's CPUOffloadingWorker copies into),
+        # made first, as vLLM does (workers register their KV caches before the scheduler).
+        self._worker_region = worker_region(self.spec)
+        self._view = self._worker_region.create_kv_memoryview()
+        self.pool = np.asarray(self._view)
         manager = self.spec.get_manager()
         assert isinstance(manager, KVOffloadManager)
         self.manager = manager
-        # The worker's mapping of the same pool (what vLLM's CPUOffloadingWorker copies into).
-        self._worker_region = SharedOffloadRegion(
-            engine_id=engine_id,
-            num_chunks=self.spec.num_chunks,
-            rank=0,
-            kv_bytes_per_chunk=self.spec.kv_bytes_per_chunk,
-            cpu_page_size=self.spec.cpu_page_size_per_worker,
-        )
-        self._view = self._worker_region.create_kv_memoryview()
-        self.pool = np.asarray(self._view)
         self._n = 0
 
     def request(self) -> ReqContext:
@@ -240,3 +248,44 @@ def test_misspelt_kvoffload_setting_is_an_error_naming_it(key: str, close: str) 
         OffloadingSpecFactory.create_spec(config)
     assert info.value.field == key
     assert close in str(info.value)
+
+
+def test_pool_file_leaves_dev_shm_once_the_scheduler_mapped_it(make_harness: Any) -> None:
+    """The workers map the pool first; the scheduler side's mapping is the last one needed, so
+    the name goes then (a SIGINT'd vLLM leaves nothing in /dev/shm) and the mappings stay one
+    pool: a block the worker writes is what the manager's tiers read."""
+    h = make_harness({})
+    path = region_path(h.spec.config.engine_id)
+    assert not os.path.exists(path)
+    keys = vllm_keys(1, start=90)
+    assert serve_request(h.manager, keys, "a") == 0
+    assert serve_request(h.manager, keys, "b") == 1
+
+
+def test_failed_start_leaves_no_pool_file(tmp_path: Path) -> None:
+    """The workers mapped the pool, then the scheduler side fails on a tier setting: the name is
+    gone already (no cleanup of the workers is needed for it)."""
+    model = str(_undigestible_checkpoint(tmp_path / "ckpt"))
+    tiers = [{"kind": "disk", "path": str(tmp_path / "kv"), "size_gib": 0.01}]
+    config = offloading_config({**SPEC, "kvoffload_tiers": tiers}, num_chunks=4, model_name=model)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = worker_region(spec)
+    path = region_path(config.engine_id)
+    assert os.path.exists(path)
+    try:
+        with pytest.raises(ConfigError, match="cannot read"):
+            spec.get_manager()
+        assert not os.path.exists(path)
+    finally:
+        worker.cleanup()
+
+
+def test_scheduler_first_keeps_the_name_for_the_workers_until_shutdown() -> None:
+    """Scheduler-only use (no worker mapped the pool yet): the name stays for workers to come,
+    and shutdown removes it."""
+    config = offloading_config(SPEC, num_chunks=4)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    path = region_path(config.engine_id)
+    assert os.path.exists(path)
+    manager.shutdown()
+    assert not os.path.exists(path)

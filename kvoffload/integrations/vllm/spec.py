@@ -46,7 +46,6 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingMetricMetadata
 from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvoffload.base import OffloadingManager as KVOManager
@@ -55,6 +54,7 @@ from kvoffload.eviction import available_eviction_policies
 from kvoffload.integrations.vllm.compat import cpu_config_info
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
 from kvoffload.integrations.vllm.pool import unexported_alias
+from kvoffload.integrations.vllm.region import open_scheduler_region, release_region
 from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
 from kvoffload.integrations.vllm.worker import CPUPlatformWorker
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
@@ -139,20 +139,19 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
         return self._manager  # type: ignore[return-value]
 
     def _build_manager(self) -> KVOffloadManager:
-        # The CPU pool vLLM's worker maps (same engine id): our tiers read and write it.
-        region = SharedOffloadRegion(
-            engine_id=self._engine_id,
-            num_chunks=self.num_chunks,
-            rank=None,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-            cpu_page_size=self.cpu_page_size_per_worker,
+        # The CPU pool vLLM's worker maps (same engine id): our tiers read and write it. Its name
+        # leaves /dev/shm now when the workers mapped it first (region.py).
+        region = open_scheduler_region(
+            self._engine_id, self.num_chunks, self.kv_bytes_per_chunk, self.cpu_page_size_per_worker
         )
         vllm_view = region.create_kv_memoryview()
         pool = unexported_alias(vllm_view)  # our tiers' views never pin vLLM's mapping
         vllm_view.release()
         events = self.kv_events_config.enable_kv_cache_events
         tiers: list[SecondaryTier] = []
-        release_pool = region.cleanup
+
+        def release_pool() -> None:
+            release_region(region)
 
         try:
             if self.tier_configs:  # naming the model digests its weights: only for tiers

@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.region import release_region
 from kvoffload.mediums import CPULoadStoreSpec as KVOCPUSpec
 from kvoffload.mediums import GPULoadStoreSpec as KVOGPUSpec
 from kvoffload.worker.cpu_copy import CPUCopyHandler
@@ -189,9 +190,9 @@ class CPUPlatformWorker:
         try:
             area = region.create_next_worker_view(spec.cpu_page_size_per_worker)
             return KVOffloadCPUWorker(
-                kv_caches, spec.blocks_per_chunk, area, release=region.cleanup
+                kv_caches, spec.blocks_per_chunk, area, release=lambda: release_region(region)
             )
         except BaseException:
             area = None  # drop our view of the mapping before cleanup closes it
-            region.cleanup()
+            release_region(region)
             raise
