@@ -66,8 +66,8 @@ def test_listen_prints_one_line_per_event_from_the_first_batch(
     seqs = [int(line.split()[0]) for line in lines]
     assert seqs == [s for s in range(6) for _ in range(2)]
     assert all(line.split()[1] == "R" for line in lines[:6])  # history came through replay
-    assert "BlockStored   CPU" in lines[0] and f"[{(bytes([0]) * 8).hex()}]" in lines[0]
-    assert "BlockRemoved  GPU" in lines[1]
+    assert "BlockStored   host" in lines[0] and f"[{(bytes([0]) * 8).hex()}]" in lines[0]
+    assert "BlockRemoved  device" in lines[1]
     assert err.startswith("6 batches")
 
 
@@ -86,6 +86,7 @@ def test_listen_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert first["block_hashes"] == [(bytes([0]) * 32).hex()]
     assert (
         first["medium"] == "CPU"
+        and first["tier"] == "host"
         and first["token_ids"] == [0, 1, 2, 3]
         and first["replayed"] is True
     )
@@ -103,8 +104,8 @@ def test_listen_index_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     table = out.strip().split("\n\n")[-1].splitlines()
     assert table[0].split() == ["tier", "blocks"]
-    assert table[1].split() == ["CPU", "4"]
-    assert table[2].split() == ["GPU", "0"]
+    assert table[1].split() == ["host", "4"]
+    assert table[2].split() == ["device", "0"]
     assert table[3].startswith("batches 4,")
     assert "\x1b[" not in out  # not a terminal: no screen control
 
@@ -161,7 +162,7 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
             ready, _, _ = select.select([listener.stdout], [], [], 0.05)
             if ready:
                 line = listener.stdout.readline()
-                cpu = json.loads(line)["index"].get("CPU", 0)
+                cpu = json.loads(line)["index"].get("host", 0)
                 if stop(cpu):
                     return cpu
         raise AssertionError("the listener never showed the expected table")

@@ -25,7 +25,7 @@ from kvoffload.events import (
     KVCacheEvent,
     KVEventSubscriber,
     ReceivedBatch,
-    tier_name,
+    tier_of,
 )
 
 __all__ = ["add_parser"]
@@ -156,9 +156,9 @@ def _event_text(event: KVCacheEvent) -> str:
             if len(hashes) == 1
             else f"{_hash_text(hashes[0])}..{_hash_text(hashes[-1])}"
         )
-        tier = tier_name(event.medium, event.locality)
+        tier = tier_of(event.medium, event.locality)
         text = (
-            f"BlockStored   {tier:<15} blocks={len(hashes)} [{span}] "
+            f"BlockStored   {tier:<7} blocks={len(hashes)} [{span}] "
             f"parent={_hash_text(event.parent_block_hash)} tokens={len(event.token_ids)} "
             f"block_size={event.block_size} group={event.group_idx}"
         )
@@ -166,11 +166,18 @@ def _event_text(event: KVCacheEvent) -> str:
     if isinstance(event, BlockRemoved):
         hashes = event.block_hashes
         span = ",".join(_hash_text(h) for h in hashes[:4]) + (",..." if len(hashes) > 4 else "")
-        tier = tier_name(event.medium, event.locality)
-        return f"BlockRemoved  {tier:<15} blocks={len(hashes)} [{span}] group={event.group_idx}"
+        tier = tier_of(event.medium, event.locality)
+        return f"BlockRemoved  {tier:<7} blocks={len(hashes)} [{span}] group={event.group_idx}"
     if isinstance(event, AllBlocksCleared):
         return "AllBlocksCleared"
     return repr(event)
+
+
+def _event_tier(event: KVCacheEvent) -> str:
+    """The tier an event addresses (``AllBlocksCleared`` resets the device cache)."""
+    if isinstance(event, BlockStored | BlockRemoved):
+        return tier_of(event.medium, event.locality)
+    return "device"
 
 
 def _jsonable(value: Any) -> Any:
@@ -194,6 +201,7 @@ def _print_batch(out: TextIO, received: ReceivedBatch, as_json: bool) -> None:
                 "ts": batch.ts,
                 "data_parallel_rank": batch.data_parallel_rank,
                 "type": type(event).__name__,
+                "tier": _event_tier(event),
                 **_jsonable(msgspec.to_builtins(event, builtin_types=(bytes,))),
             }
             lines.append(json.dumps(record))
