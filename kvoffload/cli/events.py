@@ -32,6 +32,8 @@ __all__ = ["add_parser"]
 
 # Longest single wait, so that --timeout and the table refresh are honoured promptly.
 _POLL_S = 0.2
+# How long without a publisher before a warning says that nothing may be bound at the address.
+_WARN_UNREACHED_S = 10.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--endpoint",
         default="tcp://127.0.0.1:5557",
         help="publisher address (default: %(default)s)",
+    )
+    listen.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind --endpoint instead of connecting, for a publisher that connects (vLLM's does "
+        "when its endpoint is a tcp address without a wildcard, e.g. tcp://127.0.0.1:5557)",
     )
     listen.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     listen.add_argument(
@@ -95,7 +103,12 @@ def _listen(args: argparse.Namespace) -> int:
     deadline = None if args.timeout is None else start + args.timeout
     try:
         subscriber = KVEventSubscriber(
-            args.endpoint, args.topic, args.replay, start_seq=args.from_seq
+            args.endpoint,
+            args.topic,
+            args.replay,
+            start_seq=args.from_seq,
+            bind=True if args.bind else None,
+            warn_unreached_s=_WARN_UNREACHED_S,
         )
     except ConfigError as exc:
         print(f"kvoffload events listen: {exc}", file=sys.stderr)

@@ -29,8 +29,10 @@ from kvoffload.events.messages import (
 from kvoffload.events.protocol import (
     REPLAY_END,
     SEQ_BYTES,
+    binds_by_default,
     decode_seq,
     encode_seq,
+    exposed_beyond_host,
     offset_endpoint,
     publisher_binds,
 )
@@ -79,9 +81,11 @@ __all__ = [
     "PublisherState",
     "ReceivedBatch",
     "ZmqEventPublisher",
+    "binds_by_default",
     "create_event_publisher",
     "decode_seq",
     "encode_seq",
+    "exposed_beyond_host",
     "external_block_hash",
     "offset_endpoint",
     "publisher_binds",
