@@ -70,7 +70,8 @@ def test_vllms_rule_is_kept_and_ours_binds_loopback() -> None:
     assert KVEventsConfig(endpoint="tcp://127.0.0.1:5557").publisher_binds
     assert not KVEventsConfig(endpoint="tcp://127.0.0.1:5557", bind=False).publisher_binds
     assert not KVEventsConfig(endpoint="tcp://10.1.2.3:5557").publisher_binds  # vLLM's rule
-    assert KVEventsConfig(endpoint="tcp://10.1.2.3:5557", bind="true").publisher_binds
+    as_json = '{"endpoint": "tcp://10.1.2.3:5557", "bind": "true"}'  # vLLM-style boolean
+    assert KVEventsConfig.from_json(as_json).publisher_binds
 
 
 def test_a_publisher_on_a_loopback_address_binds_it_and_a_subscriber_receives() -> None:

@@ -174,11 +174,10 @@ class ZmqEventPublisher(EventPublisher):
         self._encoder = EventEncoder(legacy_array_events)
         self._owns_context = context is None
         self._ctx = zmq.Context() if context is None else context
-        self._pub: zmq.Socket | None = None
+        self._pub: zmq.Socket = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             binds = binds_by_default(endpoint) if bind is None else bind
             self.endpoint = self._attach(self._pub, "endpoint", endpoint, binds)
@@ -321,6 +320,8 @@ class ZmqEventPublisher(EventPublisher):
 
     def _serve_replays(self) -> None:
         sock = self._replay
+        if sock is None:
+            return
         while sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:

@@ -371,6 +371,8 @@ class KVEventSubscriber:
         logger.warning("KV event replay from seq %d: %s", first_seq, why)
 
     def _open_replay_socket(self) -> zmq.Socket:
+        if self.replay_endpoint is None:
+            raise ContractError("no replay_endpoint to connect to")
         sock = self._replay = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer must fit
         # Requests go to a connected publisher only (never queued for one that may never come):
