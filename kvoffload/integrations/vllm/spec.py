@@ -155,7 +155,7 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
 
         try:
             if self.tier_configs:  # naming the model digests its weights: only for tiers
-                layout = layout_of_spec(self, pool.strides[0])
+                layout = layout_of_spec(self, self.kv_bytes_per_chunk)  # a pool row
                 for tier in self.tier_configs:
                     options = {k: v for k, v in tier.items() if k != "kind"}
                     build = TIER_BUILDERS[tier["kind"]]

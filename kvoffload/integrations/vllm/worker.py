@@ -173,9 +173,11 @@ class CPUPlatformWorker:
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
             return super().get_worker(kv_caches)  # type: ignore[misc]
-        if self._worker is None:  # type: ignore[has-type]
-            self._worker = self._build_cpu_worker(kv_caches)
-        return self._worker
+        spec: Any = self  # vLLM's spec holds the worker (typed as vLLM's own there)
+        if spec._worker is None:
+            spec._worker = self._build_cpu_worker(kv_caches)
+        worker: OffloadingWorker = spec._worker
+        return worker
 
     def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadCPUWorker:
         spec: Any = self
