@@ -5,6 +5,7 @@ and a start that fails on a tier setting after the workers mapped it leaves none
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,10 +57,8 @@ def _start(log: Path, *args: str) -> subprocess.Popen[str]:
 
 def _end(proc: subprocess.Popen[str], sig: int) -> None:
     """Send ``sig`` to the child's process group and wait for it (bounded)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
     try:
         proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -67,9 +66,7 @@ def _end(proc: subprocess.Popen[str], sig: int) -> None:
         proc.communicate(timeout=60)
 
 
-def test_pool_file_is_gone_while_running_and_after_ctrl_c(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def test_pool_file_is_gone_while_running_and_after_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
     engine_id = f"kvo-pool-{uuid.uuid4().hex[:12]}"
     path = region_path(engine_id)
     log = tmp_path / "stderr.log"
