@@ -56,7 +56,7 @@ def delay_completions(engine: Engine, delay: Callable[[int], int]) -> DelayedCom
     assert engine.worker is not None
     router = engine.worker.offloading_worker
     inner = router.handler("GPU", "CPU")
-    handler = DelayedCompletionHandler(inner, lambda: engine.stats()["steps"], delay)
+    handler = DelayedCompletionHandler(inner, lambda: int(engine.stats()["steps"]), delay)
     for direction in (("GPU", "CPU"), ("CPU", "GPU")):
         assert router.handler(*direction) is inner
         router.register_handler(*direction, handler, replace=True)

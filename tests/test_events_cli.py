@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli.main import main
-from kvoffload.events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+from kvoffload.events import (
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
 
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -135,7 +141,7 @@ def test_events_group_never_imports_torch() -> None:
 
 
 def _stored(*hashes: int) -> KVEventBatch:
-    blocks = [bytes([h]) * 32 for h in hashes]
+    blocks: list[ExternalBlockHash] = [bytes([h]) * 32 for h in hashes]
     return KVEventBatch(
         0.0, [BlockStored(blocks, None, [0] * 4 * len(blocks), 4, None, "CPU", None)]
     )
@@ -152,6 +158,7 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
     )
     assert listener.stdout is not None
+    out = listener.stdout
 
     def cpu_blocks_until(
         stop: Callable[[int], bool], pub: ZmqEventPublisher, batch: KVEventBatch
@@ -159,9 +166,9 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             pub.publish(batch)
-            ready, _, _ = select.select([listener.stdout], [], [], 0.05)
+            ready, _, _ = select.select([out], [], [], 0.05)
             if ready:
-                line = listener.stdout.readline()
+                line = out.readline()
                 cpu = json.loads(line)["index"].get("host", 0)
                 if stop(cpu):
                     return cpu

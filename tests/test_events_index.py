@@ -18,6 +18,7 @@ from kvoffload.events import (
     BlockStored,
     EventDecoder,
     EventEncoder,
+    ExternalBlockHash,
     KVCacheEvent,
     KVEventBatch,
     tier_of,
@@ -51,7 +52,7 @@ def test_one_tier_vocabulary() -> None:
 
 def test_a_prefix_moving_down_the_tiers() -> None:
     index = BlockIndex()
-    prefix = [b"a", b"b", b"c"]
+    prefix: list[ExternalBlockHash] = [b"a", b"b", b"c"]
     index.apply(KVEventBatch(0.0, [_stored(prefix, MEDIUM_GPU)]))
     index.apply(
         KVEventBatch(
@@ -111,7 +112,7 @@ _TIERS = [
     (MEDIUM_STORAGE, LOCALITY_LOCAL),
     (MEDIUM_STORAGE, LOCALITY_REMOTE),
 ]
-_op = st.one_of(
+_op: st.SearchStrategy[tuple] = st.one_of(
     st.tuples(
         st.sampled_from(["stored", "removed"]),
         st.sampled_from(_TIERS),
@@ -126,7 +127,7 @@ _op = st.one_of(
 @given(ops=st.lists(_op, max_size=40), via_wire=st.sampled_from([None, False, True]))
 def test_index_matches_a_reference_set(ops: list, via_wire: bool | None) -> None:
     reference: set[tuple[str, int, int]] = set()
-    events: list[KVCacheEvent] = []
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for kind, tier, hashes, group in ops:
         g = 0 if group is None else group
         if kind == "cleared":
