@@ -159,7 +159,7 @@ def first_run(
         {"kind": "disk", "path": str(disk_dir), "size_gib": 0.25},
         {"kind": "redis", "url": redis_server.url},
     ]
-    engines = [
+    engines: list[dict[str, Any]] = [
         {"name": "baseline"},
         {
             "name": "ours",

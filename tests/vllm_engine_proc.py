@@ -32,7 +32,7 @@ class EventSink:
     def __init__(self, endpoint: str) -> None:
         import zmq
 
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.setsockopt(zmq.RCVTIMEO, 100)
         self._socket.connect(endpoint)
