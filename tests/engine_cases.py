@@ -56,7 +56,7 @@ def delay_completions(engine: Engine, delay: Callable[[int], int]) -> DelayedCom
     assert engine.worker is not None
     router = engine.worker.offloading_worker
     inner = router.handler("GPU", "CPU")
-    handler = DelayedCompletionHandler(inner, lambda: engine.stats()["steps"], delay)
+    handler = DelayedCompletionHandler(inner, lambda: int(engine.stats()["steps"]), delay)
     for direction in (("GPU", "CPU"), ("CPU", "GPU")):
         assert router.handler(*direction) is inner
         router.register_handler(*direction, handler, replace=True)
@@ -198,6 +198,7 @@ def assert_quiescent(engine: Engine) -> None:
     assert not scheduler.has_work
     assert not scheduler.held
     assert not scheduler.loading and not scheduler.running and not scheduler.waiting
+    scheduler.waiting.check_invariants()
     assert engine.pool.num_free_blocks == engine.num_device_blocks
     assert all(block.ref_cnt == 0 for block in engine.pool.blocks)
     if engine.connector is None:

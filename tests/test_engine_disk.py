@@ -445,7 +445,7 @@ def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
         index.apply(batch)
         stored += [e for e in batch.events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
     assert evicted > 0  # removals were published too
-    assert index.blocks("STORAGE/LOCAL") == on_disk
+    assert index.blocks("disk") == on_disk
     assert all(e.locality == "LOCAL" for e in stored)
     assert all(e.token_ids and e.block_size == 4 for e in stored)  # self-describing
 
@@ -469,11 +469,11 @@ def test_events_after_a_warm_restart_show_the_blocks_already_on_disk(tmp_path: P
         on_disk = {
             offload_key_hash(k) for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
         }
-    assert found and first.blocks("STORAGE/LOCAL") == found  # announced at the first step
+    assert found and first.blocks("disk") == found  # announced at the first step
     index = BlockIndex()
     for batch in collector.batches:
         index.apply(batch)
-    assert index.blocks("STORAGE/LOCAL") == on_disk
+    assert index.blocks("disk") == on_disk
 
 
 def test_disk_hits_are_counted_by_source_in_stats_and_metrics(tmp_path: Path, reference) -> None:

@@ -184,10 +184,10 @@ def test_index_follows_blocks_across_tiers(factor: int, int_hashes: bool) -> Non
         gone_from_device = [h for h in hashes[0] if h not in on_device]
         assert gone_from_device
         for h in gone_from_device:
-            assert not follower.index.contains(h, MEDIUM_GPU)
+            assert not follower.index.contains(h, "device")
         for h in offloaded[0]:
-            assert follower.index.tiers_of(h) in ([MEDIUM_GPU, MEDIUM_CPU], [MEDIUM_CPU])
-            assert follower.index.contains(h, MEDIUM_CPU)
+            assert follower.index.tiers_of(h) in (["device", "host"], ["host"])
+            assert follower.index.contains(h, "host")
         assert any(isinstance(e, BlockRemoved) and e.medium == MEDIUM_GPU for e in follower.events)
 
         # Prefix 2 fills the (two-prefix) host tier: prefix 0, least recently used, leaves it.
@@ -195,7 +195,7 @@ def test_index_follows_blocks_across_tiers(factor: int, int_hashes: bool) -> Non
         engine.drain()
         follower.sync()
         for h in offloaded[0]:
-            assert not follower.index.contains(h, MEDIUM_CPU)
+            assert not follower.index.contains(h, "host")
         assert any(isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU for e in follower.events)
 
         # Prefix 1 comes back from the host tier.
@@ -204,13 +204,13 @@ def test_index_follows_blocks_across_tiers(factor: int, int_hashes: bool) -> Non
         assert again[0].cached_tokens_offload > 0
         assert_quiescent(engine)
         follower.sync()
-        assert follower.index.blocks(MEDIUM_CPU) == _tier_blocks(engine)
-        assert follower.index.blocks(MEDIUM_GPU) == _device_blocks(engine)
+        assert follower.index.blocks("host") == _tier_blocks(engine)
+        assert follower.index.blocks("device") == _device_blocks(engine)
         want_cpu, want_gpu = _tier_blocks(engine), _device_blocks(engine)
         engine.close()  # flushes the publisher (closing again on exit is a no-op)
         follower.finish()
-        assert follower.index.blocks(MEDIUM_CPU) == want_cpu
-        assert follower.index.blocks(MEDIUM_GPU) == want_gpu
+        assert follower.index.blocks("host") == want_cpu
+        assert follower.index.blocks("device") == want_gpu
         assert _check_self_describing(engine, follower.events, outputs) > 0
 
 
@@ -239,8 +239,8 @@ def test_events_under_cycling_load_end_equal_to_engine() -> None:
         engine.close()
         follower.finish()
         assert follower.sub.stats()["received"] > 0  # the tail came live, not through replay
-        assert follower.index.blocks(MEDIUM_CPU) == want_cpu
-        assert follower.index.blocks(MEDIUM_GPU) == want_gpu
+        assert follower.index.blocks("host") == want_cpu
+        assert follower.index.blocks("device") == want_gpu
         assert _check_self_describing(engine, follower.events, outputs) > 0
     assert_same_outputs(outputs, reference_outputs([p for r in rounds for p in r], greedy()))
 
@@ -320,8 +320,8 @@ def test_random_mix_index_follows_engine_every_step(
 
         def check_index() -> None:
             follower.sync()
-            assert follower.index.blocks(MEDIUM_GPU) == _device_blocks(engine)
-            assert follower.index.blocks(MEDIUM_CPU) == _tier_blocks(engine)
+            assert follower.index.blocks("device") == _device_blocks(engine)
+            assert follower.index.blocks("host") == _tier_blocks(engine)
 
         aborts_at = {step: i for i, step in aborts}
         ids, done = drive(engine, prompts, params, aborts_at, after_step=check_index)

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli.main import main
-from kvoffload.events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+from kvoffload.events import (
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
 
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -66,8 +72,8 @@ def test_listen_prints_one_line_per_event_from_the_first_batch(
     seqs = [int(line.split()[0]) for line in lines]
     assert seqs == [s for s in range(6) for _ in range(2)]
     assert all(line.split()[1] == "R" for line in lines[:6])  # history came through replay
-    assert "BlockStored   CPU" in lines[0] and f"[{(bytes([0]) * 8).hex()}]" in lines[0]
-    assert "BlockRemoved  GPU" in lines[1]
+    assert "BlockStored   host" in lines[0] and f"[{(bytes([0]) * 8).hex()}]" in lines[0]
+    assert "BlockRemoved  device" in lines[1]
     assert err.startswith("6 batches")
 
 
@@ -86,6 +92,7 @@ def test_listen_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert first["block_hashes"] == [(bytes([0]) * 32).hex()]
     assert (
         first["medium"] == "CPU"
+        and first["tier"] == "host"
         and first["token_ids"] == [0, 1, 2, 3]
         and first["replayed"] is True
     )
@@ -103,8 +110,8 @@ def test_listen_index_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     table = out.strip().split("\n\n")[-1].splitlines()
     assert table[0].split() == ["tier", "blocks"]
-    assert table[1].split() == ["CPU", "4"]
-    assert table[2].split() == ["GPU", "0"]
+    assert table[1].split() == ["host", "4"]
+    assert table[2].split() == ["device", "0"]
     assert table[3].startswith("batches 4,")
     assert "\x1b[" not in out  # not a terminal: no screen control
 
@@ -134,7 +141,7 @@ def test_events_group_never_imports_torch() -> None:
 
 
 def _stored(*hashes: int) -> KVEventBatch:
-    blocks = [bytes([h]) * 32 for h in hashes]
+    blocks: list[ExternalBlockHash] = [bytes([h]) * 32 for h in hashes]
     return KVEventBatch(
         0.0, [BlockStored(blocks, None, [0] * 4 * len(blocks), 4, None, "CPU", None)]
     )
@@ -151,6 +158,7 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
     )
     assert listener.stdout is not None
+    out = listener.stdout
 
     def cpu_blocks_until(
         stop: Callable[[int], bool], pub: ZmqEventPublisher, batch: KVEventBatch
@@ -158,10 +166,10 @@ def test_listen_index_clears_when_the_publisher_restarts(tmp_path: Path) -> None
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             pub.publish(batch)
-            ready, _, _ = select.select([listener.stdout], [], [], 0.05)
+            ready, _, _ = select.select([out], [], [], 0.05)
             if ready:
-                line = listener.stdout.readline()
-                cpu = json.loads(line)["index"].get("CPU", 0)
+                line = out.readline()
+                cpu = json.loads(line)["index"].get("host", 0)
                 if stop(cpu):
                     return cpu
         raise AssertionError("the listener never showed the expected table")

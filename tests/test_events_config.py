@@ -15,12 +15,14 @@ from kvoffload.events import (
 )
 
 
-def test_defaults_are_vllms() -> None:
+def test_defaults_are_vllms_but_on_loopback() -> None:
+    """vLLM's defaults, except the address: loopback, not every interface (events carry every
+    prompt's token ids); and ``bind``, ours, unset."""
     config = KVEventsConfig()
     assert dataclasses.asdict(config) == {
         "enable_kv_cache_events": False,
         "publisher": "null",
-        "endpoint": "tcp://*:5557",
+        "endpoint": "tcp://127.0.0.1:5557",
         "replay_endpoint": None,
         "buffer_steps": 10_000,
         "hwm": 100_000,
@@ -28,6 +30,7 @@ def test_defaults_are_vllms() -> None:
         "topic": "",
         "legacy_array_events": False,
         "int_block_hashes": False,
+        "bind": None,
     }
 
 

@@ -11,15 +11,17 @@ from kvoffload.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     MEDIUM_STORAGE,
+    TIERS,
     AllBlocksCleared,
     BlockIndex,
     BlockRemoved,
     BlockStored,
     EventDecoder,
     EventEncoder,
+    ExternalBlockHash,
     KVCacheEvent,
     KVEventBatch,
-    tier_name,
+    tier_of,
 )
 
 
@@ -31,17 +33,26 @@ def _stored(
     )
 
 
-def test_tier_names() -> None:
-    assert tier_name(MEDIUM_GPU) == "GPU"
-    assert tier_name(MEDIUM_CPU, None) == "CPU"
-    assert tier_name(MEDIUM_STORAGE, LOCALITY_LOCAL) == "STORAGE/LOCAL"
-    assert tier_name(MEDIUM_STORAGE, LOCALITY_REMOTE) == "STORAGE/REMOTE"
-    assert tier_name(None) == "GPU"
+def test_one_tier_vocabulary() -> None:
+    """The wire's medium and locality name one of TIERS; the events index and the router's
+    index use it alike."""
+    from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE
+    from kvoffload.routing.index import TIERS as ROUTING_TIERS
+
+    assert tier_of(MEDIUM_GPU) == "device"
+    assert tier_of(None) == "device"  # producers older than mediums
+    assert tier_of(MEDIUM_CPU, None) == "host"
+    assert tier_of(MEDIUM_STORAGE, LOCALITY_LOCAL) == "disk"
+    assert tier_of(MEDIUM_STORAGE) == "disk"
+    assert tier_of(MEDIUM_STORAGE, LOCALITY_REMOTE) == "remote"
+    assert tier_of("NVME") == "disk"  # an unknown medium: storage of some kind
+    assert ROUTING_TIERS is TIERS
+    assert [TIERS[i] for i in (DEVICE, HOST, DISK, REMOTE)] == list(TIERS)
 
 
 def test_a_prefix_moving_down_the_tiers() -> None:
     index = BlockIndex()
-    prefix = [b"a", b"b", b"c"]
+    prefix: list[ExternalBlockHash] = [b"a", b"b", b"c"]
     index.apply(KVEventBatch(0.0, [_stored(prefix, MEDIUM_GPU)]))
     index.apply(
         KVEventBatch(
@@ -49,15 +60,15 @@ def test_a_prefix_moving_down_the_tiers() -> None:
         )
     )
     index.apply(KVEventBatch(2.0, [BlockRemoved(prefix, MEDIUM_GPU)]))
-    assert index.tiers_of(b"a") == ["CPU", "STORAGE/LOCAL"]
-    assert index.tiers_of(b"c") == ["STORAGE/LOCAL"]
-    assert index.prefix_length([*prefix, b"d"], "CPU") == 2
-    assert index.prefix_length(prefix, "STORAGE/LOCAL") == 3
-    assert index.prefix_length(prefix, "GPU") == 0
-    assert index.prefix_length(prefix, "STORAGE/REMOTE") == 0
-    assert index.counts() == {"GPU": 0, "CPU": 2, "STORAGE/LOCAL": 3}
-    assert index.blocks("CPU") == {b"a", b"b"}
-    assert index.contains(b"b", "CPU") and not index.contains(b"c", "CPU")
+    assert index.tiers_of(b"a") == ["host", "disk"]
+    assert index.tiers_of(b"c") == ["disk"]
+    assert index.prefix_length([*prefix, b"d"], "host") == 2
+    assert index.prefix_length(prefix, "disk") == 3
+    assert index.prefix_length(prefix, "device") == 0
+    assert index.prefix_length(prefix, "remote") == 0
+    assert index.counts() == {"device": 0, "host": 2, "disk": 3}
+    assert index.blocks("host") == {b"a", b"b"}
+    assert index.contains(b"b", "host") and not index.contains(b"c", "host")
 
 
 def test_groups_are_separate_and_missing_group_is_zero() -> None:
@@ -65,9 +76,9 @@ def test_groups_are_separate_and_missing_group_is_zero() -> None:
     index.apply_event(_stored([7], MEDIUM_CPU, group=1))
     index.apply_event(_stored([7], MEDIUM_CPU))
     index.apply_event(BlockRemoved([7], MEDIUM_CPU, group_idx=0))
-    assert index.contains(7, "CPU", group_idx=1)
-    assert not index.contains(7, "CPU", group_idx=0)
-    assert index.counts() == {"CPU": 1}
+    assert index.contains(7, "host", group_idx=1)
+    assert not index.contains(7, "host", group_idx=0)
+    assert index.counts() == {"host": 1}
 
 
 def test_all_blocks_cleared_empties_the_device_tier_only_by_default() -> None:
@@ -79,18 +90,18 @@ def test_all_blocks_cleared_empties_the_device_tier_only_by_default() -> None:
     index = BlockIndex()
     for event in events:
         index.apply_event(event)
-    assert index.tiers_of(1) == ["CPU"]
+    assert index.tiers_of(1) == ["host"]
     everything = BlockIndex(cleared_tiers=None)
     for event in events:
         everything.apply_event(event)
     assert everything.tiers_of(1) == []
-    assert everything.counts() == {"GPU": 0, "CPU": 0}
+    assert everything.counts() == {"device": 0, "host": 0}
 
 
 def test_removing_unknown_blocks_is_harmless() -> None:
     index = BlockIndex()
     index.apply_event(BlockRemoved([b"x"], MEDIUM_CPU))
-    assert index.counts() == {"CPU": 0}
+    assert index.counts() == {"host": 0}
     index.clear()
     assert index.tiers() == []
 
@@ -101,7 +112,7 @@ _TIERS = [
     (MEDIUM_STORAGE, LOCALITY_LOCAL),
     (MEDIUM_STORAGE, LOCALITY_REMOTE),
 ]
-_op = st.one_of(
+_op: st.SearchStrategy[tuple] = st.one_of(
     st.tuples(
         st.sampled_from(["stored", "removed"]),
         st.sampled_from(_TIERS),
@@ -116,15 +127,15 @@ _op = st.one_of(
 @given(ops=st.lists(_op, max_size=40), via_wire=st.sampled_from([None, False, True]))
 def test_index_matches_a_reference_set(ops: list, via_wire: bool | None) -> None:
     reference: set[tuple[str, int, int]] = set()
-    events: list[KVCacheEvent] = []
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for kind, tier, hashes, group in ops:
         g = 0 if group is None else group
         if kind == "cleared":
             events.append(AllBlocksCleared())
-            reference = {entry for entry in reference if entry[0] != "GPU"}
+            reference = {entry for entry in reference if entry[0] != "device"}
             continue
         medium, locality = tier
-        name = tier_name(medium, locality)
+        name = tier_of(medium, locality)
         if kind == "stored":
             events.append(_stored(hashes, medium, locality, group))
             reference |= {(name, g, h) for h in hashes}

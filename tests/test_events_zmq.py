@@ -110,8 +110,10 @@ def test_inproc_stream_with_a_shared_context() -> None:
 
 
 def test_publisher_connects_to_a_subscriber_that_binds() -> None:
-    with KVEventSubscriber(LOOPBACK, start_seq=None) as sub, ZmqEventPublisher(sub.endpoint) as pub:
-        # The publisher's address has no wildcard: vLLM's rule says connect.
+    with (
+        KVEventSubscriber(LOOPBACK, start_seq=None) as sub,
+        ZmqEventPublisher(sub.endpoint, bind=False) as pub,
+    ):
         _check_stream(pub, sub, n=10)
 
 
@@ -259,7 +261,7 @@ def test_subscriber_recovers_a_gap_from_a_vllm_framed_replay_socket() -> None:
 
 def test_shutdown_flushes_what_is_queued() -> None:
     with KVEventSubscriber(LOOPBACK) as sub:
-        pub = ZmqEventPublisher(sub.endpoint)
+        pub = ZmqEventPublisher(sub.endpoint, bind=False)
         first = _sync(pub, sub)
         for i in range(500):
             pub.publish(_batch(i))
@@ -307,7 +309,7 @@ def test_publish_never_blocks_with_a_subscriber_that_never_reads() -> None:
 
 def test_queue_drops_show_up_as_lost_batches_at_the_subscriber() -> None:
     with KVEventSubscriber(LOOPBACK, start_seq=None) as sub:  # the probes it joined on: no gap
-        pub = ZmqEventPublisher(sub.endpoint, max_queue_size=1)
+        pub = ZmqEventPublisher(sub.endpoint, bind=False, max_queue_size=1)
         first = _sync(pub, sub)
         for i in range(3000):
             pub.publish(_batch(i))

@@ -44,7 +44,6 @@ if not current_platform.is_cpu():  # pragma: no cover - depends on the install
         pytest.fail(why, pytrace=False)
     pytest.skip(why, allow_module_level=True)
 
-from kvoffload.benchmark.redis_server import free_port  # noqa: E402
 from kvoffload.integrations.vllm.tiny_model import KV_BYTES_PER_TOKEN, corpus  # noqa: E402
 
 pytestmark = pytest.mark.vllm_engine
@@ -160,9 +159,13 @@ def first_run(
         {"kind": "disk", "path": str(disk_dir), "size_gib": 0.25},
         {"kind": "redis", "url": redis_server.url},
     ]
-    engines = [
+    engines: list[dict[str, Any]] = [
         {"name": "baseline"},
-        {"name": "ours", "kv_transfer_config": offload_config(tiers), "events_port": free_port()},
+        {
+            "name": "ours",
+            "kv_transfer_config": offload_config(tiers),
+            "events_endpoint": f"ipc://{tmp_path_factory.mktemp('events')}/kv",
+        },
         {"name": "vllm-tiering", "kv_transfer_config": vllm_tiering_config(disk_dir / "vllm")},
     ]
     results = run_engines(tmp_path_factory.mktemp("run1"), tiny_model, engines)

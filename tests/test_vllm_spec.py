@@ -9,10 +9,11 @@ maps, same engine id), written and read at the chunk ids the manager returns.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ require_vllm()
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     Medium,
+    OffloadKey,
     ReqContext,
     ScheduleEndContext,
 )
@@ -31,6 +33,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from kvoffload.errors import ConfigError  # noqa: E402
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager  # noqa: E402
+from kvoffload.integrations.vllm.region import region_path  # noqa: E402
 from kvoffload.integrations.vllm.replay import serve_request  # noqa: E402
 from kvoffload.integrations.vllm.spec import KVOffloadSpec  # noqa: E402
 from kvoffload.managers import FilterReusedOffloadingManager  # noqa: E402
@@ -41,6 +44,22 @@ STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm.spec"}
 
 
+def worker_region(spec: Any) -> SharedOffloadRegion:
+    """A worker's mapping of ``spec``'s pool (rank 0)."""
+    return SharedOffloadRegion(
+        engine_id=spec.config.engine_id,
+        num_chunks=spec.num_chunks,
+        rank=0,
+        kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
+
+
+def offload_keys(n: int, start: int = 0) -> list[OffloadKey]:
+    """``vllm_keys`` typed as vLLM's keys."""
+    return cast("list[OffloadKey]", vllm_keys(n, start))
+
+
 class SpecHarness:
     def __init__(self, extra: dict[str, Any], num_chunks: int = 8) -> None:
         engine_id = unique_engine_id()
@@ -49,19 +68,14 @@ class SpecHarness:
         )
         self.spec = OffloadingSpecFactory.create_spec(config)
         assert isinstance(self.spec, KVOffloadSpec)
+        # The worker's mapping of the same pool (what vLLM's CPUOffloadingWorker copies into),
+        # made first, as vLLM does (workers register their KV caches before the scheduler).
+        self._worker_region = worker_region(self.spec)
+        self._view = self._worker_region.create_kv_memoryview()
+        self.pool = np.asarray(self._view)
         manager = self.spec.get_manager()
         assert isinstance(manager, KVOffloadManager)
         self.manager = manager
-        # The worker's mapping of the same pool (what vLLM's CPUOffloadingWorker copies into).
-        self._worker_region = SharedOffloadRegion(
-            engine_id=engine_id,
-            num_chunks=self.spec.num_chunks,
-            rank=0,
-            kv_bytes_per_chunk=self.spec.kv_bytes_per_chunk,
-            cpu_page_size=self.spec.cpu_page_size_per_worker,
-        )
-        self._view = self._worker_region.create_kv_memoryview()
-        self.pool = np.asarray(self._view)
         self._n = 0
 
     def request(self) -> ReqContext:
@@ -104,7 +118,7 @@ def make_harness() -> Iterator[Any]:
 def test_spec_serves_requests_with_our_policy(make_harness: Any) -> None:
     h = make_harness({"eviction_policy": "prefix"})
     assert h.manager.inner.policy.name == "prefix"
-    keys = vllm_keys(4)
+    keys = offload_keys(4)
     assert serve_request(h.manager, keys, "a") == 0
     assert serve_request(h.manager, keys, "b") == 4  # stored by the first, loaded by the second
     events = list(h.manager.take_events())
@@ -116,7 +130,7 @@ def test_spec_serves_requests_with_our_policy(make_harness: Any) -> None:
 def test_reuse_filter_counts_requests_not_lookups(make_harness: Any) -> None:
     h = make_harness({"store_threshold": 2})
     assert isinstance(h.manager.inner, FilterReusedOffloadingManager)
-    keys = vllm_keys(3, start=10)
+    keys = offload_keys(3, start=10)
     ctx = h.request()
     for _ in range(5):  # one request looking a block up on five steps: one request
         assert h.manager.lookup(keys[0], ctx) is LookupResult.MISS
@@ -136,7 +150,7 @@ def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path:
         },
         num_chunks=4,
     )
-    keys = vllm_keys(4, start=20)
+    keys = offload_keys(4, start=20)
     rng = np.random.default_rng(0)
     payloads = {k: rng.integers(-128, 128, CHUNK, dtype=np.int8) for k in keys}
     ctx = h.request()
@@ -149,7 +163,7 @@ def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path:
     h.settle()
     h.settle()  # the cascade to disk is done and applied
 
-    others = vllm_keys(4, start=40)  # a full CPU pool of other blocks evicts ours
+    others = offload_keys(4, start=40)  # a full CPU pool of other blocks evicts ours
     assert serve_request(h.manager, others, "others") == 0
     h.settle()
     h.settle()
@@ -207,3 +221,77 @@ def test_tier_blocks_are_named_by_the_models_content_not_its_path(tmp_path: Path
     shutil.rmtree(first)
     shutil.copytree(other, first)  # new weights under the old path
     assert model_of(first) == model_of(other)
+
+
+def _undigestible_checkpoint(directory: Path) -> Path:
+    """A checkpoint whose weight file cannot be read: naming the model by content fails."""
+    directory.mkdir()
+    (directory / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (directory / "model.safetensors").symlink_to(directory / "gone")
+    return directory
+
+
+def test_no_tier_no_weight_digest(tmp_path: Path) -> None:
+    """Without a secondary tier nothing leaves this process: the weights are not digested (a
+    checkpoint that cannot be digested starts); with a disk tier the digest fails loudly."""
+    model = str(_undigestible_checkpoint(tmp_path / "ckpt"))
+    config = offloading_config(SPEC, num_chunks=4, model_name=model)
+    spec = OffloadingSpecFactory.create_spec(config)
+    spec.get_manager().shutdown()
+    tiers = [{"kind": "disk", "path": str(tmp_path / "kv"), "size_gib": 0.01}]
+    config = offloading_config({**SPEC, "kvoffload_tiers": tiers}, num_chunks=4, model_name=model)
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadingSpecFactory.create_spec(config).get_manager()
+
+
+@pytest.mark.parametrize(
+    ("key", "close"),
+    [("kvoffload_tier", "kvoffload_tiers"), ("kvoffload_lookup_retry", "kvoffload_lookup_retry_s")],
+)
+def test_misspelt_kvoffload_setting_is_an_error_naming_it(key: str, close: str) -> None:
+    config = offloading_config({**SPEC, key: []}, num_chunks=4)
+    with pytest.raises(ConfigError) as info:
+        OffloadingSpecFactory.create_spec(config)
+    assert info.value.field == key
+    assert close in str(info.value)
+
+
+def test_pool_file_leaves_dev_shm_once_the_scheduler_mapped_it(make_harness: Any) -> None:
+    """The workers map the pool first; the scheduler side's mapping is the last one needed, so
+    the name goes then (a SIGINT'd vLLM leaves nothing in /dev/shm) and the mappings stay one
+    pool: a block the worker writes is what the manager's tiers read."""
+    h = make_harness({})
+    path = region_path(h.spec.config.engine_id)
+    assert not os.path.exists(path)
+    keys = offload_keys(1, start=90)
+    assert serve_request(h.manager, keys, "a") == 0
+    assert serve_request(h.manager, keys, "b") == 1
+
+
+def test_failed_start_leaves_no_pool_file(tmp_path: Path) -> None:
+    """The workers mapped the pool, then the scheduler side fails on a tier setting: the name is
+    gone already (no cleanup of the workers is needed for it)."""
+    model = str(_undigestible_checkpoint(tmp_path / "ckpt"))
+    tiers = [{"kind": "disk", "path": str(tmp_path / "kv"), "size_gib": 0.01}]
+    config = offloading_config({**SPEC, "kvoffload_tiers": tiers}, num_chunks=4, model_name=model)
+    spec = OffloadingSpecFactory.create_spec(config)
+    worker = worker_region(spec)
+    path = region_path(config.engine_id)
+    assert os.path.exists(path)
+    try:
+        with pytest.raises(ConfigError, match="cannot read"):
+            spec.get_manager()
+        assert not os.path.exists(path)
+    finally:
+        worker.cleanup()
+
+
+def test_scheduler_first_keeps_the_name_for_the_workers_until_shutdown() -> None:
+    """Scheduler-only use (no worker mapped the pool yet): the name stays for workers to come,
+    and shutdown removes it."""
+    config = offloading_config(SPEC, num_chunks=4)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    path = region_path(config.engine_id)
+    assert os.path.exists(path)
+    manager.shutdown()
+    assert not os.path.exists(path)

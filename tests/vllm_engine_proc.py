@@ -6,9 +6,10 @@ the ``uni`` executor: vLLM is imported once), and writes ``JOB.json``'s ``out`` 
 value], ...]}, "events": [base64 ZMQ payload, ...]}, ...]}``
 
 Job: ``model``, ``prompts``, ``rounds``, ``max_tokens``, ``kv_cache_memory_bytes``, ``engines``:
-``[{"name", "kv_transfer_config": {...} | null, "events_port": int | null}]``. Events are
-gathered by a ZMQ SUB socket of this process on the engine's publisher (loopback); the test
-decodes them with vLLM's own ``KVEventBatch``.
+``[{"name", "kv_transfer_config": {...} | null, "events_endpoint": "ipc://..." | null}]``.
+Events are gathered by a ZMQ SUB socket of this process on the engine's publisher (an ipc
+address, which vLLM binds: nothing reachable from other hosts); the test decodes them with
+vLLM's own ``KVEventBatch``.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 class EventSink:
     """Collects the payload frames of a ZMQ publisher's ``(topic, seq, payload)`` messages."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, endpoint: str) -> None:
         import zmq
 
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.setsockopt(zmq.RCVTIMEO, 100)
-        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._socket.connect(endpoint)
         self.payloads: list[bytes] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -86,10 +87,12 @@ def run_engine(job: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
     if engine.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**engine["kv_transfer_config"])
     sink = None
-    if engine.get("events_port"):
-        port = engine["events_port"]
+    if engine.get("events_endpoint"):
         kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}", topic="kv"
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=engine["events_endpoint"],
+            topic="kv",
         )
     llm = LLM(
         model=job["model"],
@@ -102,8 +105,8 @@ def run_engine(job: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         **kwargs,
     )
-    if engine.get("events_port"):
-        sink = EventSink(engine["events_port"])
+    if engine.get("events_endpoint"):
+        sink = EventSink(engine["events_endpoint"])
         time.sleep(0.5)  # the subscription reaches the publisher before the first step
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     rounds = []

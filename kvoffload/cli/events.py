@@ -25,13 +25,15 @@ from kvoffload.events import (
     KVCacheEvent,
     KVEventSubscriber,
     ReceivedBatch,
-    tier_name,
+    tier_of,
 )
 
 __all__ = ["add_parser"]
 
 # Longest single wait, so that --timeout and the table refresh are honoured promptly.
 _POLL_S = 0.2
+# How long without a publisher before a warning says that nothing may be bound at the address.
+_WARN_UNREACHED_S = 10.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--endpoint",
         default="tcp://127.0.0.1:5557",
         help="publisher address (default: %(default)s)",
+    )
+    listen.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind --endpoint instead of connecting, for a publisher that connects (vLLM's does "
+        "when its endpoint is a tcp address without a wildcard, e.g. tcp://127.0.0.1:5557)",
     )
     listen.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     listen.add_argument(
@@ -95,7 +103,12 @@ def _listen(args: argparse.Namespace) -> int:
     deadline = None if args.timeout is None else start + args.timeout
     try:
         subscriber = KVEventSubscriber(
-            args.endpoint, args.topic, args.replay, start_seq=args.from_seq
+            args.endpoint,
+            args.topic,
+            args.replay,
+            start_seq=args.from_seq,
+            bind=True if args.bind else None,
+            warn_unreached_s=_WARN_UNREACHED_S,
         )
     except ConfigError as exc:
         print(f"kvoffload events listen: {exc}", file=sys.stderr)
@@ -156,9 +169,9 @@ def _event_text(event: KVCacheEvent) -> str:
             if len(hashes) == 1
             else f"{_hash_text(hashes[0])}..{_hash_text(hashes[-1])}"
         )
-        tier = tier_name(event.medium, event.locality)
+        tier = tier_of(event.medium, event.locality)
         text = (
-            f"BlockStored   {tier:<15} blocks={len(hashes)} [{span}] "
+            f"BlockStored   {tier:<7} blocks={len(hashes)} [{span}] "
             f"parent={_hash_text(event.parent_block_hash)} tokens={len(event.token_ids)} "
             f"block_size={event.block_size} group={event.group_idx}"
         )
@@ -166,11 +179,18 @@ def _event_text(event: KVCacheEvent) -> str:
     if isinstance(event, BlockRemoved):
         hashes = event.block_hashes
         span = ",".join(_hash_text(h) for h in hashes[:4]) + (",..." if len(hashes) > 4 else "")
-        tier = tier_name(event.medium, event.locality)
-        return f"BlockRemoved  {tier:<15} blocks={len(hashes)} [{span}] group={event.group_idx}"
+        tier = tier_of(event.medium, event.locality)
+        return f"BlockRemoved  {tier:<7} blocks={len(hashes)} [{span}] group={event.group_idx}"
     if isinstance(event, AllBlocksCleared):
         return "AllBlocksCleared"
     return repr(event)
+
+
+def _event_tier(event: KVCacheEvent) -> str:
+    """The tier an event addresses (``AllBlocksCleared`` resets the device cache)."""
+    if isinstance(event, BlockStored | BlockRemoved):
+        return tier_of(event.medium, event.locality)
+    return "device"
 
 
 def _jsonable(value: Any) -> Any:
@@ -194,6 +214,7 @@ def _print_batch(out: TextIO, received: ReceivedBatch, as_json: bool) -> None:
                 "ts": batch.ts,
                 "data_parallel_rank": batch.data_parallel_rank,
                 "type": type(event).__name__,
+                "tier": _event_tier(event),
                 **_jsonable(msgspec.to_builtins(event, builtin_types=(bytes,))),
             }
             lines.append(json.dumps(record))

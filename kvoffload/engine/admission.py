@@ -38,10 +38,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.request import Request
+from kvoffload.errors import ContractError
 from kvoffload.keys import BlockHash
 
 __all__ = [
@@ -103,6 +105,11 @@ class WaitingQueue:
     def end_pass(self) -> None:
         raise NotImplementedError
 
+    def check_invariants(self) -> None:
+        """Check the queue's structures, between passes (a test and debug hook, ``O(n)``);
+        raises :class:`~kvoffload.errors.ContractError` naming a broken invariant."""
+        raise NotImplementedError
+
     def admitted(self, req: Request, num_hit_blocks: int) -> None:
         """``req`` got its blocks; its prompt blocks after the first ``num_hit_blocks`` (engine
         prefix-cache hits) are computed or loaded from now on."""
@@ -151,23 +158,35 @@ class FCFSQueue(WaitingQueue):
         return self._queue[0] if self._queue else None
 
     def take(self, req: Request) -> None:
-        assert self._queue[0] is req
+        self._check_candidate(req)
         self._queue.popleft()
 
     def defer(self, req: Request) -> None:
-        assert self._queue[0] is req
+        self._check_candidate(req)
         self._deferred.append(self._queue.popleft())
+
+    def _check_candidate(self, req: Request) -> None:
+        if not self._queue or self._queue[0] is not req:
+            raise ContractError(f"request {req.request_id} is not the last candidate")
 
     def end_pass(self) -> None:
         self._queue.extendleft(reversed(self._deferred))
         self._deferred = []
 
+    def check_invariants(self) -> None:
+        """Between passes nothing is deferred, and each waiting request is queued once."""
+        if self._deferred:
+            raise ContractError("FCFSQueue invariant broken: deferred requests left after a pass")
+        if len({id(r) for r in self._queue}) != len(self._queue):
+            raise ContractError("FCFSQueue invariant broken: a request is queued twice")
+
 
 class _Entry:
     """A waiting request of a :class:`CacheAwareQueue`: arrival ticket, the most blocks that can
-    be hits (``limit``: never the last prompt token), its score, and whether it still waits."""
+    be hits (``limit``: never the last prompt token), its score, whether it still waits, and the
+    frontier hash it is filed under (``None``: not filed)."""
 
-    __slots__ = ("limit", "live", "req", "score", "ticket", "walked")
+    __slots__ = ("filed", "limit", "live", "req", "score", "ticket", "walked")
 
     def __init__(self, req: Request, ticket: int, limit: int) -> None:
         self.req = req
@@ -176,6 +195,7 @@ class _Entry:
         self.score = 0
         self.live = True
         self.walked = -1  # the pass that last re-walked its run
+        self.filed: BlockHash | None = None
 
 
 class CacheAwareQueue(WaitingQueue):
@@ -195,7 +215,8 @@ class CacheAwareQueue(WaitingQueue):
         #: (-score, ticket, push number, entry); stale items are skipped when popped
         self._heap: list[tuple[int, int, int, _Entry]] = []
         self._pushes = itertools.count()
-        self._frontier: dict[BlockHash, list[_Entry]] = {}
+        #: frontier hash -> the entries filed under it, by ticket
+        self._frontier: dict[BlockHash, dict[int, _Entry]] = {}
         #: prompt blocks admitted requests compute or load now (count of requests), and per
         #: request the range of its blocks still counted there
         self._in_flight: dict[BlockHash, int] = {}
@@ -231,12 +252,7 @@ class CacheAwareQueue(WaitingQueue):
             self._preempted.remove(req)
             return
         entry.live = False
-        if entry.score < entry.limit:  # its filing (a hash that may never become resident)
-            frontier = entry.req.block_hashes[entry.score]
-            waiters = self._frontier.get(frontier, [])
-            self._frontier[frontier] = [e for e in waiters if e is not entry]
-            if not self._frontier[frontier]:
-                del self._frontier[frontier]
+        self._unfile(entry)  # its filing is under a hash that may never become resident
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._preempted)
@@ -250,6 +266,63 @@ class CacheAwareQueue(WaitingQueue):
         if entry is not None:
             return entry.live and entry.req is req
         return req in self._preempted
+
+    def check_invariants(self) -> None:
+        """Check the queue's structures against each other, between passes (a test and debug
+        hook: ``O(waiting + in-flight blocks)``). Raises :class:`~kvoffload.errors.ContractError`
+        naming the first broken one:
+
+        1. ``_entries`` holds the waiting requests in arrival (ticket) order, keyed by request id,
+           all live; no pass state is left (``_tried``, ``_taken``, deferred lists empty).
+        2. ``_preempted`` holds distinct requests, none of them in ``_entries``.
+        3. Every entry's score is within ``0..limit``; an entry with ``score < limit`` is filed
+           under ``block_hashes[score]`` (``entry.filed``), one at ``limit`` is not filed.
+        4. ``_frontier`` holds exactly those filings: every entry in it is waiting and filed
+           under that hash (an aborted or admitted request leaves no filing); no empty lists.
+        5. Every entry with a score above 0 has a current item ``(-score, ticket, _, entry)`` in
+           ``_heap``, and ``_heap`` is a heap (stale items of other scores may remain).
+        6. ``_in_flight`` counts, per hash, the ``_flight_ranges`` that cover it (no zeros).
+        7. ``_passed`` is a min-heap of tickets.
+        """
+
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                raise ContractError(f"CacheAwareQueue invariant broken: {what}")
+
+        entries = list(self._entries.values())
+        check(all(rid == e.req.request_id for rid, e in self._entries.items()), "1: entries keyed")
+        check(all(e.live for e in entries), "1: every entry waits")
+        check(all(a.ticket < b.ticket for a, b in itertools.pairwise(entries)), "1: arrival order")
+        check(
+            not (self._tried or self._tried_entries or self._taken or self._deferred_preempted),
+            "1: no pass state left between passes",
+        )
+        preempted_ids = [r.request_id for r in self._preempted]
+        check(len(set(preempted_ids)) == len(preempted_ids), "2: preempted requests distinct")
+        check(not set(preempted_ids) & self._entries.keys(), "2: preempted ones not in entries")
+        filed = 0
+        for e in entries:
+            check(0 <= e.score <= e.limit, f"3: {e.req.request_id} score {e.score} in 0..limit")
+            want = e.req.block_hashes[e.score] if e.score < e.limit else None
+            check(e.filed == want, f"3: {e.req.request_id} filed under its frontier")
+            if want is not None:
+                filed += 1
+                check(self._frontier.get(want, {}).get(e.ticket) is e, "4: filing recorded")
+        check(all(self._frontier.values()), "4: no empty filing")
+        check(sum(map(len, self._frontier.values())) == filed, "4: no stale filing")
+        current = {(-neg, e.ticket) for neg, _, _, e in self._heap if e.score == -neg}
+        check(
+            all((e.score, e.ticket) in current for e in entries if e.score > 0),
+            "5: every scored entry in the heap",
+        )
+        check(_is_heap(self._heap), "5: heap order")
+        counts: dict[BlockHash, int] = {}
+        for rid, (req, first, end) in self._flight_ranges.items():
+            check(rid == req.request_id and 0 <= first <= end, f"6: flight range of {rid}")
+            for h in req.block_hashes[first:end]:
+                counts[h] = counts.get(h, 0) + 1
+        check(counts == self._in_flight, "6: in-flight counts match the ranges")
+        check(_is_heap(self._passed), "7: passed tickets a heap")
 
     # ------------------------------------------------------------------ a pass
 
@@ -281,21 +354,23 @@ class CacheAwareQueue(WaitingQueue):
 
     def take(self, req: Request) -> None:
         current = self._current
+        self._check_candidate(req)
         if isinstance(current, Request):
-            assert current is req and self._preempted[0] is req
             self._preempted.popleft()
             return
-        assert current is not None and current.req is req
+        if current is None:  # _check_candidate rules it out; narrows the type
+            raise ContractError(f"request {req.request_id} is not the last candidate")
         front = self._front()
         if front is not None and front is not current:
             heapq.heappush(self._passed, current.ticket)
         current.live = False
+        self._unfile(current)
         self._taken.append(current)
 
     def defer(self, req: Request) -> None:
         current = self._current
+        self._check_candidate(req)
         if isinstance(current, Request):
-            assert current is req and self._preempted[0] is req
             self._deferred_preempted.append(self._preempted.popleft())
         elif self._urgent:
             self._stopped = True  # nothing is admitted past a request at its bound
@@ -318,6 +393,15 @@ class CacheAwareQueue(WaitingQueue):
                 (-e.score, e.ticket, next(pushes), e) for e in self._entries.values() if e.score > 0
             ]
             heapq.heapify(self._heap)
+
+    def _check_candidate(self, req: Request) -> None:
+        current = self._current
+        if isinstance(current, Request):
+            ok = current is req and bool(self._preempted) and self._preempted[0] is req
+        else:
+            ok = current is not None and current.req is req
+        if not ok:
+            raise ContractError(f"request {req.request_id} is not the last candidate")
 
     def _try(self, entry: _Entry) -> Request:
         self._tried.add(entry.req.request_id)
@@ -380,12 +464,27 @@ class CacheAwareQueue(WaitingQueue):
         return i
 
     def _set_score(self, entry: _Entry, score: int) -> None:
-        """Record ``score``: file the entry under its frontier, and in the heap if above 0."""
+        """Record ``score``: file the entry under its frontier (only there), and in the heap if
+        above 0."""
+        self._unfile(entry)
         entry.score = score
         if score < entry.limit:
-            self._frontier.setdefault(entry.req.block_hashes[score], []).append(entry)
+            frontier = entry.filed = entry.req.block_hashes[score]
+            self._frontier.setdefault(frontier, {})[entry.ticket] = entry
         if score > 0:
             self._push(entry)
+
+    def _unfile(self, entry: _Entry) -> None:
+        """Take ``entry`` out of its frontier filing, if any."""
+        frontier = entry.filed
+        if frontier is None:
+            return
+        entry.filed = None
+        waiters = self._frontier.get(frontier)
+        if waiters is not None:
+            waiters.pop(entry.ticket, None)
+            if not waiters:
+                del self._frontier[frontier]
 
     def _push(self, entry: _Entry) -> None:
         heapq.heappush(self._heap, (-entry.score, entry.ticket, next(self._pushes), entry))
@@ -395,10 +494,9 @@ class CacheAwareQueue(WaitingQueue):
         waiters = self._frontier.pop(block_hash, None)
         if not waiters:
             return
-        for entry in waiters:
-            score = entry.score  # a stale filing (re-filed since, or gone) is skipped
-            if entry.live and score < entry.limit and entry.req.block_hashes[score] == block_hash:
-                self._set_score(entry, self._walk(entry, score + 1))
+        for entry in waiters.values():
+            entry.filed = None  # the filing was just popped
+            self._set_score(entry, self._walk(entry, entry.score + 1))
 
     # ------------------------------------------------------------------ scheduler hooks
 
@@ -462,3 +560,8 @@ def make_waiting_queue(
     if policy == "cache_aware":
         return CacheAwareQueue(pool, block_size, max_bypass, held)
     raise ValueError(f"unknown scheduling policy {policy!r}; choose from {SCHEDULING_POLICIES}")
+
+
+def _is_heap(items: Sequence[Any]) -> bool:
+    """Whether ``items`` satisfies the min-heap property of :mod:`heapq`."""
+    return all(not items[i] < items[(i - 1) // 2] for i in range(1, len(items)))

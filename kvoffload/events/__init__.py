@@ -6,18 +6,17 @@ the engine publishes one :class:`KVEventBatch` per step through the publisher th
 :class:`KVEventSubscriber` and :class:`BlockIndex`. Imports neither torch nor the engine.
 """
 
-import importlib
-from typing import Any
-
+from kvoffload._lazy import lazy_exports
 from kvoffload.events.codec import EventDecodeError, EventDecoder, EventEncoder
 from kvoffload.events.config import PUBLISHERS, KVEventsConfig
-from kvoffload.events.index import BlockIndex, tier_name
+from kvoffload.events.index import BlockIndex
 from kvoffload.events.messages import (
     LOCALITY_LOCAL,
     LOCALITY_REMOTE,
     MEDIUM_CPU,
     MEDIUM_GPU,
     MEDIUM_STORAGE,
+    TIERS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -25,12 +24,15 @@ from kvoffload.events.messages import (
     KVCacheEvent,
     KVEventBatch,
     external_block_hash,
+    tier_of,
 )
 from kvoffload.events.protocol import (
     REPLAY_END,
     SEQ_BYTES,
+    binds_by_default,
     decode_seq,
     encode_seq,
+    exposed_beyond_host,
     offset_endpoint,
     publisher_binds,
 )
@@ -48,14 +50,7 @@ _LAZY = {
     "ReceivedBatch": "kvoffload.events.subscriber",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
@@ -67,6 +62,7 @@ __all__ = [
     "PUBLISHERS",
     "REPLAY_END",
     "SEQ_BYTES",
+    "TIERS",
     "AllBlocksCleared",
     "BlockIndex",
     "BlockRemoved",
@@ -85,11 +81,13 @@ __all__ = [
     "PublisherState",
     "ReceivedBatch",
     "ZmqEventPublisher",
+    "binds_by_default",
     "create_event_publisher",
     "decode_seq",
     "encode_seq",
+    "exposed_beyond_host",
     "external_block_hash",
     "offset_endpoint",
     "publisher_binds",
-    "tier_name",
+    "tier_of",
 ]

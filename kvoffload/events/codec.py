@@ -67,14 +67,14 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-_PUBLIC_TYPE: dict[type, type[KVCacheEvent]] = {
+_PUBLIC_TYPE: dict[type, type[_Event]] = {
     _LegacyBlockStored: BlockStored,
     _LegacyBlockRemoved: BlockRemoved,
     _LegacyAllBlocksCleared: AllBlocksCleared,
 }
 
 
-def _from_legacy(event: KVCacheEvent) -> KVCacheEvent:
+def _from_legacy(event: KVCacheEvent) -> _Event:
     return _PUBLIC_TYPE[type(event)](*msgspec.structs.astuple(event))
 
 
@@ -150,7 +150,7 @@ class EventDecoder:
         return KVEventBatch(raw.ts, events, raw.data_parallel_rank)
 
     @staticmethod
-    def _convert_event(event: Any) -> KVCacheEvent:
+    def _convert_event(event: Any) -> _Event:
         if isinstance(event, list):
             return _from_legacy(msgspec.convert(event, _LegacyEvent))
         return msgspec.convert(event, _Event)

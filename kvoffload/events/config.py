@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.errors import ConfigError
+from kvoffload.events.protocol import binds_by_default
 
 __all__ = ["PUBLISHERS", "KVEventsConfig"]
 
@@ -60,14 +61,15 @@ def _as_endpoint(field: str, value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
-    """Where and how KV cache events are published. Defaults are vLLM's."""
+    """Where and how KV cache events are published. Defaults are vLLM's, except ``endpoint``:
+    loopback (events carry every prompt's token ids; vLLM's default binds every interface)."""
 
     #: Publish events at all.
     enable_kv_cache_events: bool = False
     #: ``"zmq"`` or ``"null"``; unset means ``"zmq"`` when events are enabled, else ``"null"``.
     publisher: str | None = None
-    #: PUB address: bound when a wildcard (``tcp://*:5557``) or ipc/inproc, else connected.
-    endpoint: str = "tcp://*:5557"
+    #: PUB address; bound or connected as ``bind`` says.
+    endpoint: str = "tcp://127.0.0.1:5557"
     #: ROUTER address serving replays of the last ``buffer_steps`` batches (always bound).
     replay_endpoint: str | None = None
     #: Batches kept for replay.
@@ -82,6 +84,10 @@ class KVEventsConfig:
     legacy_array_events: bool = False
     #: Ours: publish block hashes as 64-bit ints instead of raw bytes.
     int_block_hashes: bool = False
+    #: Ours: bind ``endpoint`` (true) or connect to a subscriber that binds it (false); unset:
+    #: bind a wildcard, loopback, ipc or inproc address, connect to any other (vLLM's rule, plus
+    #: loopback; :func:`~kvoffload.events.protocol.binds_by_default`).
+    bind: bool | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -103,6 +109,14 @@ class KVEventsConfig:
             raise ConfigError("topic", f"expected a string, got {self.topic!r}")
         put(self, "legacy_array_events", _as_bool("legacy_array_events", self.legacy_array_events))
         put(self, "int_block_hashes", _as_bool("int_block_hashes", self.int_block_hashes))
+        if self.bind is not None:
+            put(self, "bind", _as_bool("bind", self.bind))
+
+    @property
+    def publisher_binds(self) -> bool:
+        """Whether the publisher binds ``endpoint`` (else it connects): ``bind`` when set, else
+        :func:`~kvoffload.events.protocol.binds_by_default`."""
+        return binds_by_default(self.endpoint) if self.bind is None else self.bind
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:

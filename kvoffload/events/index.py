@@ -1,14 +1,15 @@
 """``BlockIndex``: which blocks each tier holds, kept live by applying KV events in order.
 
-A tier is named by :func:`tier_name`: the medium, plus ``/locality`` when the event has one
-(``"GPU"``, ``"CPU"``, ``"STORAGE/LOCAL"``, ``"STORAGE/REMOTE"``). A block is its published
-hash within a KV-cache group; events without ``group_idx`` address group 0, and events without a
-medium (producers older than mediums) address ``"GPU"``.
+A tier is one of :data:`~kvoffload.events.messages.TIERS` (``"device"``, ``"host"``, ``"disk"``,
+``"remote"``), named from an event's medium and locality by
+:func:`~kvoffload.events.messages.tier_of` (the router's index uses the same names). A block is
+its published hash within a KV-cache group; events without ``group_idx`` address group 0, and
+events without a medium (producers older than mediums) address ``"device"``.
 
 :class:`~kvoffload.events.messages.BlockStored` adds its blocks to the tier,
 :class:`~kvoffload.events.messages.BlockRemoved` removes them (unknown ones are ignored), and
 :class:`~kvoffload.events.messages.AllBlocksCleared`, which carries no medium, empties the tiers
-in ``cleared_tiers`` (default: ``GPU`` only, since only the device prefix cache emits it; pass
+in ``cleared_tiers`` (default: ``device`` only, since only the device prefix cache emits it; pass
 ``None`` to empty every tier, as llm-d does). Cost: one set operation per block.
 """
 
@@ -17,22 +18,16 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from kvoffload.events.messages import (
-    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
     KVCacheEvent,
     KVEventBatch,
+    tier_of,
 )
 
-__all__ = ["BlockIndex", "tier_name"]
-
-
-def tier_name(medium: str | None, locality: str | None = None) -> str:
-    """Return the index's name of a tier: ``medium`` or ``medium/locality``."""
-    medium = MEDIUM_GPU if medium is None else medium
-    return medium if locality is None else f"{medium}/{locality}"
+__all__ = ["BlockIndex"]
 
 
 class BlockIndex:
@@ -44,7 +39,7 @@ class BlockIndex:
 
     __slots__ = ("_blocks", "_cleared_tiers")
 
-    def __init__(self, cleared_tiers: Collection[str] | None = (MEDIUM_GPU,)) -> None:
+    def __init__(self, cleared_tiers: Collection[str] | None = ("device",)) -> None:
         self._blocks: dict[str, dict[int, set[ExternalBlockHash]]] = {}
         self._cleared_tiers = None if cleared_tiers is None else frozenset(cleared_tiers)
 
@@ -111,8 +106,7 @@ class BlockIndex:
     def _group(
         self, medium: str | None, locality: str | None, group_idx: int | None
     ) -> set[ExternalBlockHash]:
-        # The common case (a medium, no locality) skips building a name.
-        tier = medium if locality is None and medium is not None else tier_name(medium, locality)
+        tier = tier_of(medium, locality)
         groups = self._blocks.get(tier)
         if groups is None:
             groups = self._blocks[tier] = {}

@@ -9,7 +9,9 @@ consumers see vLLM's layout.
 
 Where a block lives is ``medium`` (:data:`MEDIUM_GPU`, :data:`MEDIUM_CPU`,
 :data:`MEDIUM_STORAGE`) plus, for storage, ``locality`` (:data:`LOCALITY_LOCAL` for a disk of this
-node, :data:`LOCALITY_REMOTE` for a store shared between nodes).
+node, :data:`LOCALITY_REMOTE` for a store shared between nodes). Everything that reads events
+names that place with one vocabulary, :data:`TIERS`, through :func:`tier_of`; the wire keeps
+medium and locality.
 
 Block hashes on the wire are :data:`ExternalBlockHash` values made by :func:`external_block_hash`
 from the hash part of an offload key (``kvoffload.keys.offload_key_hash``); the KV-cache group
@@ -28,6 +30,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "TIERS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -35,6 +38,7 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "external_block_hash",
+    "tier_of",
 ]
 
 #: The engine's own device KV cache (whatever the device is).
@@ -47,6 +51,27 @@ MEDIUM_STORAGE = "STORAGE"
 LOCALITY_LOCAL = "LOCAL"
 #: Storage shared between nodes (the remote store tier).
 LOCALITY_REMOTE = "REMOTE"
+
+#: The tiers, fastest first: the engine's device cache, host memory, this node's disk, a store
+#: shared between nodes. The one vocabulary of every index and tool that reads events.
+TIERS = ("device", "host", "disk", "remote")
+
+
+def tier_of(medium: str | None, locality: str | None = None) -> str:
+    """The tier (one of :data:`TIERS`) of an event's ``medium`` and ``locality``.
+
+    ``GPU`` or no medium (producers older than mediums) is ``device``; ``CPU`` is ``host``;
+    ``STORAGE`` with locality ``REMOTE`` is ``remote``; any other storage, and any medium this
+    version does not know, is ``disk``.
+    """
+    if medium is None or medium == MEDIUM_GPU:
+        return "device"
+    if medium == MEDIUM_CPU:
+        return "host"
+    if medium == MEDIUM_STORAGE and locality == LOCALITY_REMOTE:
+        return "remote"
+    return "disk"
+
 
 #: A block hash as consumers see it: raw hash bytes, or a 64-bit unsigned int (see
 #: :func:`external_block_hash`).

@@ -6,15 +6,25 @@ has accepted, from 0, as 8 big-endian bytes; ``payload`` is the msgpack batch.
 Replay (ROUTER): a client (DEALER) sends ``[b"", start_seq]``; the publisher answers with one
 ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``, in order, then the
 end marker ``[b"", b"", REPLAY_END, b""]`` (an empty topic), as vLLM 0.33's publisher does.
+
+Who binds: vLLM's publisher binds a wildcard or ipc/inproc address and connects to any other
+(:func:`publisher_binds`); kvoffload's publishers also bind a loopback address
+(:func:`binds_by_default`), so that ``tcp://127.0.0.1:P`` works with subscribers that connect.
+Events carry every prompt's token ids: :func:`exposed_beyond_host` says whether an address
+reaches beyond this host.
 """
 
 from __future__ import annotations
 
+import ipaddress
+
 __all__ = [
     "REPLAY_END",
     "SEQ_BYTES",
+    "binds_by_default",
     "decode_seq",
     "encode_seq",
+    "exposed_beyond_host",
     "offset_endpoint",
     "publisher_binds",
 ]
@@ -46,6 +56,39 @@ def publisher_binds(endpoint: str) -> bool:
     ephemeral port, or ``::``) or the transport is ``ipc://`` or ``inproc://``.
     """
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` address (brackets of an IPv6 host removed)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a wildcard, a host name, an interface name
+        return False
+
+
+def exposed_beyond_host(endpoint: str) -> bool:
+    """Whether a socket bound at ``endpoint`` can be reached from other hosts: a tcp address
+    whose host is not a loopback address (a wildcard ``*``, ``0.0.0.0``, ``::``, another IP, a
+    host or interface name). ipc and inproc addresses stay on this host."""
+    host = _tcp_host(endpoint)
+    return host is not None and not _is_loopback_host(host)
+
+
+def binds_by_default(endpoint: str) -> bool:
+    """kvoffload's publishers' rule: vLLM's (:func:`publisher_binds`), and a loopback tcp
+    address (``tcp://127.0.0.1:P``, ``tcp://localhost:P``, ``tcp://[::1]:P``) binds too: on this
+    host, the subscriber (``route``, ``events listen``) connects."""
+    host = _tcp_host(endpoint)
+    return publisher_binds(endpoint) or (host is not None and _is_loopback_host(host))
 
 
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:

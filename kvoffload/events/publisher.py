@@ -30,10 +30,11 @@ from kvoffload.events.config import KVEventsConfig
 from kvoffload.events.messages import KVEventBatch
 from kvoffload.events.protocol import (
     REPLAY_END,
+    binds_by_default,
     decode_seq,
     encode_seq,
+    exposed_beyond_host,
     offset_endpoint,
-    publisher_binds,
 )
 
 __all__ = [
@@ -42,12 +43,27 @@ __all__ = [
     "PublisherState",
     "ZmqEventPublisher",
     "create_event_publisher",
+    "warn_if_exposed",
 ]
 
 logger = logging.getLogger(__name__)
 
 # How often an idle sender thread looks for replay requests (a publish wakes it at once).
 _REPLAY_POLL_S = 0.02
+
+
+def warn_if_exposed(field: str, endpoint: str) -> None:
+    """Log a warning when a socket about to be bound at ``endpoint`` is reachable from other
+    hosts: whoever connects reads every prompt's token ids (the replay socket serves its whole
+    buffer to anyone who asks)."""
+    if exposed_beyond_host(endpoint):
+        logger.warning(
+            "KV events %s %s is reachable from other hosts: events carry every prompt's token ids "
+            "(and the replay socket serves its buffered history to whoever connects). Bind "
+            "127.0.0.1 unless other hosts must subscribe, and then restrict who can reach it.",
+            field,
+            endpoint,
+        )
 
 
 class PublisherState(enum.Enum):
@@ -122,8 +138,10 @@ class NullEventPublisher(EventPublisher):
 class ZmqEventPublisher(EventPublisher):
     """Publishes batches on a ZMQ PUB socket from a background thread.
 
-    ``endpoint`` is bound or connected by :func:`~kvoffload.events.protocol.publisher_binds`;
-    ``replay_endpoint`` is always bound. Pass ``context`` to share a ZMQ context (required for
+    ``endpoint`` is bound when ``bind`` is true, connected (to a subscriber that binds it) when
+    false; unset, :func:`~kvoffload.events.protocol.binds_by_default` decides (a wildcard,
+    loopback, ipc or inproc address binds). ``replay_endpoint`` is always bound. Binding an
+    address other hosts can reach logs a warning (:func:`warn_if_exposed`). Pass ``context`` to share a ZMQ context (required for
     ``inproc://`` subscribers); otherwise the publisher owns one and terminates it on shutdown,
     which waits (within ``timeout_s``) until sent messages have left the process. Failing to
     bind or connect raises :class:`~kvoffload.errors.ConfigError` naming the endpoint field.
@@ -135,8 +153,9 @@ class ZmqEventPublisher(EventPublisher):
 
     def __init__(
         self,
-        endpoint: str = "tcp://*:5557",
+        endpoint: str = "tcp://127.0.0.1:5557",
         *,
+        bind: bool | None = None,
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
@@ -155,13 +174,15 @@ class ZmqEventPublisher(EventPublisher):
         self._encoder = EventEncoder(legacy_array_events)
         self._owns_context = context is None
         self._ctx = zmq.Context() if context is None else context
-        self._pub: zmq.Socket | None = None
+        self._pub: zmq.Socket = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self.endpoint = self._attach(self._pub, "endpoint", endpoint, publisher_binds(endpoint))
+            binds = binds_by_default(endpoint) if bind is None else bind
+            self.endpoint = self._attach(self._pub, "endpoint", endpoint, binds)
+            #: Whether ``endpoint`` is bound (else connected: a subscriber must bind it).
+            self.binds = binds
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 # A whole buffer must fit in one client's pipe, or ROUTER drops the excess.
@@ -190,9 +211,13 @@ class ZmqEventPublisher(EventPublisher):
     def _attach(sock: zmq.Socket, field: str, endpoint: str, bind: bool) -> str:
         try:
             if bind:
+                warn_if_exposed(field, endpoint)
                 sock.bind(endpoint)
                 return sock.getsockopt_string(zmq.LAST_ENDPOINT)
             sock.connect(endpoint)
+            logger.info(
+                "KV events %s: connecting to %s, where a subscriber must bind", field, endpoint
+            )
             return endpoint
         except zmq.ZMQError as exc:
             action = "bind" if bind else "connect to"
@@ -295,6 +320,8 @@ class ZmqEventPublisher(EventPublisher):
 
     def _serve_replays(self) -> None:
         sock = self._replay
+        if sock is None:
+            return
         while sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
@@ -327,7 +354,8 @@ def create_event_publisher(
     """Return the publisher ``config`` asks for, for data-parallel rank ``data_parallel_rank``.
 
     A :class:`NullEventPublisher` when events are disabled or ``publisher == "null"``; otherwise a
-    :class:`ZmqEventPublisher` on the rank's endpoints
+    :class:`ZmqEventPublisher` binding or connecting as ``config.publisher_binds`` says, on the
+    rank's endpoints
     (:func:`~kvoffload.events.protocol.offset_endpoint`).
     """
     if not config.enable_kv_cache_events or config.publisher == "null":
@@ -335,6 +363,7 @@ def create_event_publisher(
     replay = config.replay_endpoint
     return ZmqEventPublisher(
         offset_endpoint(config.endpoint, data_parallel_rank),
+        bind=config.publisher_binds,
         replay_endpoint=None if replay is None else offset_endpoint(replay, data_parallel_rank),
         buffer_steps=config.buffer_steps,
         hwm=config.hwm,

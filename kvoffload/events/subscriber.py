@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.codec import EventDecodeError, EventDecoder
@@ -31,6 +32,7 @@ __all__ = ["Gap", "KVEventSubscriber", "ReceivedBatch"]
 logger = logging.getLogger(__name__)
 
 _MAX_GAPS_KEPT = 1000
+_PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +66,13 @@ class Gap:
 class KVEventSubscriber:
     """Subscribes to one publisher's events (``topic`` is a prefix filter; ``""`` takes all).
 
-    ``endpoint`` is connected, or bound when it holds a wildcard (``*``), for publishers that
-    connect. ``start_seq`` is the first batch wanted: 0 (the default) is everything the
+    ``endpoint`` is bound when ``bind`` is true (for a publisher that connects: vLLM's, given a
+    tcp address without a wildcard), connected when false; unset, bound when it holds a wildcard
+    (``*``), else connected. When no publisher has reached the socket ``warn_unreached_s``
+    seconds after construction (checked in :meth:`receive`), a warning says so once, naming
+    the address and the bind rule: nothing binds when both sides connect, and events would
+    otherwise go nowhere in silence. :attr:`reached` tells whether one has (``inproc`` is not
+    watched: always true). ``start_seq`` is the first batch wanted: 0 (the default) is everything the
     publisher sent, so batches published before the subscription took effect are a gap, counted
     when the first live batch arrives and recovered through ``replay_endpoint`` when given (or at
     once with :meth:`catch_up`); ``None`` starts from whatever arrives first (no history wanted).
@@ -85,22 +92,32 @@ class KVEventSubscriber:
         start_seq: int | None = 0,
         replay_timeout_s: float = 1.0,
         hwm: int = 100_000,
+        bind: bool | None = None,
+        warn_unreached_s: float = 30.0,
         context: zmq.Context | None = None,
     ) -> None:
         if start_seq is not None:
             check_int("start_seq", start_seq, 0)
         check_real("replay_timeout_s", replay_timeout_s, 0, unit="seconds")
+        check_real("warn_unreached_s", warn_unreached_s, 0, unit="seconds")
         check_int("hwm", hwm, 0)
         self._closed = False
         self._replay: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._owns_context = context is None
         self._ctx = zmq.Context() if context is None else context
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.replay_endpoint = replay_endpoint
+        self._binds = "*" in endpoint if bind is None else bind
+        #: Whether a publisher has reached the socket (connected to it, or accepted it).
+        self.reached = endpoint.startswith("inproc://")
+        if not self.reached:  # watched from before the first connection can happen
+            self._monitor = self._sub.get_monitor_socket(_PEER_EVENTS)
+        self._warn_at: float | None = time.monotonic() + warn_unreached_s
         try:
-            if "*" in endpoint:
+            if self._binds:
                 self._sub.bind(endpoint)
                 endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -151,7 +168,11 @@ class KVEventSubscriber:
         deadline = time.monotonic() + timeout_s
         sub = self._sub
         while not self._ready:
+            if not self.reached:
+                self._watch_peers()
             if not sub.poll(self._wait_ms(deadline), zmq.POLLIN):
+                if not self.reached:
+                    self._watch_peers()
                 return None
             self._on_live(sub.recv_multipart(zmq.NOBLOCK))
             if not self._ready and time.monotonic() >= deadline:
@@ -208,6 +229,7 @@ class KVEventSubscriber:
         if self._closed:
             return
         self._closed = True
+        self._stop_watching()
         self._sub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -227,7 +249,45 @@ class KVEventSubscriber:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _watch_peers(self) -> None:
+        """Note a publisher reaching the socket; warn once when none has in time."""
+        monitor = self._monitor
+        while monitor is not None and monitor.poll(0, zmq.POLLIN):
+            if recv_monitor_message(monitor)["event"] & _PEER_EVENTS:
+                self._on_reached()
+                return
+        if self._warn_at is not None and time.monotonic() >= self._warn_at:
+            self._warn_at = None
+            if self._binds:
+                logger.warning(
+                    "no KV event publisher has connected to %s yet: is one configured to "
+                    "connect there (vLLM's publisher connects to a tcp address without a "
+                    "wildcard)?",
+                    self.endpoint,
+                )
+            else:
+                logger.warning(
+                    "no KV event publisher reached %s yet: is one bound there? A publisher "
+                    "given a tcp address without a wildcard connects instead of binding (vLLM's "
+                    "rule; kvoffload's publishers bind loopback addresses): then nothing binds. "
+                    "Bind this side (events listen --bind) or give the publisher a wildcard, "
+                    "ipc:// or (kvoffload) loopback address.",
+                    self.endpoint,
+                )
+
+    def _on_reached(self) -> None:
+        self.reached = True
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
     def _on_live(self, frames: list[bytes]) -> None:
+        if not self.reached:
+            self._on_reached()
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             self._stats["malformed"] += 1
             return
@@ -311,6 +371,8 @@ class KVEventSubscriber:
         logger.warning("KV event replay from seq %d: %s", first_seq, why)
 
     def _open_replay_socket(self) -> zmq.Socket:
+        if self.replay_endpoint is None:
+            raise ContractError("no replay_endpoint to connect to")
         sock = self._replay = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer must fit
         # Requests go to a connected publisher only (never queued for one that may never come):

@@ -9,9 +9,12 @@ discovered blocks) takes the keys already learned for its engine hash, or is cou
 unresolved. Events are accepted in vLLM 0.33's map form and the older array form (the codec
 decodes both).
 
-Tiers: ``device`` (medium ``GPU``), ``host`` (``CPU``), ``disk`` (``STORAGE``, local or no
-locality, and any unknown medium), ``remote`` (``STORAGE`` / ``REMOTE``: a store shared between
-instances; a block there is a hit for every instance of the same ``remote_group``).
+Tiers: :data:`~kvoffload.events.messages.TIERS`, named by
+:func:`~kvoffload.events.messages.tier_of` (the events index's vocabulary): ``device`` (medium
+``GPU``), ``host`` (``CPU``), ``disk`` (``STORAGE``, local or no locality, and any unknown
+medium), ``remote`` (``STORAGE`` / ``REMOTE``: a store shared between instances; a block there is
+a hit for every instance of the same ``remote_group``). Here a tier is its position in ``TIERS``
+(:data:`DEVICE`, :data:`HOST`, :data:`DISK`, :data:`REMOTE`; :func:`tier_number`).
 ``AllBlocksCleared`` (a device prefix-cache reset) drops the instance's device entries; its
 tiers announce their own removals. An instance's own ``REMOTE`` blocks count for it even when it
 has no group.
@@ -27,22 +30,20 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvoffload.events.messages import (
-    LOCALITY_REMOTE,
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    MEDIUM_STORAGE,
+    TIERS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
     KVCacheEvent,
+    tier_of,
 )
 from kvoffload.routing.keys import ROOT_SEED, block_keys, token_bytes
 
-__all__ = ["DEVICE", "DISK", "HOST", "REMOTE", "TIERS", "Match", "PrefixIndex", "tier_of"]
+__all__ = ["DEVICE", "DISK", "HOST", "REMOTE", "TIERS", "Match", "PrefixIndex", "tier_number"]
 
-DEVICE, HOST, DISK, REMOTE = 0, 1, 2, 3
-TIERS = ("device", "host", "disk", "remote")
+_NUMBER = {name: i for i, name in enumerate(TIERS)}
+DEVICE, HOST, DISK, REMOTE = (_NUMBER[name] for name in ("device", "host", "disk", "remote"))
 _ONE = tuple(1 << (16 * t) for t in range(4))  # one reference in a tier, packed
 _MASK = tuple(0xFFFF << (16 * t) for t in range(4))  # a tier's refcount in a packed entry
 _MAX_LEARNED = 1 << 21  # engine hashes whose keys are remembered (oldest forgotten first)
@@ -52,15 +53,9 @@ HeldKey = tuple[int, ExternalBlockHash]  # (group, engine hash), as held() repor
 Span = int | bytes
 
 
-def tier_of(medium: str | None, locality: str | None) -> int:
-    """The index's tier of an event's medium and locality."""
-    if medium is None or medium == MEDIUM_GPU:
-        return DEVICE
-    if medium == MEDIUM_CPU:
-        return HOST
-    if medium == MEDIUM_STORAGE and locality == LOCALITY_REMOTE:
-        return REMOTE
-    return DISK
+def tier_number(medium: str | None, locality: str | None) -> int:
+    """The position in :data:`TIERS` of an event's tier (:func:`tier_of`)."""
+    return _NUMBER[tier_of(medium, locality)]
 
 
 def _span(keys: Sequence[int]) -> Span:
@@ -166,7 +161,7 @@ class PrefixIndex:
                 self.counters["cleared"] += 1
 
     def _removed(self, instance: int, held: list[dict], event: BlockRemoved) -> None:
-        t = tier_of(event.medium, event.locality)
+        t = tier_number(event.medium, event.locality)
         tier = held[t]
         group = event.group_idx or 0
         for h in event.block_hashes:
@@ -178,7 +173,7 @@ class PrefixIndex:
                 self.counters["removed"] += 1
 
     def _stored(self, instance: int, held: list[dict], event: BlockStored) -> None:
-        t = tier_of(event.medium, event.locality)
+        t = tier_number(event.medium, event.locality)
         group = event.group_idx or 0
         ebs = self.block_size
         hashes, tokens, size = event.block_hashes, event.token_ids, event.block_size

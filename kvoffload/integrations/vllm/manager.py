@@ -53,7 +53,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.base import LookupResult as KVOLookupResult
 from kvoffload.base import OffloadingManager as KVOManager
-from kvoffload.integrations.vllm.compat import ConfigInfoMapping
+from kvoffload.integrations.vllm.compat import ConfigInfoMapping, our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
 from kvoffload.integrations.vllm.waits import LookupWaits
 
@@ -104,7 +104,7 @@ class KVOffloadManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._begin_step()
         self._busy = True
-        result = self.inner.lookup(key, kvoffload_context(req_context))
+        result = self.inner.lookup(our_key(key), kvoffload_context(req_context))
         waited = self.waits.answered(key, result in _FINAL, req_context)
         if waited > self._retry_budget_s:
             # vLLM re-asks every step without end; past our budget the request takes the
@@ -118,33 +118,33 @@ class KVOffloadManager(OffloadingManager):
         return CacheHitSource.HOST  # every load is from the host pool (promotions land there)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        spec = self.inner.prepare_load(list(keys), kvoffload_context(req_context))
+        spec = self.inner.prepare_load(our_keys(keys), kvoffload_context(req_context))
         return CPULoadStoreSpec(spec.block_ids)  # type: ignore[attr-defined]
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.inner.touch(list(keys), kvoffload_context(req_context))
+        self.inner.touch(our_keys(keys), kvoffload_context(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.inner.complete_load(list(keys), kvoffload_context(req_context))
+        self.inner.complete_load(our_keys(keys), kvoffload_context(req_context))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self._begin_step()
         self._computed = True
-        out = self.inner.prepare_store(list(keys), kvoffload_context(req_context))
+        out = self.inner.prepare_store(our_keys(keys), kvoffload_context(req_context))
         if out is None:
             return None
         return PrepareStoreOutput(
-            keys_to_store=list(out.keys_to_store),
+            keys_to_store=vllm_keys(out.keys_to_store),
             store_spec=CPULoadStoreSpec(out.store_spec.block_ids),  # type: ignore[attr-defined]
-            evicted_keys=list(out.evicted_keys),
+            evicted_keys=vllm_keys(out.evicted_keys),
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.inner.complete_store(list(keys), kvoffload_context(req_context), success)
+        self.inner.complete_store(our_keys(keys), kvoffload_context(req_context), success)
 
     # -- requests and steps ----------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class KVOffloadManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         return [
             OffloadingEvent(
-                keys=list(event.keys),
+                keys=vllm_keys(event.keys),
                 medium=Medium(event.medium),
                 removed=event.removed,
                 locality=Locality(event.locality) if event.locality else None,
@@ -187,8 +187,8 @@ class KVOffloadManager(OffloadingManager):
             stats.set_gauge(STATS_METRIC, value, (name,))
         stats.set_gauge(STATS_METRIC, self.budget_misses, ("retry_budget_misses",))
         for what, figures in self.waits.summary().items():
-            for figure, value in figures.items():
-                stats.set_gauge(STATS_METRIC, value, (f"{what}_{figure}",))
+            for figure, amount in figures.items():
+                stats.set_gauge(STATS_METRIC, amount, (f"{what}_{figure}",))
         return stats
 
     def write_stats_file(self) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
@@ -51,8 +51,14 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from kvoffload.base import ReqContext
 from kvoffload.eviction import EvictionPolicy, RequestUses, create_eviction_policy
 from kvoffload.eviction.base import overrides
-from kvoffload.integrations.vllm.compat import POLICY_HAS_REQUEST_ACCESS
+from kvoffload.integrations.vllm.compat import (
+    POLICY_HAS_REQUEST_ACCESS,
+    as_ours,
+    our_key,
+    our_keys,
+)
 from kvoffload.integrations.vllm.context import kvoffload_context
+from kvoffload.keys import OffloadKey as KVOKey
 
 __all__ = [
     "KVOffloadARC",
@@ -152,7 +158,7 @@ class KVOffloadCachePolicy(CachePolicy):
     # -- CachePolicy -----------------------------------------------------------------------------
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
-        chunk = self._policy.get(key)
+        chunk = self._policy.get(our_key(key))
         if chunk is None and self._probation:
             return self._probation.get(key)
         return chunk  # type: ignore[return-value]
@@ -173,20 +179,20 @@ class KVOffloadCachePolicy(CachePolicy):
 
     def remove(self, key: OffloadKey) -> None:
         if self._probation.pop(key, None) is None:
-            self._policy.remove(key)
+            self._policy.remove(our_key(key))
 
     def touch(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
         keys = list(keys)
         if self._probation:
             self._admit_from_probation(keys)
-        self._policy.touch(keys, kvoffload_context(req_context))
+        self._policy.touch(as_ours(keys), kvoffload_context(req_context))
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
         ctx = kvoffload_context(req_context)
         keys = self._observe(keys, ctx)
         if self._probation:
             self._admit_from_probation(keys)
-        self._policy.touch(keys, ctx)
+        self._policy.touch(as_ours(keys), ctx)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
         ctx = kvoffload_context(req_context)
@@ -198,9 +204,9 @@ class KVOffloadCachePolicy(CachePolicy):
             context = self._observe(misses, ctx)
             self._missed_by.update(dict.fromkeys(misses, ctx))
         if not self._admits:
-            self._policy.touch(context, ctx)
+            self._policy.touch(as_ours(context), ctx)
             return
-        admitted = set(self._policy.admit(misses, context, ctx))
+        admitted = set(self._policy.admit(as_ours(misses), as_ours(context), ctx))
         chain.declined.update(k for k in misses if k not in admitted)
 
     def on_request_finished(
@@ -217,15 +223,16 @@ class KVOffloadCachePolicy(CachePolicy):
         if self._commits:
             if not POLICY_HAS_REQUEST_ACCESS:  # vLLM 0.32 tells a request's access only here
                 for keys in touched:
-                    self._policy.touch(keys, ctx)
+                    self._policy.touch(as_ours(keys), ctx)
             uses = RequestUses()
             uses.runs = [
-                (keys, (), [k for k in keys if k in insertion_only_keys]) for keys in touched
+                (as_ours(keys), (), as_ours([k for k in keys if k in insertion_only_keys]))
+                for keys in touched
             ]
             self._policy.request_finished(uses, ctx)
         else:
             for keys in touched:
-                self._policy.touch(keys, ctx)
+                self._policy.touch(as_ours(keys), ctx)
         chains = ctx.get_state(_Chains)
         chain = chains.by_owner.pop(self, None) if chains is not None else None
         if chain is not None and self._missed_by:  # vLLM 0.32: its misses never inserted
@@ -247,7 +254,7 @@ class KVOffloadCachePolicy(CachePolicy):
                     break
         on_probation = len(victims)
         if on_probation < n:  # then our policy's order; atomic: nothing has changed yet
-            rest = self._policy.evict(n - on_probation, protected)
+            rest = self._policy.evict(n - on_probation, as_ours(protected))
             if rest is None:
                 return None
             victims.extend(rest)  # type: ignore[arg-type]  # our policy holds vLLM's ChunkStatus
@@ -262,7 +269,7 @@ class KVOffloadCachePolicy(CachePolicy):
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the policy and the probation list overlap (tests only)."""
-        assert not any(self._policy.get(k) is not None for k in self._probation)
+        assert not any(self._policy.get(our_key(k)) is not None for k in self._probation)
         self._policy.check_invariants()
 
 
@@ -271,10 +278,10 @@ class KVOffloadRequestHooks(KVOffloadCachePolicy):
     ``request_accessed``, ``request_finished``): each vLLM hook is forwarded as it is."""
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
-        self._policy.store_missed(list(keys), kvoffload_context(req_context))
+        self._policy.store_missed(our_keys(list(keys)), kvoffload_context(req_context))
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: VllmReqContext) -> None:
-        self._policy.request_accessed(list(keys), kvoffload_context(req_context))
+        self._policy.request_accessed(our_keys(list(keys)), kvoffload_context(req_context))
 
     def on_request_finished(
         self,
@@ -284,7 +291,11 @@ class KVOffloadRequestHooks(KVOffloadCachePolicy):
         req_context: VllmReqContext,
     ) -> None:
         uses = RequestUses()  # one run: vLLM's access, its reuses, its insertions
-        uses.runs = [([k for keys in key_groups for k in keys], reused_keys, insertion_only_keys)]
+        everything = as_ours([k for keys in key_groups for k in keys])
+        # Sets, as vLLM gives them: the policy only asks them for membership.
+        reused = cast("Sequence[KVOKey]", reused_keys)
+        inserted = cast("Sequence[KVOKey]", insertion_only_keys)
+        uses.runs = [(everything, reused, inserted)]
         self._policy.request_finished(uses, kvoffload_context(req_context))
 
 

@@ -27,12 +27,13 @@ __all__ = ["unexported_alias"]
 def unexported_alias(view: memoryview) -> memoryview:
     """A writable 2-D byte view of the same memory as the C-contiguous, writable 2-D ``view``
     (shape and strides equal), holding no buffer export of ``view``'s object once it returns."""
-    if view.ndim != 2 or not view.c_contiguous or view.readonly:
+    shape = view.shape
+    if shape is None or view.ndim != 2 or not view.c_contiguous or view.readonly:
         raise ValueError(
             f"expected a writable C-contiguous 2-D view, got ndim={view.ndim} "
             f"contiguous={view.c_contiguous} readonly={view.readonly}"
         )
-    rows, row_bytes = view.shape
+    rows, row_bytes = shape
     probe = ctypes.c_char.from_buffer(view)  # a temporary export, only to learn the address
     address = ctypes.addressof(probe)
     del probe

@@ -14,6 +14,9 @@
      "kvoffload_lookup_retry_s": 2.0,          # how long a request waits on RETRY (then MISS)
      "kvoffload_stats_file": "kvoffload-stats.json"}  # optional: stats when idle
 
+Another ``kvoffload_*`` key is an error naming it (a misspelling is never ignored). The model's
+weights are digested (to name its blocks by content) only when ``kvoffload_tiers`` is set.
+
 What vLLM runs and what is ours:
 
 * **Worker side:** on CUDA-alike and XPU platforms vLLM's own (the spec extends vLLM's
@@ -38,11 +41,11 @@ Bad settings raise :class:`~kvoffload.errors.ConfigError` naming the setting.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingMetricMetadata
 from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvoffload.base import OffloadingManager as KVOManager
@@ -51,13 +54,22 @@ from kvoffload.eviction import available_eviction_policies
 from kvoffload.integrations.vllm.compat import cpu_config_info
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
 from kvoffload.integrations.vllm.pool import unexported_alias
+from kvoffload.integrations.vllm.region import open_scheduler_region, release_region
 from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
 from kvoffload.integrations.vllm.worker import CPUPlatformWorker
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
 from kvoffload.tiers.base import SecondaryTier
 
-__all__ = ["KVOffloadSpec"]
+__all__ = ["KVOFFLOAD_SETTINGS", "KVOffloadSpec"]
+
+#: The ``kvoffload_*`` keys of ``kv_connector_extra_config``; any other is a (misspelt) error.
+KVOFFLOAD_SETTINGS = (
+    "kvoffload_cascade",
+    "kvoffload_lookup_retry_s",
+    "kvoffload_stats_file",
+    "kvoffload_tiers",
+)
 
 
 class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
@@ -77,6 +89,7 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         extra = self.extra_config
+        _reject_unknown_settings(extra)
         if self.secondary_tier_configs:
             raise ConfigError(
                 "secondary_tiers", "is vLLM's tiering setting; KVOffloadSpec reads kvoffload_tiers"
@@ -126,27 +139,27 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
         return self._manager  # type: ignore[return-value]
 
     def _build_manager(self) -> KVOffloadManager:
-        # The CPU pool vLLM's worker maps (same engine id): our tiers read and write it.
-        region = SharedOffloadRegion(
-            engine_id=self._engine_id,
-            num_chunks=self.num_chunks,
-            rank=None,
-            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-            cpu_page_size=self.cpu_page_size_per_worker,
+        # The CPU pool vLLM's worker maps (same engine id): our tiers read and write it. Its name
+        # leaves /dev/shm now when the workers mapped it first (region.py).
+        region = open_scheduler_region(
+            self._engine_id, self.num_chunks, self.kv_bytes_per_chunk, self.cpu_page_size_per_worker
         )
         vllm_view = region.create_kv_memoryview()
         pool = unexported_alias(vllm_view)  # our tiers' views never pin vLLM's mapping
         vllm_view.release()
         events = self.kv_events_config.enable_kv_cache_events
         tiers: list[SecondaryTier] = []
-        release_pool = region.cleanup
+
+        def release_pool() -> None:
+            release_region(region)
 
         try:
-            layout = layout_of_spec(self, pool.strides[0])
-            for tier in self.tier_configs:
-                options = {k: v for k, v in tier.items() if k != "kind"}
-                build = TIER_BUILDERS[tier["kind"]]
-                tiers.append(build(pool, layout, events, options, "kvoffload_tiers"))
+            if self.tier_configs:  # naming the model digests its weights: only for tiers
+                layout = layout_of_spec(self, self.kv_bytes_per_chunk)  # a pool row
+                for tier in self.tier_configs:
+                    options = {k: v for k, v in tier.items() if k != "kind"}
+                    build = TIER_BUILDERS[tier["kind"]]
+                    tiers.append(build(pool, layout, events, options, "kvoffload_tiers"))
             host = CPUOffloadingManager(self.num_chunks, self.policy_name, enable_events=events)
             manager: KVOManager = host
             close = None
@@ -169,6 +182,21 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
             config_info=cpu_config_info(self),
             stats_file=self.stats_file,
             lookup_retry_s=self.lookup_retry_s,
+        )
+
+
+def _reject_unknown_settings(extra: Any) -> None:
+    """A ``kvoffload_*`` key we do not read is a misspelling: raise naming it and its close
+    matches (vLLM's own keys and other connectors' are left alone)."""
+    unknown = sorted(k for k in extra if k.startswith("kvoffload_") and k not in KVOFFLOAD_SETTINGS)
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, KVOFFLOAD_SETTINGS, n=2, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}?" if close else ""
+        raise ConfigError(
+            key,
+            f"unknown kvoffload setting{'s' if len(unknown) > 1 else ''} {unknown}; {hint} "
+            f"known: {list(KVOFFLOAD_SETTINGS)}",
         )
 
 

@@ -58,6 +58,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvoffload.base import LookupResult as KVOLookupResult
 from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.compat import our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
 from kvoffload.integrations.vllm.pool import unexported_alias
 from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob
@@ -194,7 +195,7 @@ class KVOffloadTier(SecondaryTierManager):
     # -- lookups and jobs ------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self.tier.lookup(key, kvoffload_context(req_context))]
+        return _LOOKUP[self.tier.lookup(our_key(key), kvoffload_context(req_context))]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._jobs[job_metadata.job_id] = ()
@@ -240,7 +241,7 @@ class KVOffloadTier(SecondaryTierManager):
         return RequestOffloadingContext()  # chunk level: only newly computed chunks cascade
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.tier.touch(list(keys), kvoffload_context(req_context))
+        self.tier.touch(our_keys(keys), kvoffload_context(req_context))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.tier.request_finished(kvoffload_context(req_context))
@@ -250,7 +251,7 @@ class KVOffloadTier(SecondaryTierManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         return [
             OffloadingEvent(
-                keys=event.keys,
+                keys=vllm_keys(event.keys),
                 medium=Medium(event.medium),
                 removed=event.removed,
                 locality=Locality(event.locality or self.tier.locality),
@@ -298,7 +299,7 @@ class KVOffloadTier(SecondaryTierManager):
 
 
 def _tier_job(job: TransferJob) -> TierJob:
-    return TierJob(job.job_id, list(job.keys), job.chunk_ids.tolist())
+    return TierJob(job.job_id, our_keys(job.keys), job.chunk_ids.tolist())
 
 
 def _take(options: dict[str, Any], name: str, setting: str, required: bool = False) -> Any:

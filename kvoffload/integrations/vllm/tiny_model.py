@@ -24,9 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = [
-    "KV_BYTES_PER_TOKEN", "SIZES", "VOCAB_SIZE", "ModelShape", "corpus", "write_tiny_llama"
-]
+__all__ = ["KV_BYTES_PER_TOKEN", "SIZES", "VOCAB_SIZE", "ModelShape", "corpus", "write_tiny_llama"]
 
 VOCAB_SIZE = 2048
 
@@ -141,10 +139,10 @@ def write_tiny_llama(directory: str | Path, seed: int = 0, size: str = "tiny") -
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype="bfloat16",  # type: ignore[call-arg]  # a PretrainedConfig keyword
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(str(out))
     return out
 

@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.region import release_region
 from kvoffload.mediums import CPULoadStoreSpec as KVOCPUSpec
 from kvoffload.mediums import GPULoadStoreSpec as KVOGPUSpec
 from kvoffload.worker.cpu_copy import CPUCopyHandler
@@ -172,9 +173,11 @@ class CPUPlatformWorker:
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
             return super().get_worker(kv_caches)  # type: ignore[misc]
-        if self._worker is None:  # type: ignore[has-type]
-            self._worker = self._build_cpu_worker(kv_caches)
-        return self._worker
+        spec: Any = self  # vLLM's spec holds the worker (typed as vLLM's own there)
+        if spec._worker is None:
+            spec._worker = self._build_cpu_worker(kv_caches)
+        worker: OffloadingWorker = spec._worker
+        return worker
 
     def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadCPUWorker:
         spec: Any = self
@@ -189,9 +192,9 @@ class CPUPlatformWorker:
         try:
             area = region.create_next_worker_view(spec.cpu_page_size_per_worker)
             return KVOffloadCPUWorker(
-                kv_caches, spec.blocks_per_chunk, area, release=region.cleanup
+                kv_caches, spec.blocks_per_chunk, area, release=lambda: release_region(region)
             )
         except BaseException:
             area = None  # drop our view of the mapping before cleanup closes it
-            region.cleanup()
+            release_region(region)
             raise
