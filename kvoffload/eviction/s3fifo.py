@@ -134,7 +134,7 @@ class S3FIFOPolicy(HeldBlocksPolicy):
                     block.freq += 1
 
     def request_finished(self, uses: RequestUses, ctx: ReqContext) -> None:
-        chains = take_request_state(ctx, self, self.generation)
+        chains = take_request_state(ctx, self, RequestChains, self.generation)
         if chains is not None:
             self._commit_request(chains)
 

@@ -285,7 +285,7 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         """Hand the policy what the request loaded and offered to store, so that it commits that
         use (vLLM's ``on_request_finished``)."""
         gen = self._generation
-        uses = take_request_state(ctx, self, gen) if self._records else None
+        uses = take_request_state(ctx, self, RequestUses, gen) if self._records else None
         if self._commit is not None:
             self._commit(uses if uses is not None and self._reads else _NO_USES, ctx)
 

@@ -114,7 +114,7 @@ class HostPool:
 
     def memoryview(self) -> memoryview:
         """The pool as a 2-D ``(num_slots, slot_bytes)`` byte view, for secondary tiers."""
-        return memoryview(self.slots.numpy())
+        return self.slots.numpy().data  # the array's buffer, as memoryview(array)
 
     def close(self) -> None:
         """Unpin the buffer (when pinned). Idempotent; callers drop their views afterwards."""
