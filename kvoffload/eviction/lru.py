@@ -91,14 +91,13 @@ class LRUPolicy(EvictionPolicy):
         self._groups = GroupWatch()
 
     def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)  # type: ignore[return-value]
+        return self._blocks.get(key)  # type: ignore[return-value]  # a key: never a place
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         self._groups.saw((key,))
         self._blocks[key] = block
-        position = None if ctx is None else ctx.offload_key_positions.get(key)
-        if position is not None:
-            self._place(key, self._place_of(ctx), position)  # type: ignore[arg-type]
+        if ctx is not None and (position := ctx.offload_key_positions.get(key)) is not None:
+            self._place(key, self._place_of(ctx), position)
         elif self._open:
             self._stamp(key)
 
@@ -179,7 +178,8 @@ class LRUPolicy(EvictionPolicy):
 
     def __iter__(self) -> Iterator[OffloadKey]:
         if not self._open:
-            return iter(self._blocks)  # type: ignore[arg-type]
+            return iter(self._blocks)  # type: ignore[arg-type]  # no place open: keys only
+        # (isinstance does not narrow object to OffloadKey, a NewType.)
         return (key for key in self._blocks if not isinstance(key, _RequestPlace))  # type: ignore[misc]
 
     def check_invariants(self) -> None:
@@ -208,7 +208,7 @@ class LRUPolicy(EvictionPolicy):
         victims: list[tuple[OffloadKey, OffloadedBlock]] = []
         for key, block in self._blocks.items():
             if block.ref_cnt == 0 and key not in protected:
-                victims.append((key, block))  # type: ignore[arg-type]
+                victims.append((key, block))  # type: ignore[arg-type]  # ref_cnt 0: a block
                 if len(victims) == n:
                     return victims
         return None

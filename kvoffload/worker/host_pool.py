@@ -60,7 +60,7 @@ def _cuda_status(result: object) -> int:
     """cudart calls return an enum (or a tuple starting with one); 0 is success."""
     if isinstance(result, tuple):
         result = result[0]
-    return int(getattr(result, "value", result))  # type: ignore[call-overload]
+    return int(getattr(result, "value", result))  # type: ignore[call-overload]  # an enum or int
 
 
 class HostPool:
