@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with Python 3.11 and make:
-#   make test    set up .venv and run the whole test suite
+#   make test    set up .venv, run ruff and mypy (fail fast), then the whole test suite
 #   make bench   set up .venv and run the main benchmark (kvoffload bench throughput --compare)
 PYTHON ?= python3.11
 VENV ?= .venv
