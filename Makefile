@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with Python 3.11 and make:
-#   make test    set up .venv and run the whole test suite
+#   make test    set up .venv, run ruff and mypy (fail fast), then the whole test suite
 #   make bench   set up .venv and run the main benchmark (kvoffload bench throughput --compare)
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvoffload-installed
 BENCH_ARGS ?=
 
-.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup bench bench-vllm setup lint clean redis-server
+.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup bench bench-vllm setup lint typecheck clean redis-server
 
 setup: $(STAMP) redis-server
 
@@ -36,8 +36,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The whole suite: the core tests, then the vLLM plug-in tests (which need vLLM in the venv).
-test: test-core test-vllm
+# The whole suite: the static checks first (a finding fails the run before minutes of tests),
+# then the core tests, then the vLLM plug-in tests (which need vLLM in the venv).
+test: lint typecheck test-core test-vllm
+
+# Static checks (ruff and mypy: the test extra's versions; configs in pyproject.toml). Both fail
+# on any finding. mypy checks the package after vLLM 0.33 is in $(VENV) (vllm-setup, as
+# test-vllm does), so the plug-in is checked against the vLLM it targets and every run checks the
+# same environment.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvoffload tests benchmarks
+
+typecheck: $(STAMP)
+	@$(MAKE) --no-print-directory vllm-setup || { \
+		echo "!!! make typecheck FAILED: vLLM 0.33 could not be installed into $(VENV) (reason above)"; exit 1; }
+	$(VENV)/bin/mypy kvoffload
 
 test-core: $(STAMP) redis-server
 	$(PY) -m pytest -q --ignore-glob="tests/test_vllm_*.py"  # make test-vllm runs those
@@ -93,9 +106,5 @@ bench-vllm: $(VLLM_CPU_STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 --scheduling-policy fcfs $(BENCH_ARGS)
 
-lint: $(STAMP)
-	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check kvoffload tests benchmarks
-
 clean:
-	rm -rf $(VENV) $(VLLM_CPU_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_CPU_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

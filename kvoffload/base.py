@@ -51,7 +51,7 @@ class ReqContext:
     #: A number no other context of this process has: policies count a request's use of a
     #: block once by stamping the block with it.
     serial: int = field(default_factory=_serials.__next__, repr=False)
-    _state: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+    _state: dict[object, Any] = field(default_factory=dict, repr=False)
 
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
         """Record that ``key``'s block ends at token ``end_token`` of this request."""

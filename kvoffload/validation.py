@@ -121,7 +121,8 @@ def accepts_renamed(renames: Mapping[str, str]) -> Callable[[type[_T]], type[_T]
         def __init__(self: _T, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **renamed_settings(kwargs, renames, stacklevel=2))
 
-        cls.__init__ = __init__  # type: ignore[misc]
+        # Replacing a class's method: mypy refuses it, and types the wrapper as functools'.
+        cls.__init__ = __init__  # type: ignore[method-assign,assignment]
         return cls
 
     return decorate

@@ -43,7 +43,7 @@ class _Tokens:
 
     def draw(self, n: int, rng: random.Random | None = None) -> list[int]:
         rng = rng or self._rng
-        out = []
+        out: list[int] = []
         while len(out) < n:
             t = rng.randrange(1, self._vocab)
             if t != self._eos:

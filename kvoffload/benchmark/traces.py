@@ -131,7 +131,7 @@ def tenants(
     out = []
     for i in range(num_requests):
         t = pick.draw()
-        symbols = [("tenant", seed, t, b) for b in range(lengths[t])]
+        symbols: list[Hashable] = [("tenant", seed, t, b) for b in range(lengths[t])]
         symbols += fresh.take(rng.randint(*user_blocks))
         out.append(_record(i, ids.chain(symbols), rng))
     return out

@@ -35,9 +35,9 @@ class CommandParser(argparse.ArgumentParser):
 
 def int_in(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An integer in ``[minimum, maximum]``."""
-    top = maximum
+    top: int | str | None = maximum
     if maximum is not None and maximum > 2**20 and (maximum + 1).bit_count() == 1:
-        top = f"2**{maximum.bit_length()} - 1"  # type: ignore[assignment]
+        top = f"2**{maximum.bit_length()} - 1"
     bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {top}]"
 
     def parse(text: str) -> int:
@@ -50,7 +50,7 @@ def int_in(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
         return value
 
     parse.__name__ = "integer"
-    parse.bound = bound  # type: ignore[attr-defined]
+    parse.bound = bound  # type: ignore[attr-defined]  # the range --help states (Flag.help_text reads it)
     return parse
 
 
@@ -77,7 +77,7 @@ def real_in(
         return value
 
     parse.__name__ = "number"
-    parse.bound = bound  # type: ignore[attr-defined]
+    parse.bound = bound  # type: ignore[attr-defined]  # the range --help states (Flag.help_text reads it)
     return parse
 
 

@@ -33,7 +33,7 @@ def _request_rate(text: str) -> float | None:
     return real_in(0, positive=True)(text)
 
 
-_request_rate.bound = "> 0 or inf"  # type: ignore[attr-defined]
+_request_rate.bound = "> 0 or inf"  # type: ignore[attr-defined]  # the range --help states (Flag.help_text reads it)
 
 def _config_names(text: str) -> tuple[str, ...]:
     """A comma list of --compare-routing configurations, each known, none twice."""
@@ -44,7 +44,7 @@ def _config_names(text: str) -> tuple[str, ...]:
     return names
 
 
-_config_names.bound = "names, comma-separated"  # type: ignore[attr-defined]
+_config_names.bound = "names, comma-separated"  # type: ignore[attr-defined]  # the range --help states (Flag.help_text reads it)
 
 
 def _offloading_names(text: str) -> tuple[str, ...]:

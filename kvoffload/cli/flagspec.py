@@ -134,18 +134,7 @@ def add_flags(
             target = groups[flag.group]
         target.add_argument(flag.option, **_argument(flag, default))
         for old in flag.aliases:
-            parser.add_argument(
-                old,
-                action=_DeprecatedSpelling,
-                dest=flag.dest,
-                new=flag.option,
-                switch=flag.kind == "switch",
-                type=flag.parse,
-                choices=_choices(flag),
-                metavar=flag.unit,
-                default=None,
-                help=argparse.SUPPRESS,
-            )
+            parser.add_argument(old, **_alias_argument(flag))
         rules.append((flag, default))
     parser.set_defaults(**{_RULES: rules})
 
@@ -169,6 +158,21 @@ def _argument(flag: Flag, default: Any) -> dict[str, Any]:
         if flag.kind == "append":
             kwargs["action"] = "append"
     return kwargs
+
+
+def _alias_argument(flag: Flag) -> dict[str, Any]:
+    """``add_argument`` keywords of one deprecated spelling of ``flag`` (hidden from ``--help``)."""
+    return {
+        "action": _DeprecatedSpelling,
+        "dest": flag.dest,
+        "new": flag.option,
+        "switch": flag.kind == "switch",
+        "type": flag.parse,
+        "choices": _choices(flag),
+        "metavar": flag.unit,
+        "default": None,
+        "help": argparse.SUPPRESS,
+    }
 
 
 def resolve_flags(args: argparse.Namespace, provided: Collection[str] = ()) -> argparse.Namespace:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from kvoffload.engine.request import Request
 from kvoffload.events.messages import (
     MEDIUM_GPU,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
     external_block_hash,
 )
 from kvoffload.keys import BlockHash
@@ -27,7 +27,8 @@ class DeviceEventRecorder:
     def __init__(self, block_size: int, int_block_hashes: bool) -> None:
         self.block_size = block_size
         self.int_block_hashes = int_block_hashes
-        self._events: list[KVCacheEvent] = []
+        # The device's event types (AllBlocksCleared: what a device prefix-cache reset announces).
+        self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         self._removed: list[bytes | int] = []
 
     def on_evicted(self, block_hash: BlockHash) -> None:
@@ -62,7 +63,7 @@ class DeviceEventRecorder:
                 )
             )
 
-    def take(self) -> list[KVCacheEvent]:
+    def take(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """The events since the last call, in the order they happened."""
         self._flush_removals()
         events, self._events = self._events, []

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from kvoffload.checkpoint_files import read_json_object, weight_files
-from kvoffload.engine.model import DecoderModel
+from kvoffload.engine.model import DecoderLayer, DecoderModel
 from kvoffload.engine.model_config import PRESETS, ModelConfig, config_from_hf, preset_config
 from kvoffload.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvoffload.errors import ConfigError
@@ -182,7 +184,8 @@ def _targets(model: DecoderModel) -> dict[str, _Target]:
     }
     if model.lm_head is not None:
         out["lm_head.weight"] = _Target(model.lm_head, None, (c.vocab_size, h))
-    for i, layer in enumerate(model.layers):
+    # model.layers holds DecoderLayers only (an nn.ModuleList is typed as yielding nn.Module).
+    for i, layer in enumerate(cast(Iterable[DecoderLayer], model.layers)):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = _Target(layer.input_norm, None, (h,))
         out[p + "post_attention_layernorm.weight"] = _Target(layer.post_attention_norm, None, (h,))

@@ -12,6 +12,8 @@ inside attention, over sequences.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,16 +102,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c, h = config, config.hidden_size
         self.config = config
-        kw = {"dtype": dtype, "device": device}
-        self.input_norm = _param(h, **kw)
-        self.qkv_proj = _param(c.q_size + 2 * c.kv_size, h, **kw)
-        self.qkv_bias = _param(c.q_size + 2 * c.kv_size, **kw) if c.attention_bias else None
-        self.qk_norm = _param(c.num_heads + c.num_kv_heads, c.head_dim, **kw) if c.qk_norm else None
-        self.o_proj = _param(h, c.q_size, **kw)
-        self.o_bias = _param(h, **kw) if c.o_proj_bias else None
-        self.post_attention_norm = _param(h, **kw)
-        self.gate_up_proj = _param(2 * c.intermediate_size, h, **kw)
-        self.down_proj = _param(h, c.intermediate_size, **kw)
+        param = functools.partial(_param, dtype=dtype, device=device)
+        self.input_norm = param(h)
+        self.qkv_proj = param(c.q_size + 2 * c.kv_size, h)
+        self.qkv_bias = param(c.q_size + 2 * c.kv_size) if c.attention_bias else None
+        self.qk_norm = param(c.num_heads + c.num_kv_heads, c.head_dim) if c.qk_norm else None
+        self.o_proj = param(h, c.q_size)
+        self.o_bias = param(h) if c.o_proj_bias else None
+        self.post_attention_norm = param(h)
+        self.gate_up_proj = param(2 * c.intermediate_size, h)
+        self.down_proj = param(h, c.intermediate_size)
 
     def forward(
         self,
@@ -153,16 +155,16 @@ class DecoderModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = device
-        kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, **kw)
+        param = functools.partial(_param, dtype=dtype, device=device)
+        self.embed_tokens = param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
         )
-        self.norm = _param(config.hidden_size, **kw)
+        self.norm = param(config.hidden_size)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, **kw)
+            else param(config.vocab_size, config.hidden_size)
         )
         self.rope = RotaryEmbedding(config, device)
 
@@ -183,7 +185,7 @@ class DecoderModel(nn.Module):
             self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device
         )
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,

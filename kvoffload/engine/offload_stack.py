@@ -14,6 +14,7 @@ it exists, so a build that fails half way releases what it had acquired.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ def build_offload_stack(
         if tiers:
             tiering = TieringOffloadingManager(host, tiers, config.kv_tier_cascade)
             # Tier threads write into the host pool: they stop before the worker frees it.
-            owned.append(lambda: (tiering.drain(), tiering.close()))
+            owned.append(functools.partial(_drain_and_close, tiering))
             manager = tiering
     if config.store_threshold >= 2:
         manager = FilterReusedOffloadingManager(manager, config.store_threshold)
@@ -89,6 +90,12 @@ def build_offload_stack(
     describer = OffloadEventDescriber(config.events.int_block_hashes) if enable_events else None
     connector = OffloadingConnectorScheduler(sched_config, manager, describer)
     return OffloadStack(worker, manager, tiering, connector)
+
+
+def _drain_and_close(tiering: TieringOffloadingManager) -> None:
+    """Let ``tiering``'s jobs finish, then close its tiers (their threads stop)."""
+    tiering.drain()
+    tiering.close()
 
 
 def _start_worker(

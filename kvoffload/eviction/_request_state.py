@@ -53,11 +53,13 @@ def request_state(ctx: ReqContext, owner: object, cls: type[_S], generation: int
     return state
 
 
-def take_request_state(ctx: ReqContext, owner: object, generation: int = 0) -> RequestState | None:
-    """Detach and return ``owner``'s state for this request (``None`` if it kept none in
-    ``generation``)."""
+def take_request_state(
+    ctx: ReqContext, owner: object, cls: type[_S], generation: int = 0
+) -> _S | None:
+    """Detach and return ``owner``'s state for this request, made by :func:`request_state` with
+    ``cls`` (``None`` if it kept none in ``generation``)."""
     state = ctx.pop_state(owner)
-    return state if state is not None and state.generation == generation else None
+    return state if isinstance(state, cls) and state.generation == generation else None
 
 
 class RequestChains(RequestState):

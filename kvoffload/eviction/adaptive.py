@@ -68,6 +68,7 @@ class AdaptivePolicy(S3FIFOPolicy):
         # Keys that left small unused: key -> the count of evictions from small when it left.
         # Two generations (see the class docstring); only _commit adds and flips, insert removes.
         self.history_size = history_factor * capacity
+        # (A dict of its own, not S3FIFO's OrderedDict: the methods that use that are overridden.)
         self._ghost: dict[OffloadKey, int] = {}  # type: ignore[assignment]
         self._old_ghost: dict[OffloadKey, int] = {}
         self._ghost_opened = 0  # the small-eviction count when _ghost was opened
@@ -80,7 +81,7 @@ class AdaptivePolicy(S3FIFOPolicy):
         self._recent_small = 0.0
         self._recent_main = 0.0
         self._initial_small = max(1.0, capacity * initial_small)
-        self.small_target: float = self._initial_small  # type: ignore[assignment]
+        self.small_target = self._initial_small
         self._max_small = max(1.0, capacity / 2)
         self._step = max(1.0, capacity / 512)
 

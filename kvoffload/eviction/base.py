@@ -176,7 +176,8 @@ class HeldBlocksPolicy(EvictionPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._blocks: dict[OffloadKey, OffloadedBlock] = {}
-        self.get = self._blocks.get  # type: ignore[method-assign]
+        # A bound C method; dict.get's overloads are not get()'s signature (mypy sees both).
+        self.get = self._blocks.get  # type: ignore[method-assign,assignment]
 
     def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
         return self._blocks.get(key)

@@ -79,8 +79,9 @@ class LRUPolicy(EvictionPolicy):
         # Held keys and open request places, in recency order (oldest first). A key placed at a
         # request's place also stays here (get() is one C call), at a position that is ignored.
         self._blocks: OrderedDict[object, OffloadedBlock | _RequestPlace] = OrderedDict()
-        # Bound C method: get() runs once per block per lookup.
-        self.get = self._blocks.get  # type: ignore[method-assign]
+        # Bound C method: get() runs once per block per lookup. (dict.get's overloads are not
+        # get()'s signature, and get() is never asked for a place.)
+        self.get = self._blocks.get  # type: ignore[method-assign,assignment]
         self._placed: dict[OffloadKey, _RequestPlace] = {}
         # While a place is open: the clock when each key renewed since then was renewed (an
         # unstamped key is older than every open place). Places take their rank from the clock.
@@ -90,14 +91,13 @@ class LRUPolicy(EvictionPolicy):
         self._groups = GroupWatch()
 
     def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
-        return self._blocks.get(key)  # type: ignore[return-value]
+        return self._blocks.get(key)  # type: ignore[return-value]  # a key: never a place
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         self._groups.saw((key,))
         self._blocks[key] = block
-        position = None if ctx is None else ctx.offload_key_positions.get(key)
-        if position is not None:
-            self._place(key, self._place_of(ctx), position)  # type: ignore[arg-type]
+        if ctx is not None and (position := ctx.offload_key_positions.get(key)) is not None:
+            self._place(key, self._place_of(ctx), position)
         elif self._open:
             self._stamp(key)
 
@@ -144,7 +144,7 @@ class LRUPolicy(EvictionPolicy):
             requeue_tail_first(self._blocks, keys)
             return
         self._renew_tail_first(keys)
-        place = take_request_state(ctx, self, self.generation)
+        place = take_request_state(ctx, self, _RequestPlace, self.generation)
         if place is not None and place.rank:  # it closes once no key waits there
             place.finished = True
             if not place.members:
@@ -178,7 +178,8 @@ class LRUPolicy(EvictionPolicy):
 
     def __iter__(self) -> Iterator[OffloadKey]:
         if not self._open:
-            return iter(self._blocks)  # type: ignore[arg-type]
+            return iter(self._blocks)  # type: ignore[arg-type]  # no place open: keys only
+        # (isinstance does not narrow object to OffloadKey, a NewType.)
         return (key for key in self._blocks if not isinstance(key, _RequestPlace))  # type: ignore[misc]
 
     def check_invariants(self) -> None:
@@ -207,7 +208,7 @@ class LRUPolicy(EvictionPolicy):
         victims: list[tuple[OffloadKey, OffloadedBlock]] = []
         for key, block in self._blocks.items():
             if block.ref_cnt == 0 and key not in protected:
-                victims.append((key, block))  # type: ignore[arg-type]
+                victims.append((key, block))  # type: ignore[arg-type]  # ref_cnt 0: a block
                 if len(victims) == n:
                     return victims
         return None
@@ -224,10 +225,10 @@ class LRUPolicy(EvictionPolicy):
             elif key in placed:
                 continue  # its place is its request's
             else:
-                candidates = [(key, block)]
+                candidates = [(key, block)]  # type: ignore[list-item]  # no place: an OffloadKey
             for member, record in candidates:
-                if record.ref_cnt == 0 and member not in protected:
-                    victims.append((member, record))  # type: ignore[arg-type]
+                if record.ref_cnt == 0 and member not in protected:  # a place's ref_cnt: _PLACE
+                    victims.append((member, record))  # type: ignore[arg-type]  # so a block
                     if len(victims) == n:
                         return victims
         return None

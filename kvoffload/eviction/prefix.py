@@ -271,6 +271,7 @@ class PrefixPolicy(HeldBlocksPolicy):
         for _ in range(self._samples):
             rng = (rng * _LCG_MUL + _LCG_INC) & _MASK64
             e = leaves[((rng >> 32) * size) >> 32]
+            # Leaves (and promoted parents, and _held's entries) are held: block is not None.
             if e.block.ref_cnt == 0 and e.key not in protected:  # type: ignore[union-attr]
                 d = density_of(e)
                 if d < bar:
@@ -344,6 +345,7 @@ class PrefixPolicy(HeldBlocksPolicy):
                 rng = (rng * _LCG_MUL + _LCG_INC) & _MASK64
                 i = ((rng >> 32) * size) >> 32
                 e = leaves[i] if i < n_leaves else promoted[i - n_leaves]
+                # A leaf or a promoted (held) parent: block is not None.
                 if e.block.ref_cnt != 0 or e in chosen or e.key in protected:  # type: ignore[union-attr]
                     continue
                 parent = e.parent
@@ -366,7 +368,7 @@ class PrefixPolicy(HeldBlocksPolicy):
                     promoted.append(parent)
         if len(chosen) < n:
             # Sampling found too few (nearly every leaf pinned or protected): scan, leaves first.
-            for e in itertools.chain(leaves, promoted, self._held.values()):
+            for e in itertools.chain(leaves, promoted, self._held.values()):  # all held
                 if e.block.ref_cnt == 0 and e not in chosen and e.key not in protected:  # type: ignore[union-attr]
                     chosen[e] = None
                     if len(chosen) == n:
@@ -374,6 +376,7 @@ class PrefixPolicy(HeldBlocksPolicy):
             else:
                 return None
         self._rng = rng
+        # Chosen entries are held: block is not None.
         victims: list[tuple[OffloadKey, OffloadedBlock]] = [(e.key, e.block) for e in chosen]  # type: ignore[misc]
         for e in chosen:
             self._drop(e)

@@ -72,7 +72,7 @@ class S3FIFOPolicy(HeldBlocksPolicy):
         self._small: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._main: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.small_target = max(1, int(capacity * small_ratio))
+        self.small_target: float = max(1, int(capacity * small_ratio))  # a float in adaptive
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         block.freq = 0
@@ -134,7 +134,7 @@ class S3FIFOPolicy(HeldBlocksPolicy):
                     block.freq += 1
 
     def request_finished(self, uses: RequestUses, ctx: ReqContext) -> None:
-        chains = take_request_state(ctx, self, self.generation)
+        chains = take_request_state(ctx, self, RequestChains, self.generation)
         if chains is not None:
             self._commit_request(chains)
 

@@ -63,7 +63,7 @@ class CascadeQueue:
         spec = self._host.pin(wanted)
         queued_keys, queued_slots = self._queued[tier]
         queued_keys.extend(wanted)
-        queued_slots.extend(spec.block_ids)  # type: ignore[attr-defined]
+        queued_slots.extend(spec.block_ids)
 
     def submit(self) -> None:
         """Submit the blocks queued this step, one store job per tier."""

@@ -147,7 +147,7 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         # A key is not loadable: release the pins taken before it (it fails again, pinned or not).
         bad = next(i for i, block in enumerate(blocks) if block is None or block.ref_cnt < 0)
         for block in blocks[:bad]:
-            block.ref_cnt -= 1  # type: ignore[union-attr]
+            block.ref_cnt -= 1  # type: ignore[union-attr]  # blocks before bad: all held
         state = "absent" if blocks[bad] is None else "still being written"
         raise ContractError(
             f"prepare_load: block {keys[bad].hex()} is {state}; only HIT blocks can be loaded"
@@ -162,7 +162,7 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         for i, block in enumerate(blocks):
             if block is None or block.ref_cnt <= 0:
                 for done in blocks[:i]:
-                    done.ref_cnt += 1  # type: ignore[union-attr]
+                    done.ref_cnt += 1  # type: ignore[union-attr]  # before i: all held
                 raise ContractError(
                     f"complete_load: block {keys[i].hex()} is not pinned by a prepare_load"
                 )
@@ -285,12 +285,13 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         """Hand the policy what the request loaded and offered to store, so that it commits that
         use (vLLM's ``on_request_finished``)."""
         gen = self._generation
-        uses = take_request_state(ctx, self, gen) if self._records else None
+        uses = take_request_state(ctx, self, RequestUses, gen) if self._records else None
         if self._commit is not None:
             self._commit(uses if uses is not None and self._reads else _NO_USES, ctx)
 
     def reset(self) -> None:
         get = self._get
+        # Keys of the policy are held (get() is not None).
         readable = [k for k in self._policy if get(k).ref_cnt >= 0]  # type: ignore[union-attr]
         self._policy.clear()
         self._generation += 1
@@ -316,7 +317,7 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         """Iterate over ``(key, block)`` of every held block. O(blocks held): tooling and tests."""
         get = self._get
         for key in list(self._policy):
-            yield key, get(key)  # type: ignore[misc]
+            yield key, get(key)  # type: ignore[misc]  # a key of the policy: held
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if slot accounting or the policy is inconsistent."""

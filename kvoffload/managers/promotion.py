@@ -124,7 +124,7 @@ class Promotions:
             if out.evicted_keys:
                 self._host_evicted(out.evicted_keys)
             promoted += out.keys_to_store
-            slots += out.store_spec.block_ids  # type: ignore[attr-defined]
+            slots += out.store_spec.block_ids  # type: ignore[attr-defined]  # the host's spec
         declined = set(keys).difference(promoted)
         if declined:
             host_lookup = self._host.lookup

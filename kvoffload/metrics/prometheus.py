@@ -197,7 +197,7 @@ class _StatsCollector(Collector):
                     "kvoffload_tier_promotion_seconds",
                     "Promotions from a secondary tier into the host tier: time from submission "
                     "to the tier's result (vLLM: kv_offload_tiering_promotion_latency_seconds).",
-                    count_value=stats["offload_tier_promotion_jobs"],
+                    count_value=int(stats["offload_tier_promotion_jobs"]),
                     sum_value=stats.get("offload_tier_promotion_us", 0) / 1e6,
                 )
         yield from self._tier_metrics(tiers)
@@ -272,7 +272,7 @@ class _StatsCollector(Collector):
         for tier, s in tiers.items():
             if "lookup_round_trips" in s:
                 lookups.add_metric(
-                    [tier], s["lookup_round_trips"], s.get("lookup_round_trip_us", 0) / 1e6
+                    [tier], int(s["lookup_round_trips"]), s.get("lookup_round_trip_us", 0) / 1e6
                 )
         if lookups.samples:
             yield lookups
@@ -295,7 +295,7 @@ def _promotion_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Met
     )
     for tier, s in tiers.items():
         if "promotion_jobs" in s:
-            seconds.add_metric([tier], s["promotion_jobs"], s.get("promotion_us", 0) / 1e6)
+            seconds.add_metric([tier], int(s["promotion_jobs"]), s.get("promotion_us", 0) / 1e6)
             blocks.add_metric([tier], s.get("promotion_blocks", 0))
     if seconds.samples:
         yield seconds

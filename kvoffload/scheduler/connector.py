@@ -42,7 +42,7 @@ from typing import Any
 
 from kvoffload.base import OffloadingManager, ReqContext
 from kvoffload.errors import ConfigError, ContractError
-from kvoffload.events.messages import KVCacheEvent
+from kvoffload.events.messages import BlockRemoved, BlockStored
 from kvoffload.keys import make_offload_key
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.fence import ReuseFence
@@ -445,7 +445,7 @@ class OffloadingConnectorScheduler:
         for policy in self._policies.values():
             policy.reset()
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
         """The tier's KV events since the last call (empty unless ``events`` was given)."""
         events = self.manager.take_events()
         if self._events is None or not events:

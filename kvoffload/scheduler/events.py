@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.base import OffloadingEvent
-from kvoffload.events.messages import BlockRemoved, BlockStored, KVCacheEvent, external_block_hash
+from kvoffload.events.messages import BlockRemoved, BlockStored, external_block_hash
 from kvoffload.keys import BlockHash, OffloadKey, offload_key_group, offload_key_hash
 from kvoffload.scheduler.state import RequestKVState
 
@@ -126,10 +126,10 @@ class OffloadEventDescriber:
         if len(recent) > RECENT_DESCRIPTIONS:
             del recent[next(iter(recent))]
 
-    def convert(self, events: Sequence[OffloadingEvent]) -> list[KVCacheEvent]:
+    def convert(self, events: Sequence[OffloadingEvent]) -> list[BlockStored | BlockRemoved]:
         """One ``BlockRemoved`` per group per removal event; one ``BlockStored`` per run of
         consecutive blocks (each block's parent is the previous block) per stored event."""
-        out: list[KVCacheEvent] = []
+        out: list[BlockStored | BlockRemoved] = []
         ext, as_int = external_block_hash, self._as_int
         for event in events:
             locality = event.locality or self._locality

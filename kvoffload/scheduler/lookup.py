@@ -59,10 +59,10 @@ class HitSearch:
         end = bound // align * align
         if end <= num_computed:
             return num_computed
-        end = self._full_groups_end(state, num_computed, end, wait)
-        if end is None or end <= num_computed:
-            return end
-        return self._window_groups_end(state, num_computed, end)
+        full_end = self._full_groups_end(state, num_computed, end, wait)
+        if full_end is None or full_end <= num_computed:
+            return full_end
+        return self._window_groups_end(state, num_computed, full_end)
 
     def _full_groups_end(
         self, state: RequestKVState, num_computed: int, end: int, wait: bool

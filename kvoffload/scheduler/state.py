@@ -30,18 +30,38 @@ NULL_BLOCK_ID = -1
 
 
 class OffloadRequest(Protocol):
-    """What the connector reads from an engine request (vLLM's ``Request`` has all of it)."""
+    """What the connector reads from an engine request (vLLM's ``Request`` has all of it).
 
-    request_id: str
-    #: Prompt tokens plus tokens generated so far.
-    num_tokens: int
-    num_prompt_tokens: int
-    #: Tokens whose KV the engine has computed (or loaded).
-    num_computed_tokens: int
-    #: Chained hashes of every full block of ``hash_block_size`` tokens so far.
-    block_hashes: Sequence[BlockHash]
-    all_token_ids: Sequence[int]
-    kv_transfer_params: Mapping[str, Any] | None
+    Read-only members (properties here), so that a request's plain attributes of narrower types
+    (``list[int]`` for ``Sequence[int]``) or properties satisfy it: the connector never sets them.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens plus tokens generated so far."""
+        ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV the engine has computed (or loaded)."""
+        ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """Chained hashes of every full block of ``hash_block_size`` tokens so far."""
+        ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,7 +116,7 @@ def _one_config(args: argparse.Namespace, name: str, remote: str | None,
             client.flushall()
         finally:
             client.close()
-    urls = links or [remote] * args.compare_routing
+    urls: list[str | None] = list(links) or [remote] * args.compare_routing
     with contextlib.ExitStack() as stack:
         if name == NX_CACHE:
             return run_once(args, _instance(stack, args, args.compare_routing, urls[0]), quiet=True)

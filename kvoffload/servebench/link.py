@@ -12,6 +12,7 @@ n / rate seconds); no latency is added beyond that. It runs until killed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 
 __all__ = ["Link"]
@@ -61,8 +62,8 @@ async def _main(upstream: int, mb_per_s: float, links: int) -> None:
     servers = []
     for _ in range(links):
         up, down = Link(mb_per_s * 1e6), Link(mb_per_s * 1e6)
-        servers.append(await asyncio.start_server(
-            lambda r, w, up=up, down=down: _connection(r, w, upstream, up, down), "127.0.0.1", 0))
+        connection = functools.partial(_connection, upstream=upstream, up=up, down=down)
+        servers.append(await asyncio.start_server(connection, "127.0.0.1", 0))
     print(" ".join(str(s.sockets[0].getsockname()[1]) for s in servers), flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
 

@@ -60,7 +60,7 @@ def _cuda_status(result: object) -> int:
     """cudart calls return an enum (or a tuple starting with one); 0 is success."""
     if isinstance(result, tuple):
         result = result[0]
-    return int(getattr(result, "value", result))  # type: ignore[call-overload]
+    return int(getattr(result, "value", result))  # type: ignore[call-overload]  # an enum or int
 
 
 class HostPool:
@@ -114,7 +114,7 @@ class HostPool:
 
     def memoryview(self) -> memoryview:
         """The pool as a 2-D ``(num_slots, slot_bytes)`` byte view, for secondary tiers."""
-        return memoryview(self.slots.numpy())
+        return self.slots.numpy().data  # the array's buffer, as memoryview(array)
 
     def close(self) -> None:
         """Unpin the buffer (when pinned). Idempotent; callers drop their views afterwards."""
