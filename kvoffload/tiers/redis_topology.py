@@ -86,7 +86,7 @@ class SlotMap:
             host = master[0].decode() if isinstance(master[0], bytes) else ""
             if host in ("", "?"):  # the node does not know its own address: the one we asked
                 host = asked[0]
-            address = (host, int(master[1]))  # type: ignore[call-overload]
+            address = (host, int(master[1]))
             masters[address] = None
             slots[start : end + 1] = [address] * (end - start + 1)
         self._slots = slots

@@ -207,7 +207,7 @@ class KVOffloadCachePolicy(CachePolicy):
             self._policy.touch(as_ours(context), ctx)
             return
         admitted = set(self._policy.admit(as_ours(misses), as_ours(context), ctx))
-        chain.declined.update(k for k in misses if k not in admitted)
+        chain.declined.update(k for k in misses if our_key(k) not in admitted)
 
     def on_request_finished(
         self,

@@ -133,7 +133,7 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
                 f"{self.kv_bytes_per_chunk} bytes",
             )
 
-    def get_manager(self) -> KVOffloadManager:  # type: ignore[override]
+    def get_manager(self) -> KVOffloadManager:
         if self._manager is None:
             self._manager = self._build_manager()
         return self._manager  # type: ignore[return-value]

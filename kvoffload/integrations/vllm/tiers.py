@@ -217,7 +217,7 @@ class KVOffloadTier(SecondaryTierManager):
             keys = self._jobs.pop(done.job_id)
             successful = None
             if done.failed_keys and not done.is_store:
-                successful = [k for k in keys if k not in done.failed_keys]
+                successful = [k for k in keys if our_key(k) not in done.failed_keys]
             results.append(
                 JobResult(
                     job_id=done.job_id,

@@ -22,7 +22,7 @@ __all__ = ["MAX_SAMPLES", "LookupWaits"]
 MAX_SAMPLES = 100_000
 
 
-class _Pending(dict):  # type: ignore[type-arg]
+class _Pending(dict):
     """key -> (monotonic time, step) of its first non-final answer, on the request's context."""
 
 
