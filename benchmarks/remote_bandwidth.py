@@ -62,9 +62,9 @@ from redis.cluster import RedisCluster
 
 from kvoffload.benchmark.redis_server import cluster_servers, standalone_server
 from kvoffload.keys import make_offload_key
-from kvoffload.tiers.base import KVLayout, TierJob
+from kvoffload.tiers.contract import KVLayout, TierJob
 from kvoffload.tiers.blockformat import header_size
-from kvoffload.tiers.remote import VALUE_ALIGN, RedisTier, RemoteTierConfig
+from kvoffload.tiers.redis.tier import VALUE_ALIGN, RedisTier, RemoteTierConfig
 
 OPS = (
     "tier store",
@@ -360,8 +360,8 @@ def report(setup: Setup, batch: int, b_value: int, rounds: int, t: dict[str, lis
 def client_getters(port: int, keys: list[bytes], block: int) -> dict[str, Callable[[], object]]:
     """One pipelined GET of ``keys`` per installed client library, and this tier's transport
     receiving into buffers (1 and 4 connections)."""
-    from kvoffload.tiers.redis_transport import RedisTransport
-    from kvoffload.tiers.redis_url import parse_redis_url
+    from kvoffload.tiers.redis.transport import RedisTransport
+    from kvoffload.tiers.redis.url import parse_redis_url
 
     def pipelined(client: Any) -> Callable[[], object]:
         def get() -> object:

@@ -24,11 +24,11 @@ from collections.abc import Iterator
 
 import torch
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.keys import make_offload_key
-from kvoffload.tiers.base import KVLayout, TierJob
-from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
+from kvoffload.tiers.contract import KVLayout, TierJob
+from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 
 N = 1000
 

@@ -2,7 +2,7 @@
 against the index, choose, at 1,000 indexed prefixes per instance, while KV events keep coming.
 
 ``python benchmarks/route_decision_cost.py --instances 4 --prefixes 1000 --prompt-blocks 64``
-fills a :class:`~kvoffload.routing.index.PrefixIndex` through the router's event path (msgpack
+fills a :class:`~kvoffload.routing.prefix_index.PrefixIndex` through the router's event path (msgpack
 batches decoded and applied, device and host tiers), then times ``Router.rank`` (what ``kvoffload
 route`` runs per request, under its lock) for prompts that share a prefix with some instance.
 Between two decisions one event batch is decoded and applied (a prefix removed, another stored:

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import ConnectorMetadata, TransferJob
 from kvoffload.worker import OffloadingConnectorWorker
 

@@ -8,7 +8,7 @@ KV events' ``KVEventsConfig``. Their packages export them as well.
 """
 
 from kvoffload._lazy import lazy_exports
-from kvoffload.base import (
+from kvoffload.manager_contract import (
     LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
@@ -37,7 +37,7 @@ from kvoffload.managers import (
     FilterReusedOffloadingManager,
     TieringOffloadingManager,
 )
-from kvoffload.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 
 __version__ = "0.1.0"
 

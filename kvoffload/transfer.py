@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvoffload.base import LoadStoreSpec
+from kvoffload.manager_contract import LoadStoreSpec
 
 __all__ = ["ConnectorMetadata", "TransferJob", "TransferResult"]
 
@@ -16,7 +16,7 @@ class TransferJob:
     """One planned copy: every block of ``src`` to the co-indexed place in ``dst``.
 
     Job ids are unique per scheduler, shared by loads and stores, and increase monotonically.
-    A load's ``dst`` (and a store's ``src``) is a :class:`~kvoffload.mediums.GPULoadStoreSpec`.
+    A load's ``dst`` (and a store's ``src``) is a :class:`~kvoffload.load_store_specs.GPULoadStoreSpec`.
     """
 
     job_id: int

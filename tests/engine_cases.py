@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload.base import OffloadingManager
+from kvoffload.manager_contract import OffloadingManager
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
 from kvoffload.events.messages import KVEventBatch
 from kvoffload.events.publisher import NullEventPublisher

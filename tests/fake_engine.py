@@ -35,7 +35,7 @@ computation would write, and that every readable block of the tier holds the val
 prefix. The forward pass also checks the positions it reads before writing new ones.
 
 The worker (:class:`TransferExecutor`) applies transfer jobs with the semantics of
-:class:`~kvoffload.mediums.GPULoadStoreSpec` / ``CPULoadStoreSpec`` on a host array
+:class:`~kvoffload.load_store_specs.GPULoadStoreSpec` / ``CPULoadStoreSpec`` on a host array
 ``[num_workers, num_host_blocks, max offloaded block size]``: one part per worker (each worker
 moves its own shard and reports the job once), completion after a per-job/per-worker delay in
 steps (or only when the test says), flushes (of jobs it was given: anything else is an error), and
@@ -63,8 +63,8 @@ from kvoffload import (
     ReqContext,
     make_offload_key,
 )
-from kvoffload.base import LoadStoreSpec, LookupResult, PrepareStoreOutput
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.manager_contract import LoadStoreSpec, LookupResult, PrepareStoreOutput
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.scheduler import (
     NULL_BLOCK_ID,
     ConnectorUpdate,

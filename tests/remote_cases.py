@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from kvoffload import ReqContext, make_offload_key
-from kvoffload.base import LookupResult
+from kvoffload.manager_contract import LookupResult
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.base import KVLayout, TierJob, TierJobResult
-from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
+from kvoffload.tiers.contract import KVLayout, TierJob, TierJobResult
+from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 
 #: Bytes of one test block (one host slot).
 BLOCK_BYTES = 4096

@@ -21,11 +21,11 @@ from tier_cases import (
     wait_jobs,
 )
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.diskfiles import file_bytes
-from kvoffload.tiers.diskledger import SpaceLedger
+from kvoffload.tiers.disk.tier import DiskTier
+from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.disk.ledger import SpaceLedger
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)

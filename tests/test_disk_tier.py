@@ -24,11 +24,11 @@ from tier_cases import (
     wait_jobs,
 )
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
-from kvoffload.tiers.diskfiles import file_bytes
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.files import file_bytes
 from kvoffload.tiers.factory import validate_disk_settings
 
 CTX = ReqContext("test")

@@ -22,7 +22,7 @@ from engine_cases import (
     tiny_engine,
 )
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.engine import Engine
 from kvoffload.keys import make_offload_key
 from kvoffload.worker import FaultInjectingHandler

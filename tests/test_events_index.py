@@ -36,8 +36,8 @@ def _stored(
 def test_one_tier_vocabulary() -> None:
     """The wire's medium and locality name one of TIERS; the events index and the router's
     index use it alike."""
-    from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE
-    from kvoffload.routing.index import TIERS as ROUTING_TIERS
+    from kvoffload.routing.prefix_index import DEVICE, DISK, HOST, REMOTE
+    from kvoffload.routing.prefix_index import TIERS as ROUTING_TIERS
 
     assert tier_of(MEDIUM_GPU) == "device"
     assert tier_of(None) == "device"  # producers older than mediums

@@ -6,7 +6,7 @@ cascade to a further tier)."""
 
 from __future__ import annotations
 
-from kvoffload.base import OffloadingEvent
+from kvoffload.manager_contract import OffloadingEvent
 from kvoffload.events import BlockStored
 from kvoffload.keys import make_offload_key
 from kvoffload.scheduler.events import OffloadEventDescriber

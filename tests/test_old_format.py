@@ -29,10 +29,12 @@ from remote_cases import (
 )
 from tier_cases import BLOCK_BYTES, disk_tier, fill_slot, host_pool, key, layout, wait_jobs
 
-from kvoffload.tiers import TierJob, diskdir, diskreclaim
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
-from kvoffload.tiers.diskfiles import file_bytes
-from kvoffload.tiers.remote_config import remote_key_prefix
+from kvoffload.tiers import TierJob
+from kvoffload.tiers.disk import directory as diskdir
+from kvoffload.tiers.disk import reclaim as diskreclaim
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.redis.config import remote_key_prefix
 
 OLD_MODEL = "/models/llama"  # the previous format named a model by its path
 NEW_MODEL = "kvo-model-v1:" + "0" * 32
@@ -87,9 +89,11 @@ def test_old_namespaces_nobody_uses_are_removed_at_start(
 
 HOLDER = """
 import sys
-from kvoffload.tiers import TierJob, diskdir, diskreclaim
-from kvoffload.tiers.disk import DiskTier, DiskTierSettings
-from kvoffload.tiers.base import KVLayout
+from kvoffload.tiers import TierJob
+from kvoffload.tiers.disk import directory as diskdir
+from kvoffload.tiers.disk import reclaim as diskreclaim
+from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.contract import KVLayout
 from kvoffload.keys import make_offload_key
 diskdir.FORMAT_DIR, diskreclaim.OLD_FORMAT_DIRS = "kvoffload-v1", ()  # the previous release
 root, block = sys.argv[1], int(sys.argv[2])

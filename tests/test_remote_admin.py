@@ -13,7 +13,7 @@ from redis.cluster import RedisCluster
 
 from kvoffload.benchmark.interleave import fresh_remote_namespace
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.remote_admin import drop_namespace
+from kvoffload.tiers.redis.admin import drop_namespace
 
 
 def _fill(client: Any, namespaces: dict[bytes, int]) -> None:

@@ -21,9 +21,9 @@ from remote_cases import (
     wait_until,
 )
 
-from kvoffload.base import LookupResult
+from kvoffload.manager_contract import LookupResult
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.remote import remote_key_prefix
+from kvoffload.tiers.redis.tier import remote_key_prefix
 
 N = 96
 

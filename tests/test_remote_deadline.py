@@ -11,7 +11,7 @@ from redis_servers import RedisServer
 from remote_cases import fill_random, keys_for, make_layout, make_pool, make_tier, run_job
 from remote_proxy import TrickleProxy
 
-from kvoffload.tiers.redis_connection import RedisConnection
+from kvoffload.tiers.redis.connection import RedisConnection
 
 _TIMEOUT_S = 1.0
 

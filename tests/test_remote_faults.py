@@ -29,7 +29,7 @@ from remote_cases import (
 )
 from remote_proxy import TrickleProxy
 
-from kvoffload.base import LookupResult
+from kvoffload.manager_contract import LookupResult
 from kvoffload.errors import ConfigError
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.tiers.redis_connection import RedisConnection, RespError
+from kvoffload.tiers.redis.connection import RedisConnection, RespError
 
 HEAD = 16  # header bytes of every value in these tests
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.serving.server import remote_tier_id
-from kvoffload.tiers.redis_url import parse_redis_url
+from kvoffload.tiers.redis.url import parse_redis_url
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,11 @@ from remote_cases import (
 )
 from remote_proxy import TrickleProxy
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.keys import OffloadKey
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
-from kvoffload.tiers.base import KVLayout
+from kvoffload.tiers.contract import KVLayout
 
 
 def test_write_through_stores_without_asking_first(redis_server: RedisServer) -> None:

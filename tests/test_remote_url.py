@@ -10,7 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.redis_url import PASSWORD_ENV, USERNAME_ENV, RedisURL, parse_redis_url
+from kvoffload.tiers.redis.url import PASSWORD_ENV, USERNAME_ENV, RedisURL, parse_redis_url
 
 
 def test_standalone_forms() -> None:
@@ -59,8 +59,8 @@ def test_namespace_option_on_every_scheme(tmp_path) -> None:  # type: ignore[no-
 
 
 def test_a_namespace_keeps_the_keys_apart() -> None:
-    from kvoffload.tiers.base import KVLayout
-    from kvoffload.tiers.remote_config import remote_key_prefix
+    from kvoffload.tiers.contract import KVLayout
+    from kvoffload.tiers.redis.config import remote_key_prefix
 
     layout = KVLayout("m", "float32", 4, 1, 1, 8, 64)
     plain, spaced = remote_key_prefix(layout), remote_key_prefix(layout, "run-1")
@@ -115,7 +115,7 @@ def test_the_password_is_never_shown(password: str, user: str, bad_port: bool) -
 
 @given(password=_secret)
 def test_the_tier_config_never_shows_the_password(password: str) -> None:
-    from kvoffload.tiers.remote_config import RemoteTierConfig
+    from kvoffload.tiers.redis.config import RemoteTierConfig
 
     assume(password not in repr(RemoteTierConfig(url="redis://alice:x@host:1/0")))  # "Remote"
     config = RemoteTierConfig(url=f"redis://alice:{quote(password, safe='')}@host:1/0")

@@ -18,7 +18,7 @@ from kvoffload import (
     ReqContext,
     TieringOffloadingManager,
 )
-from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 

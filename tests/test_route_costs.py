@@ -12,12 +12,12 @@ from prometheus_client import generate_latest
 from remote_cases import make_layout, make_tier
 from tier_cases import host_pool, key
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.metrics import EngineMetrics
 from kvoffload.routing.costs import PRIOR_LOAD_FRACTION, BackendCosts, parse_metrics
-from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
 
 HOST_BLOCKS = 4
 

@@ -36,11 +36,11 @@ from kvoffload.events import (
 )
 from kvoffload.keys import OffloadKey, offload_key_hash
 from kvoffload.routing.follower import EventFollower
-from kvoffload.routing.index import DEVICE, DISK, HOST, REMOTE, HeldKey, Match, PrefixIndex
-from kvoffload.routing.keys import block_keys, token_bytes
+from kvoffload.routing.prefix_index import DEVICE, DISK, HOST, REMOTE, HeldKey, Match, PrefixIndex
+from kvoffload.routing.prefix_keys import block_keys, token_bytes
 from kvoffload.serving.server import remote_tier_id
-from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.remote import RedisTier, remote_key_prefix
+from kvoffload.tiers.disk.tier import DiskTier
+from kvoffload.tiers.redis.tier import RedisTier, remote_key_prefix
 
 BS = 4
 

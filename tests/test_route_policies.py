@@ -11,7 +11,7 @@ import pytest
 
 from kvoffload.errors import ConfigError
 from kvoffload.routing.costs import BackendCosts
-from kvoffload.routing.index import Match
+from kvoffload.routing.prefix_index import Match
 from kvoffload.routing.policies import (
     POLICIES,
     BackendLoad,

@@ -22,7 +22,7 @@ from fake_engine import (
 )
 
 from kvoffload import LookupResult, ReqContext
-from kvoffload.mediums import GPULoadStoreSpec
+from kvoffload.load_store_specs import GPULoadStoreSpec
 from kvoffload.scheduler import GroupOffloadConfig
 from kvoffload.transfer import TransferJob
 

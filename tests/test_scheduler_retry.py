@@ -22,7 +22,7 @@ from kvoffload.scheduler import (
     SchedulerOutput,
 )
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
 
 BLOCK = 4
 HASHER = BlockHasher(BLOCK)

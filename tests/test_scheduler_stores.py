@@ -28,7 +28,7 @@ from kvoffload import (
     OffloadKey,
     make_offload_key,
 )
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.scheduler import OffloadingConnectorScheduler, parse_kv_transfer_params
 
 

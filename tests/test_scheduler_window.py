@@ -18,7 +18,7 @@ from fake_engine import (
     make_tokens,
 )
 
-from kvoffload.mediums import GPULoadStoreSpec
+from kvoffload.load_store_specs import GPULoadStoreSpec
 from kvoffload.scheduler import NULL_BLOCK_ID, GroupOffloadConfig, SchedulerOffloadConfig
 
 

@@ -83,7 +83,7 @@ def test_bench_serve_request_rate_accepts_inf(capsys) -> None:
 
 
 def test_compare_routing_configs_are_named_ones(capsys) -> None:
-    from kvoffload.servebench.configs import CONFIG_NAMES
+    from kvoffload.servebench.routing_configs import CONFIG_NAMES
 
     for bad in ("kv_aware,nope", "kv_aware,kv_aware", ","):
         with pytest.raises(SystemExit) as exited:
@@ -99,7 +99,7 @@ def test_compare_routing_configs_are_named_ones(capsys) -> None:
 def test_compare_routing_rotates_the_order_of_configurations() -> None:
     """Every configuration runs once in every position over len(configs) repeats, so none
     always runs first (a fixed order handed the machine's load drift to one configuration)."""
-    from kvoffload.servebench.configs import repeat_order
+    from kvoffload.servebench.routing_configs import repeat_order
 
     configs = ("kv_aware", "kv_aware_tier_blind", "kv_aware_dynamo_credits")
     orders = [repeat_order(configs, r) for r in range(6)]

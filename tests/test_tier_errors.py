@@ -16,8 +16,8 @@ import kvoffload.tiers
 from kvoffload.benchmark.redis_server import RedisUnavailableError
 from kvoffload.errors import KVOffloadError
 from kvoffload.tiers.blockformat import CorruptBlockError
-from kvoffload.tiers.diskfiles import TemporaryRemovedError
-from kvoffload.tiers.redis_connection import ProtocolError, RespError, RespErrorRaised
+from kvoffload.tiers.disk.files import TemporaryRemovedError
+from kvoffload.tiers.redis.connection import ProtocolError, RespError, RespErrorRaised
 
 
 def _modules() -> list[str]:

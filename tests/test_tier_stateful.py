@@ -2,7 +2,7 @@
 
 ``DiskTierMachine`` drives a small disk tier on real files: stores, loads, outside damage (a
 flipped byte, a file another process deleted) and completions; it checks the five invariants of
-``kvoffload/tiers/base.py``. ``TieringMachine`` drives a host tier + disk tier through the
+``kvoffload/tiers/contract.py``. ``TieringMachine`` drives a host tier + disk tier through the
 :class:`OffloadingManager` contract as the connector and worker would (lookups that may answer
 ``RETRY``, device stores written into host slots, device loads read from them, one step hook per
 step) and checks that every readable host block holds exactly its own bytes: promotions write
@@ -31,12 +31,12 @@ from hypothesis.stateful import (
 )
 from tier_cases import BLOCK_BYTES, dir_bytes, host_pool, key, layout, slot_bytes
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk import LEDGER_BYTES, DiskTier, DiskTierSettings
-from kvoffload.tiers.diskfiles import file_bytes
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.files import file_bytes
 
 MISS, HIT, HIT_PENDING, RETRY = (
     LookupResult.MISS,

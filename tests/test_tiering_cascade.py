@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from tier_cases import host_pool, key, layout
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
-from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
 
 HOST_BLOCKS = 8
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tier_cases import host_pool, key, layout
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
-from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
 
 HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 

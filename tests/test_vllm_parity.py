@@ -32,7 +32,7 @@ require_vllm()
 from vllm.v1.kv_offload.base import ReqContext as VllmReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager  # noqa: E402
 
-from kvoffload.base import ReqContext  # noqa: E402
+from kvoffload.manager_contract import ReqContext  # noqa: E402
 from kvoffload.benchmark import traces  # noqa: E402
 from kvoffload.benchmark.hit_rate import block_keys  # noqa: E402
 from kvoffload.integrations.vllm.compat import POLICY_HAS_REQUEST_ACCESS  # noqa: E402

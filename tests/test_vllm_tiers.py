@@ -314,7 +314,7 @@ def test_redis_tier_shares_blocks_between_two_vllm_engines(redis_server: Any) ->
 
 
 def test_redis_block_that_vanished_fails_its_promotion_cleanly(redis_server: Any) -> None:
-    from kvoffload.tiers.remote import remote_key_prefix
+    from kvoffload.tiers.redis.tier import remote_key_prefix
 
     h = Harness(redis_tier(redis_server.url, lookup_wait_s=60.0))
     try:

@@ -9,7 +9,7 @@ import torch
 from worker_cases import HANDLERS, HOST_POISON, finish, make_cache, make_worker
 
 from kvoffload.errors import ContractError
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import ConnectorMetadata, TransferJob
 from kvoffload.worker import FaultInjectingHandler, OffloadingConnectorWorker, WorkerState
 

@@ -9,7 +9,7 @@ import torch
 from worker_cases import make_cache
 
 from kvoffload.errors import ContractError, TransferError
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import TransferResult
 from kvoffload.worker import (
     CPUCopyHandler,

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from worker_cases import HANDLERS, HOST_POISON, LAYOUTS, Cache, finish, make_cache, make_worker
 
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import ConnectorMetadata, TransferJob, TransferResult
 from kvoffload.worker import CopyPlanner, KVCacheLayout
 from kvoffload.worker.mapping import BlockMapping

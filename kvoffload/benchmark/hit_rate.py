@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.benchmark.trace_file import read_trace
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.managers import CPUOffloadingManager

@@ -371,7 +371,7 @@ def _report(
 
 def _shown_args(flags: argparse.Namespace) -> dict[str, Any]:
     """The flags as they ran, for ``--output-json``; the remote URL without its password."""
-    from kvoffload.tiers.redis_url import parse_redis_url
+    from kvoffload.tiers.redis.url import parse_redis_url
 
     shown = {k: v for k, v in vars(flags).items() if k not in ("func", "check", "parser")}
     if flags.kv_remote_url is not None:

@@ -17,7 +17,7 @@ from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
 from kvoffload.cli.workload_flags import TRACE, WORKLOAD_FLAGS
-from kvoffload.servebench.configs import CONFIG_NAMES
+from kvoffload.servebench.routing_configs import CONFIG_NAMES
 from kvoffload.servebench.offloading import OFFLOADING_CONFIGS
 from kvoffload.servebench.sessions import THINK_TIME_DISTS
 

@@ -22,7 +22,7 @@ from kvoffload.keys import HASH_SCHEMES
 from kvoffload.managers.tiering import CASCADE_MODES
 from kvoffload.scheduler.policy import STORE_POLICIES
 from kvoffload.tiers.factory import validate_disk_settings, validate_remote_settings
-from kvoffload.tiers.redis_url import redacted_url
+from kvoffload.tiers.redis.url import redacted_url
 from kvoffload.validation import (
     accepts_renamed,
     check_bool,

@@ -455,7 +455,7 @@ class Engine:
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Statistics per offloading tier (``{}`` without offloading); see
-        :meth:`~kvoffload.base.OffloadingManager.tier_stats`."""
+        :meth:`~kvoffload.manager_contract.OffloadingManager.tier_stats`."""
         return {} if self.manager is None else self.manager.tier_stats()
 
     def snapshot(self) -> Snapshot:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.base import OffloadingManager
+from kvoffload.manager_contract import OffloadingManager
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.model_config import ModelConfig
 from kvoffload.errors import ConfigError, HostAllocationError

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import TypeVar
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey
 
 __all__ = [

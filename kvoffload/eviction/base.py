@@ -14,7 +14,7 @@ from collections.abc import Container, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, TypeVar
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.eviction._request_state import RequestUses
 from kvoffload.keys import OffloadKey
@@ -42,7 +42,7 @@ class OffloadedBlock:
 
     ``ref_cnt``: ``-1`` pending (being written: unreadable, not evictable); ``0`` ready and
     evictable; ``n > 0`` ready and pinned by ``n`` in-flight loads. Only the manager mutates it.
-    ``freq`` (a use count) and ``user`` (the :attr:`~kvoffload.base.ReqContext.serial` of the
+    ``freq`` (a use count) and ``user`` (the :attr:`~kvoffload.manager_contract.ReqContext.serial` of the
     last request that used it, so that a request's use counts once) belong to the eviction
     policy holding the block, which sets them on insert: one lookup per use instead of a second
     table. The manager never reads them, and a record is held by one policy at a time. A record

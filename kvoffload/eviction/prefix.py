@@ -6,7 +6,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
 

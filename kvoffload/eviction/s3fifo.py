@@ -7,7 +7,7 @@ from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 from typing import ClassVar
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction._request_state import (
     RequestChains,
     RequestUses,

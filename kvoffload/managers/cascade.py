@@ -15,11 +15,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from kvoffload.base import LookupResult, ReqContext
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.keys import OffloadKey
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.tier_jobs import NO_REQUEST, BackgroundJob, BackgroundJobs
-from kvoffload.tiers.base import SecondaryTier, TierJob
+from kvoffload.tiers.contract import SecondaryTier, TierJob
 
 __all__ = [
     "CASCADES",

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from itertools import filterfalse
 from operator import attrgetter
 
-from kvoffload.base import (
+from kvoffload.manager_contract import (
     EventQueueMixin,
     LookupResult,
     OffloadingEvent,
@@ -19,7 +19,7 @@ from kvoffload.eviction import EvictionPolicy, OffloadedBlock, RequestUses, crea
 from kvoffload.eviction._request_state import request_state, take_request_state
 from kvoffload.eviction.base import PENDING, overrides
 from kvoffload.keys import OffloadKey
-from kvoffload.mediums import CPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec
 
 __all__ = ["CPUOffloadingManager"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvoffload.base import PrepareStoreOutput
+from kvoffload.manager_contract import PrepareStoreOutput
 
 __all__ = ["reserve_longest_head"]
 

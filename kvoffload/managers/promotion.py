@@ -14,13 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvoffload.base import LookupResult, PrepareStoreOutput, ReqContext
+from kvoffload.manager_contract import LookupResult, PrepareStoreOutput, ReqContext
 from kvoffload.keys import OffloadKey
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.fitting import reserve_longest_head
 from kvoffload.managers.tier_jobs import NO_REQUEST, BackgroundJob, BackgroundJobs
 from kvoffload.managers.tier_requests import RequestTiers
-from kvoffload.tiers.base import SecondaryTier, TierJob
+from kvoffload.tiers.contract import SecondaryTier, TierJob
 
 __all__ = ["QUEUED", "Promotions"]
 

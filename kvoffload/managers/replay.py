@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvoffload.base import LookupResult, OffloadingManager, ReqContext
+from kvoffload.manager_contract import LookupResult, OffloadingManager, ReqContext
 from kvoffload.keys import OffloadKey
 
 __all__ = ["serve_request"]

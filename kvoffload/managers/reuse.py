@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvoffload.base import (
+from kvoffload.manager_contract import (
     LoadStoreSpec,
     LookupResult,
     OffloadingEvent,

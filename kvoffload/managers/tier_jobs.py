@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.base import SecondaryTier
+from kvoffload.tiers.contract import SecondaryTier
 
 __all__ = ["NO_REQUEST", "BackgroundJob", "BackgroundJobs"]
 
@@ -45,7 +45,7 @@ class BackgroundJobs:
         self._next_id = 0
 
     def add(self, job: BackgroundJob) -> int:
-        """Register ``job``; returns its id for the :class:`~kvoffload.tiers.base.TierJob`."""
+        """Register ``job``; returns its id for the :class:`~kvoffload.tiers.contract.TierJob`."""
         job_id = self._next_id
         self._next_id += 1
         self._jobs[job_id] = job

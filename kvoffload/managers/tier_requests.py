@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
 

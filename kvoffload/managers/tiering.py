@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.base import (
+from kvoffload.manager_contract import (
     LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
@@ -59,7 +59,7 @@ from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.promotion import Promotions
 from kvoffload.managers.tier_jobs import BackgroundJobs
 from kvoffload.managers.tier_requests import RequestTiers, validate_tier_params
-from kvoffload.tiers.base import SecondaryTier
+from kvoffload.tiers.contract import SecondaryTier
 
 __all__ = ["CASCADE_MODES", "TieringOffloadingManager", "validate_tier_params"]
 

@@ -2,7 +2,7 @@
 
 Counters and gauges are read from the engine's own statistics at scrape time (a custom
 collector over a ``snapshot`` callable), so a scraped value always equals the engine's counter;
-per-tier series come from :meth:`~kvoffload.base.OffloadingManager.tier_stats` with a ``tier``
+per-tier series come from :meth:`~kvoffload.manager_contract.OffloadingManager.tier_stats` with a ``tier``
 label. Latency and size distributions are histograms observed as requests and transfers finish.
 """
 

@@ -9,7 +9,7 @@ preemption counts again, as vLLM's prefix-cache queries do) by where its KV came
 
 * ``device``: the engine's own prefix cache (``prefix_cache_hits``);
 * ``host`` / ``disk`` / ``remote`` (and any other tier name a manager reports through
-  :meth:`~kvoffload.base.OffloadingManager.load_source`): loaded from that offloading tier
+  :meth:`~kvoffload.manager_contract.OffloadingManager.load_source`): loaded from that offloading tier
   (``offload_hit_tokens_<tier>`` planned, less ``offload_failed_load_tokens_<tier>`` whose load
   failed and were recomputed);
 * ``computed``: the rest of ``prefix_cache_queries``, prefilled by the model.

@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
 from kvoffload.errors import KVOffloadError
-from kvoffload.routing.index import TIERS
+from kvoffload.routing.prefix_index import TIERS
 from kvoffload.routing.router import Backend, Router, Ticket
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
 from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard

@@ -39,7 +39,7 @@ import xxhash
 
 from kvoffload.errors import ConfigError
 from kvoffload.routing.costs import BackendCosts
-from kvoffload.routing.index import Match
+from kvoffload.routing.prefix_index import Match
 
 __all__ = ["DYNAMO_CREDITS", "POLICIES", "TIER_WEIGHTS", "BackendLoad", "KVAware", "LeastLoad",
            "Policy", "RoundRobin", "Session", "Target", "create_policy", "prefill_s", "score_of"]

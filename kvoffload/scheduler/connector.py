@@ -40,7 +40,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvoffload.base import OffloadingManager, ReqContext
+from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import BlockRemoved, BlockStored
 from kvoffload.keys import make_offload_key
@@ -189,7 +189,7 @@ class OffloadingConnectorScheduler:
 
     def num_held_blocks(self, request: OffloadRequest, first: int, end: int) -> int:
         """How many of the request's hash blocks ``first, first + 1, ...`` (below ``end``), a
-        leading run, the tier holds (:meth:`~kvoffload.base.OffloadingManager.holds`: for a
+        leading run, the tier holds (:meth:`~kvoffload.manager_contract.OffloadingManager.holds`: for a
         tiering manager, the host tier). A pure probe for the engine's admission order: nothing
         is counted, touched or promoted, and no request state is made. Full attention only (0
         when the first group has a sliding window)."""

@@ -1,4 +1,4 @@
-"""Turning a tier's :class:`~kvoffload.base.OffloadingEvent` into self-describing KV events.
+"""Turning a tier's :class:`~kvoffload.manager_contract.OffloadingEvent` into self-describing KV events.
 
 A manager's events carry keys only. Routers need more: a ``BlockStored`` for an offloaded block
 carries its real token ids, block size, parent hash and group (vLLM sent empty token lists for
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.base import OffloadingEvent
+from kvoffload.manager_contract import OffloadingEvent
 from kvoffload.events.messages import BlockRemoved, BlockStored, external_block_hash
 from kvoffload.keys import BlockHash, OffloadKey, offload_key_group, offload_key_hash
 from kvoffload.scheduler.state import RequestKVState

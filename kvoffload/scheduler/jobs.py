@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey
 from kvoffload.scheduler.state import RequestKVState
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from kvoffload.base import LookupResult, OffloadingManager
+from kvoffload.manager_contract import LookupResult, OffloadingManager
 from kvoffload.scheduler.state import RequestKVState, SchedulerOffloadConfig
 
 __all__ = ["HitSearch", "may_wait"]

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.validation import accepts_renamed

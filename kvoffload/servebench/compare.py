@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from kvoffload.servebench.configs import CONFIG_NAMES, NX_CACHE, ROUTER_CONFIGS, repeat_order
+from kvoffload.servebench.routing_configs import CONFIG_NAMES, NX_CACHE, ROUTER_CONFIGS, repeat_order
 from kvoffload.servebench.run import run_once
 
 __all__ = ["compare_routing"]

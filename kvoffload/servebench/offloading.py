@@ -22,7 +22,7 @@ import numpy as np
 import redis
 
 from kvoffload.servebench.compare import _port, _process
-from kvoffload.servebench.configs import repeat_order
+from kvoffload.servebench.routing_configs import repeat_order
 
 __all__ = ["OFFLOADING_CONFIGS", "compare_offloading", "offloading_args"]
 

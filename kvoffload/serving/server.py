@@ -32,7 +32,7 @@ from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.metrics import ServerMetrics
 from kvoffload.serving.prompts import PromptTokenizer
-from kvoffload.tiers.redis_url import parse_redis_url, redacted_url
+from kvoffload.tiers.redis.url import parse_redis_url, redacted_url
 
 __all__ = ["KEEP_ALIVE_S", "max_model_len", "remote_tier_id", "serve"]
 

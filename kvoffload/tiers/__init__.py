@@ -5,7 +5,7 @@ tiering manager moves them host pool ↔ device through the host tier. See ``doc
 """
 
 from kvoffload._lazy import lazy_exports
-from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.blockformat import BlockHeader, CorruptBlockError
 
 __all__ = [
@@ -25,8 +25,8 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "DiskTier": "kvoffload.tiers.disk",
-        "RedisTier": "kvoffload.tiers.remote",
-        "RemoteTierConfig": "kvoffload.tiers.remote",
+        "DiskTier": "kvoffload.tiers.disk.tier",
+        "RedisTier": "kvoffload.tiers.redis.tier",
+        "RemoteTierConfig": "kvoffload.tiers.redis.tier",
     },
 )

@@ -16,7 +16,7 @@ A stored block is a header followed by the payload (the host slot's bytes, uncha
 
 :func:`parse_header` accepts only a header whose magic, version, header checksum, fingerprint and
 key are the expected ones; :func:`verify_payload` checks length and checksum. Each failure raises
-:class:`CorruptBlockError` with the cause a :class:`~kvoffload.tiers.base.TierJobResult` reports.
+:class:`CorruptBlockError` with the cause a :class:`~kvoffload.tiers.contract.TierJobResult` reports.
 """
 
 from __future__ import annotations

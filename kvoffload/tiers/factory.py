@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Protocol
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.base import KVLayout, SecondaryTier
-from kvoffload.tiers.diskdir import check_disk_path, check_disk_size
+from kvoffload.tiers.contract import KVLayout, SecondaryTier
+from kvoffload.tiers.disk.directory import check_disk_path, check_disk_size
 from kvoffload.validation import check_real
 
 __all__ = [
@@ -63,7 +63,7 @@ def validate_disk_settings(path: str | os.PathLike[str] | None, size_gib: float)
 def validate_remote_settings(url: str | None, ttl_s: float | None, lookup_wait_s: float) -> None:
     """Check the remote tier's settings without connecting: :class:`ConfigError` naming
     ``kv_remote_url`` (password hidden), ``kv_remote_ttl_s`` or ``kv_remote_lookup_wait_s``."""
-    from kvoffload.tiers.redis_url import parse_redis_url
+    from kvoffload.tiers.redis.url import parse_redis_url
 
     check_real("kv_remote_lookup_wait_s", lookup_wait_s, positive=True, unit="seconds")
     if url is None:
@@ -81,7 +81,7 @@ def build_secondary_tiers(
     """The secondary tiers ``settings`` ask for, nearest first (empty when none)."""
     tiers: list[SecondaryTier] = []
     if settings.kv_disk_path is not None:
-        from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+        from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
 
         validate_disk_settings(settings.kv_disk_path, settings.kv_disk_size)
         disk = DiskTierSettings(
@@ -103,7 +103,7 @@ def _build_remote_tier(
 ) -> SecondaryTier | None:
     """The Redis / Valkey tier; ``None`` (with a warning) when the server cannot be reached at
     start and ``kv_remote_optional`` is set."""
-    from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
+    from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 
     assert settings.kv_remote_url is not None
     validate_remote_settings(

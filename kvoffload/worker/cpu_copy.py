@@ -33,7 +33,7 @@ from collections.abc import Collection
 import numpy as np
 
 from kvoffload.errors import ContractError
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import TransferResult
 from kvoffload.worker.handler import OffloadingHandler, TransferSpec, WorkerState, check_state
 from kvoffload.worker.host_pool import HostSlots

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 
-from kvoffload.base import LoadStoreSpec
+from kvoffload.manager_contract import LoadStoreSpec
 from kvoffload.errors import ContractError
 from kvoffload.transfer import TransferResult
 

@@ -1,8 +1,8 @@
 """Which engine page goes to which host slot position: one transfer's page map, validated.
 
-A :class:`~kvoffload.mediums.GPULoadStoreSpec` lists engine block ids group by group
+A :class:`~kvoffload.load_store_specs.GPULoadStoreSpec` lists engine block ids group by group
 (``group_sizes[g]`` of them for group ``g``); the co-indexed
-:class:`~kvoffload.mediums.CPULoadStoreSpec` lists host slots, group by group too, one per
+:class:`~kvoffload.load_store_specs.CPULoadStoreSpec` lists host slots, group by group too, one per
 offloaded block of ``block_size_factors[g]`` engine pages. Group ``g``'s engine pages fill its slots
 in order, starting ``block_indices[g] % factor`` pages into its first slot: the head of that
 offloaded block is already on the engine (loads only; stores are always whole blocks).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvoffload.errors import ContractError
-from kvoffload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 __all__ = ["BlockMapping", "GroupMapping"]
 

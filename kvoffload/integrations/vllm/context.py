@@ -1,4 +1,4 @@
-"""One kvoffload :class:`~kvoffload.base.ReqContext` per vLLM request context.
+"""One kvoffload :class:`~kvoffload.manager_contract.ReqContext` per vLLM request context.
 
 vLLM passes its own ``ReqContext`` (the same object for every call of one request); our
 policies, managers and tiers keep per-request state on ours. The first call for a request
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["kvoffload_context"]
 

@@ -1,6 +1,6 @@
 """Our scheduler-side manager stack behind vLLM 0.33's ``OffloadingManager`` interface.
 
-:class:`KVOffloadManager` wraps any kvoffload :class:`~kvoffload.base.OffloadingManager` (as
+:class:`KVOffloadManager` wraps any kvoffload :class:`~kvoffload.manager_contract.OffloadingManager` (as
 :class:`~kvoffload.integrations.vllm.spec.KVOffloadSpec` builds it: our CPU manager and eviction
 policy, our tiering manager with our tiers, our reuse filter) and translates per call:
 
@@ -51,8 +51,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.base import LookupResult as KVOLookupResult
-from kvoffload.base import OffloadingManager as KVOManager
+from kvoffload.manager_contract import LookupResult as KVOLookupResult
+from kvoffload.manager_contract import OffloadingManager as KVOManager
 from kvoffload.integrations.vllm.compat import ConfigInfoMapping, our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
 from kvoffload.integrations.vllm.waits import LookupWaits

@@ -20,7 +20,7 @@ How vLLM's ``CPUOffloadingManager`` drives a policy, and what the adapter makes 
   the new ones so that prefix-aware policies link each key to its parent, and the last as our
   ``request_finished`` (the request's keys per group, the ones it inserted as stored runs) for
   policies that commit, as ``touch`` for the others. Our policies count a use once per request
-  (state on our :class:`~kvoffload.base.ReqContext`, see
+  (state on our :class:`~kvoffload.manager_contract.ReqContext`, see
   :func:`~kvoffload.integrations.vllm.context.kvoffload_context`), so repeats are harmless.
 * vLLM 0.32 (feature-detected) has no ``on_request_access`` and inserts without the request's
   context: a request's chain then grows at ``on_store_miss``, an ``insert`` is attributed to the
@@ -48,7 +48,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
-from kvoffload.base import ReqContext
+from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction import EvictionPolicy, RequestUses, create_eviction_policy
 from kvoffload.eviction.base import overrides
 from kvoffload.integrations.vllm.compat import (

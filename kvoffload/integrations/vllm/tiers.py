@@ -8,7 +8,7 @@ Configure behind vLLM's CPU tier with ``TieringOffloadingSpec``::
 
 :class:`KVOffloadTier` is the one generic adapter: vLLM builds it with its CPU pool's
 ``memoryview`` (``view[chunk]`` is one chunk's bytes) and the tier options; it builds one of our
-:class:`~kvoffload.tiers.base.SecondaryTier` on that same view (our contract was shaped after
+:class:`~kvoffload.tiers.contract.SecondaryTier` on that same view (our contract was shaped after
 vLLM's, so the bytes move straight between vLLM's pool and our disk files or Redis values, with
 no copy in between) and translates:
 
@@ -56,12 +56,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvoffload.base import LookupResult as KVOLookupResult
+from kvoffload.manager_contract import LookupResult as KVOLookupResult
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.compat import our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
-from kvoffload.integrations.vllm.pool import unexported_alias
-from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob
+from kvoffload.integrations.vllm.shared_pool_view import unexported_alias
+from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -324,10 +324,10 @@ def build_disk_tier(
     options: dict[str, Any],
     setting: str = "secondary_tiers",
 ) -> SecondaryTier:
-    """Our :class:`~kvoffload.tiers.disk.DiskTier` from tier options: ``path`` and ``size_gib``
+    """Our :class:`~kvoffload.tiers.disk.tier.DiskTier` from tier options: ``path`` and ``size_gib``
     (required), ``eviction_policy`` ("adaptive"), ``num_threads`` (4), ``o_direct`` (false),
     ``rescan_interval`` (seconds, 2.0; 0 = never). Errors name ``<setting>.<option>``."""
-    from kvoffload.tiers.disk import DiskTier, DiskTierSettings
+    from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
     from kvoffload.tiers.factory import validate_disk_settings
 
     options = dict(options)
@@ -357,13 +357,13 @@ def build_redis_tier(
     options: dict[str, Any],
     setting: str = "secondary_tiers",
 ) -> SecondaryTier:
-    """Our :class:`~kvoffload.tiers.remote.RedisTier` from tier options: ``url`` (required;
+    """Our :class:`~kvoffload.tiers.redis.tier.RedisTier` from tier options: ``url`` (required;
     ``redis://``, ``rediss://``, ``redis+cluster://``; credentials from the environment, see
-    ``docs/remote-tier.md``) and any field of :class:`~kvoffload.tiers.remote.RemoteTierConfig`
+    ``docs/remote-tier.md``) and any field of :class:`~kvoffload.tiers.redis.tier.RemoteTierConfig`
     (``timeout_s``, ``ttl_s``, ``lookup_wait_s``, ...). Its events are always gathered."""
     import dataclasses
 
-    from kvoffload.tiers.remote import RedisTier, RemoteTierConfig
+    from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 
     options = dict(options)
     fields = {f.name for f in dataclasses.fields(RemoteTierConfig)}

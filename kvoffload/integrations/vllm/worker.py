@@ -42,8 +42,8 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.region import release_region
-from kvoffload.mediums import CPULoadStoreSpec as KVOCPUSpec
-from kvoffload.mediums import GPULoadStoreSpec as KVOGPUSpec
+from kvoffload.load_store_specs import CPULoadStoreSpec as KVOCPUSpec
+from kvoffload.load_store_specs import GPULoadStoreSpec as KVOGPUSpec
 from kvoffload.worker.cpu_copy import CPUCopyHandler
 from kvoffload.worker.layout import KVCacheLayout
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.base import KVLayout
+from kvoffload.tiers.contract import KVLayout
 
 __all__ = [
     "check_disk_path",

@@ -7,14 +7,14 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
-from kvoffload.tiers.redis_connection import RespError, RespErrorRaised
-from kvoffload.tiers.redis_url import PASSWORD_ENV, USERNAME_ENV, RedisURL
+from kvoffload.tiers.redis.connection import RespError, RespErrorRaised
+from kvoffload.tiers.redis.url import PASSWORD_ENV, USERNAME_ENV, RedisURL
 
 __all__ = ["cluster_node_problem", "connect_problem", "failure_cause"]
 
 
 def failure_cause(result: Any) -> str:
-    """The :class:`~kvoffload.tiers.base.TierJobResult` cause of a failed command's result: an
+    """The :class:`~kvoffload.tiers.contract.TierJobResult` cause of a failed command's result: an
     ``OSError`` (``"timeout"`` or ``"io"``) or an error reply (``OOM``: ``"full"``;
     ``WRONGTYPE``, a value that is not a string: ``"corrupt"``; any other: ``"io"``)."""
     if isinstance(result, TimeoutError):

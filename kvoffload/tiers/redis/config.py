@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, fields
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.base import KVLayout
-from kvoffload.tiers.redis_url import redacted_url
+from kvoffload.tiers.contract import KVLayout
+from kvoffload.tiers.redis.url import redacted_url
 
 __all__ = ["VALUE_ALIGN", "RemoteTierConfig", "remote_key_prefix"]
 
@@ -17,8 +17,8 @@ VALUE_ALIGN = 8
 
 @dataclass(frozen=True, slots=True)
 class RemoteTierConfig:
-    """Settings of :class:`~kvoffload.tiers.remote.RedisTier` (``url`` is ``kv_remote_url``;
-    see :mod:`~kvoffload.tiers.redis_url` for its forms). ``repr`` hides the password."""
+    """Settings of :class:`~kvoffload.tiers.redis.tier.RedisTier` (``url`` is ``kv_remote_url``;
+    see :mod:`~kvoffload.tiers.redis.url` for its forms). ``repr`` hides the password."""
 
     url: str
     #: Bound of every network call (connect, send, receive), seconds.

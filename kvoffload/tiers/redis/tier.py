@@ -8,10 +8,10 @@ layouts never share a block; keys spread over every Cluster slot), value the sel
 :mod:`~kvoffload.tiers.blockformat` header (``align=8``) followed by the host slot's bytes.
 
 Layers: :class:`RedisTier` keeps the tier contract, what it knows of the server's keys
-(:class:`~kvoffload.tiers.remote_answers.RemoteAnswers`) and two threads; the network is the
-:class:`~kvoffload.tiers.redis_transport.RedisTransport` under it (pipelines over several
+(:class:`~kvoffload.tiers.redis.answers.RemoteAnswers`) and two threads; the network is the
+:class:`~kvoffload.tiers.redis.transport.RedisTransport` under it (pipelines over several
 connections, per-shard fan-out, topology, health), on
-:class:`~kvoffload.tiers.redis_connection.RedisConnection` (RESP, values received straight into
+:class:`~kvoffload.tiers.redis.connection.RedisConnection` (RESP, values received straight into
 host slots).
 
 Threads: every method runs on the scheduler's thread and never touches the network. All tier
@@ -54,16 +54,16 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from kvoffload.base import LookupResult, OffloadingEvent, ReqContext
+from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.redis_messages import cluster_node_problem, connect_problem
-from kvoffload.tiers.redis_transport import RedisTransport
-from kvoffload.tiers.redis_url import SETTING, parse_redis_url
-from kvoffload.tiers.remote_answers import FOREVER, RemoteAnswers
-from kvoffload.tiers.remote_blocks import JobOutcome, RemoteBlocks
-from kvoffload.tiers.remote_config import VALUE_ALIGN, RemoteTierConfig, remote_key_prefix
+from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.redis.messages import cluster_node_problem, connect_problem
+from kvoffload.tiers.redis.transport import RedisTransport
+from kvoffload.tiers.redis.url import SETTING, parse_redis_url
+from kvoffload.tiers.redis.answers import FOREVER, RemoteAnswers
+from kvoffload.tiers.redis.blocks import JobOutcome, RemoteBlocks
+from kvoffload.tiers.redis.config import VALUE_ALIGN, RemoteTierConfig, remote_key_prefix
 
 __all__ = ["VALUE_ALIGN", "RedisTier", "RemoteTierConfig", "remote_key_prefix"]
 

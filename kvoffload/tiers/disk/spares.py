@@ -6,14 +6,14 @@ other jobs write to the same filesystem (300-700 µs under load, against 3 µs t
     <namespace>/spare/<owner>.<n>.spare   an empty file made while idle, or a victim's file
 
 ``<owner>`` is the ledger's name for the process (:attr:`SpaceLedger.owner
-<kvoffload.tiers.diskledger.SpaceLedger.owner>`): the spares of a process that is gone are
+<kvoffload.tiers.disk.ledger.SpaceLedger.owner>`): the spares of a process that is gone are
 removed by the next ledger reconciliation (or the next process that starts alone).
 
 Two sources, one rule: no reader can hold a spare. A :class:`SparePool` creates empty spares
 while the tier is idle; a store that evicts may *recycle* a victim's file into a spare instead
 of unlinking it (its blocks are then overwritten, not allocated again), but only while no other
 process uses the namespace: the victim is first renamed away (so nobody can open it by its name
-any more), then :meth:`~kvoffload.tiers.diskledger.SpaceLedger.alone` is asked, and if another
+any more), then :meth:`~kvoffload.tiers.disk.ledger.SpaceLedger.alone` is asked, and if another
 process uses the directory the renamed file is unlinked as before (a reader that opened it in
 time keeps reading it intact). Readers in this process never read a victim (the index never
 evicts a block a load is reading).

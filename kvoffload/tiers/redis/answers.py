@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from kvoffload.base import LookupResult
+from kvoffload.manager_contract import LookupResult
 from kvoffload.keys import OffloadKey
 
 __all__ = ["FOREVER", "RemoteAnswers"]
@@ -34,7 +34,7 @@ _HIT, _MISS, _RETRY, _PENDING = (
 
 
 class RemoteAnswers:
-    """The answer cache of :class:`~kvoffload.tiers.remote.RedisTier` (module docstring)."""
+    """The answer cache of :class:`~kvoffload.tiers.redis.tier.RedisTier` (module docstring)."""
 
     __slots__ = ("asked", "hits", "lookup_wait_s", "max_known", "miss_ttl_s", "misses", "writing")
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.diskfiles import SUFFIX, TMP_SUFFIX
-from kvoffload.tiers.diskledger import SpaceLedger
-from kvoffload.tiers.diskspares import SPARE_DIR, SPARE_SUFFIX
+from kvoffload.tiers.disk.files import SUFFIX, TMP_SUFFIX
+from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.spares import SPARE_DIR, SPARE_SUFFIX
 
 __all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner", "census_files", "count_files"]
 
@@ -128,7 +128,7 @@ def count_files(namespace: Path) -> int:
 
 def census_files(namespace: Path, live_owners: frozenset[str]) -> tuple[int, list[str]]:
     """``(block files, garbage)`` of ``namespace`` while nothing is in flight (a quiescent
-    :class:`~kvoffload.tiers.diskledger.Census`): then every temporary file is a killed
+    :class:`~kvoffload.tiers.disk.ledger.Census`): then every temporary file is a killed
     writer's (or a published block's second name), and so is every spare with bytes; empty
     spares whose owner is not in ``live_owners`` belong to users that are gone. Reads
     directory entries only (one ``stat`` per spare)."""

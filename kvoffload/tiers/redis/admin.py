@@ -10,9 +10,9 @@ pattern on every master, then ``UNLINK`` (freed in the server's background), pip
 from __future__ import annotations
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.redis_connection import RedisConnection, RespError, encode_command
-from kvoffload.tiers.redis_transport import RedisTransport
-from kvoffload.tiers.redis_url import parse_redis_url
+from kvoffload.tiers.redis.connection import RedisConnection, RespError, encode_command
+from kvoffload.tiers.redis.transport import RedisTransport
+from kvoffload.tiers.redis.url import parse_redis_url
 
 __all__ = ["drop_namespace"]
 

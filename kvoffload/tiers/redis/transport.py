@@ -1,16 +1,16 @@
 """The remote tier's transport: pipelined commands over pooled connections, fanned out over
 connections and Cluster shards, with the server's health.
 
-:class:`RedisTransport` sits under :class:`~kvoffload.tiers.remote.RedisTier` as httpx's transport
+:class:`RedisTransport` sits under :class:`~kvoffload.tiers.redis.tier.RedisTier` as httpx's transport
 sits under its client: the tier decides what to ask (which keys, which values, what a reply
 means for a block); the transport moves commands and replies and knows nothing of blocks.
 
 * **Operations**, each for a list of keys, one result per key: :meth:`RedisTransport.get_into`
   (values received straight into caller buffers, see
-  :meth:`~kvoffload.tiers.redis_connection.RedisConnection.read_value_into`),
+  :meth:`~kvoffload.tiers.redis.connection.RedisConnection.read_value_into`),
   :meth:`RedisTransport.set_values`, :meth:`RedisTransport.ttls` (``PTTL``),
   :meth:`RedisTransport.delete`, plus :meth:`RedisTransport.server_figures` (``INFO``). A result
-  is the reply, a :class:`~kvoffload.tiers.redis_connection.RespError` for an error reply, or the
+  is the reply, a :class:`~kvoffload.tiers.redis.connection.RespError` for an error reply, or the
   ``OSError`` that failed the key's connection (``TimeoutError`` on a timeout).
 * **Fan-out**: the keys are grouped by node (one group standalone; per slot master in a
   Cluster), each group is cut into up to ``connections`` parts, and the parts run at the same
@@ -40,14 +40,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvoffload.tiers.redis_connection import (
+from kvoffload.tiers.redis.connection import (
     RedisConnection,
     RespError,
     encode_command,
     tls_context,
 )
-from kvoffload.tiers.redis_topology import Address, SlotMap
-from kvoffload.tiers.redis_url import RedisURL
+from kvoffload.tiers.redis.topology import Address, SlotMap
+from kvoffload.tiers.redis.url import RedisURL
 
 __all__ = ["DOWN", "RedisTransport"]
 
@@ -200,7 +200,7 @@ class RedisTransport:
 
     def start(self) -> None:
         """Check that the server answers (Cluster: read its slot map). Raises what went wrong:
-        ``OSError``, or :class:`~kvoffload.tiers.redis_connection.RespErrorRaised` for a refusal
+        ``OSError``, or :class:`~kvoffload.tiers.redis.connection.RespErrorRaised` for a refusal
         (credentials, a server without Cluster mode addressed as a Cluster)."""
         if self._slots is not None:
             self._slots.refresh()

@@ -4,7 +4,7 @@ See ``docs/disk-tier.md``. In short:
 
 * **Bounded.** The namespace's block files (header + payload, in whole 4 KiB blocks) and its ledger
   never exceed ``capacity_bytes``. The byte count is shared by every process on the directory
-  (:class:`~kvoffload.tiers.diskledger.SpaceLedger`); a writer reserves before it writes and
+  (:class:`~kvoffload.tiers.disk.ledger.SpaceLedger`); a writer reserves before it writes and
   evicts its own index's blocks (by the eviction policy) when the directory is full.
 * **Crash-safe.** A file appears under its final name only complete (written under another
   name, then published by a rename or ``link`` that never replaces a file); every load checks the header (magic, version, layout fingerprint, key) and the xxh3
@@ -35,19 +35,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.base import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
+from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
 from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.base import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.diskdir import check_o_direct, free_bytes, prepare_namespace
-from kvoffload.tiers.diskfiles import BlockFiles, FaultHook, file_bytes
-from kvoffload.tiers.diskjobs import DiskJobRunner, Items, RunningJob
-from kvoffload.tiers.diskledger import SpaceLedger
-from kvoffload.tiers.diskreclaim import OldNamespaces
-from kvoffload.tiers.diskscan import NamespaceScanner, Rescanner, census_files, count_files
-from kvoffload.tiers.diskspares import SparePool, remove_all
+from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.disk.directory import check_o_direct, free_bytes, prepare_namespace
+from kvoffload.tiers.disk.files import BlockFiles, FaultHook, file_bytes
+from kvoffload.tiers.disk.jobs import DiskJobRunner, Items, RunningJob
+from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.reclaim import OldNamespaces
+from kvoffload.tiers.disk.scan import NamespaceScanner, Rescanner, census_files, count_files
+from kvoffload.tiers.disk.spares import SparePool, remove_all
 
 __all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
 

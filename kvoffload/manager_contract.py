@@ -266,7 +266,7 @@ class OffloadingManager(ABC):
         """``stats()`` per tier, by tier name (``"host"`` first, then secondary tiers).
 
         The metrics export one series per tier from this. Composing managers override it and
-        return each secondary tier's :meth:`~kvoffload.tiers.base.SecondaryTier.stats`.
+        return each secondary tier's :meth:`~kvoffload.tiers.contract.SecondaryTier.stats`.
         Default: the whole manager is the host tier.
         """
         return {"host": self.stats()}

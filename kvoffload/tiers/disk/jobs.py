@@ -17,12 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.base import TierJob
+from kvoffload.tiers.contract import TierJob
 from kvoffload.tiers.blockformat import CorruptBlockError
-from kvoffload.tiers.diskdir import free_bytes
-from kvoffload.tiers.diskfiles import BlockFiles, TemporaryRemovedError, is_no_space
-from kvoffload.tiers.diskledger import SpaceLedger
-from kvoffload.tiers.diskspares import SparePool
+from kvoffload.tiers.disk.directory import free_bytes
+from kvoffload.tiers.disk.files import BlockFiles, TemporaryRemovedError, is_no_space
+from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.spares import SparePool
 
 __all__ = ["DiskJobRunner", "RunningJob"]
 

@@ -1,6 +1,6 @@
 """``PrefixIndex``: which instance holds which block in which tier, kept live from KV events.
 
-Blocks are keyed by the router's content hash (:mod:`kvoffload.routing.keys`), so events of
+Blocks are keyed by the router's content hash (:mod:`kvoffload.routing.prefix_keys`), so events of
 every backend and every incoming prompt share one key space; the engine's own hash is kept only
 to resolve removals and parents. A ``BlockStored`` that carries its tokens (every kvoffload event
 does) is hashed from its parent's key; an offloaded block spanning several engine blocks gets one
@@ -38,7 +38,7 @@ from kvoffload.events.messages import (
     KVCacheEvent,
     tier_of,
 )
-from kvoffload.routing.keys import ROOT_SEED, block_keys, token_bytes
+from kvoffload.routing.prefix_keys import ROOT_SEED, block_keys, token_bytes
 
 __all__ = ["DEVICE", "DISK", "HOST", "REMOTE", "TIERS", "Match", "PrefixIndex", "tier_number"]
 

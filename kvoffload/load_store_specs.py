@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvoffload.base import LoadStoreSpec
+from kvoffload.manager_contract import LoadStoreSpec
 
 __all__ = ["BlockIDsLoadStoreSpec", "CPULoadStoreSpec", "GPULoadStoreSpec"]
 

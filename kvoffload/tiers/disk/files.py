@@ -8,12 +8,12 @@ Directory layout under the tier's root (one namespace per KV layout, so models n
 
 ``<aa>`` is the first byte of the key's hash, so no directory holds more than ~1/256 of the files.
 A block file appears under its final name only complete: it is written into a spare file and
-published by ``renameat2(RENAME_NOREPLACE)`` (:mod:`~kvoffload.tiers.diskspares`), or under a
+published by ``renameat2(RENAME_NOREPLACE)`` (:mod:`~kvoffload.tiers.disk.spares`), or under a
 temporary name published with :func:`os.link`; both fail when the name exists, so two processes
 writing the same block never replace or mix each other's file (the second drops its copy).
 
-The shared byte count is :mod:`~kvoffload.tiers.diskledger`'s; finding files is
-:mod:`~kvoffload.tiers.diskscan`'s. Every function here runs on the tier's I/O threads, never on
+The shared byte count is :mod:`~kvoffload.tiers.disk.ledger`'s; finding files is
+:mod:`~kvoffload.tiers.disk.scan`'s. Every function here runs on the tier's I/O threads, never on
 the scheduler thread.
 """
 
@@ -38,7 +38,7 @@ from kvoffload.tiers.blockformat import (
     payload_checksum,
     verify_payload,
 )
-from kvoffload.tiers.diskspares import publish
+from kvoffload.tiers.disk.spares import publish
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -120,7 +120,7 @@ class BlockFiles:
         """Write slot ``slot`` as the block of ``key``; True if this call published the file,
         False if the file already existed (written by someone else: equal bytes by construction).
 
-        ``spare``: a file made ahead (:mod:`~kvoffload.tiers.diskspares`) to write into and
+        ``spare``: a file made ahead (:mod:`~kvoffload.tiers.disk.spares`) to write into and
         publish by rename; without one (or if it vanished) a temporary file is created and
         published by ``link``. Either way the written file is gone afterwards unless published.
         Raises ``OSError`` on I/O errors: :class:`TemporaryRemovedError` when a scan took the

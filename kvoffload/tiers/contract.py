@@ -10,7 +10,7 @@ Calls come from the scheduler's one thread and must never block on I/O:
 
 * :meth:`SecondaryTier.lookup` answers from what the tier already knows. A key whose answer is not
   known yet (a lookup still running on a background thread) is
-  :attr:`~kvoffload.base.LookupResult.RETRY`; asking starts that background lookup, and a later
+  :attr:`~kvoffload.manager_contract.LookupResult.RETRY`; asking starts that background lookup, and a later
   call answers ``HIT`` or ``MISS``. A key being written by this tier is ``HIT_PENDING``.
 * :meth:`SecondaryTier.submit_store` / :meth:`SecondaryTier.submit_load` queue a job and return at
   once; the bytes move on the tier's own threads; :meth:`SecondaryTier.get_finished_jobs` reports
@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import xxhash
 
-from kvoffload.base import LookupResult, OffloadingEvent, ReqContext
+from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.keys import OffloadKey
 
 __all__ = ["KVLayout", "SecondaryTier", "TierJob", "TierJobResult"]

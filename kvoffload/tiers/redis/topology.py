@@ -13,7 +13,7 @@ import threading
 from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 
-from kvoffload.tiers.redis_connection import RedisConnection
+from kvoffload.tiers.redis.connection import RedisConnection
 
 __all__ = ["NUM_SLOTS", "Address", "SlotMap", "key_slot"]
 
