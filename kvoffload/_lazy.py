@@ -1,14 +1,16 @@
 """Names a package exports but imports on first use (PEP 562), so that ``import kvoffload`` stays
-light: torch, redis-py and the engine load only when a class that needs them is asked for."""
+light: torch, redis-py and the engine load only when a class that needs them is asked for; and
+the forwarding of a module path that moved (it keeps working, with a deprecation warning)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_exports"]
+__all__ = ["lazy_exports", "moved_module"]
 
 
 def lazy_exports(
@@ -29,3 +31,20 @@ def lazy_exports(
         return sorted(set(vars(sys.modules[package])) | set(table))
 
     return __getattr__, __dir__
+
+
+def moved_module(old: str, new: str) -> Callable[[str], Any]:
+    """``__getattr__`` for a module that moved from ``old`` to ``new``: each name is looked up in
+    ``new``, with a :class:`DeprecationWarning` that names the new path."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{old} moved to {new}; import {name} from {new} (or from its package)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__

@@ -100,3 +100,50 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     targets = imported_modules(tmp_path / "x.py")
     assert targets == [(2, "kvoffload.engine.engine")]
     assert layer_of("kvoffload.eviction.x") < layer_of(targets[0][1])
+
+
+#: The tiers' rooms (docs/architecture.md, "The tiers"): each wing imports the shared contract,
+#: block format and factory below it, never the other wing; inside the Redis wing the wire (how it
+#: talks) never imports the tier (what it stores).
+DISK_WING = "kvoffload.tiers.disk"
+REDIS_WING = "kvoffload.tiers.redis"
+REDIS_WIRE = tuple(
+    f"kvoffload.tiers.redis.{name}" for name in ("connection", "messages", "topology", "transport", "url")
+)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def wing_violations(path: Path) -> list[str]:
+    """Imports in ``path`` that cross from one tier wing into the other, or from the Redis wire
+    up into the Redis tier."""
+    own = module_name(path)
+    found = []
+    for line, target in imported_modules(path):
+        crossing = (_within(own, DISK_WING) and _within(target, REDIS_WING)) or (
+            _within(own, REDIS_WING) and _within(target, DISK_WING)
+        )
+        wire_up = own in REDIS_WIRE and _within(target, REDIS_WING) and target not in REDIS_WIRE
+        if crossing or wire_up:
+            found.append(f"{own} imports {target}, line {line}")
+    return found
+
+
+def test_each_tier_wing_keeps_to_itself() -> None:
+    violations = [v for path in SOURCES for v in wing_violations(path)]
+    assert not violations, "\n".join(violations)
+    wings = {module_name(p).split(".")[2] for p in SOURCES if module_name(p).count(".") >= 3}
+    assert {"disk", "redis"} <= wings, "the tiers' wings moved: update DISK_WING / REDIS_WING"
+
+
+def test_the_wing_check_sees_a_crossing(tmp_path: Path) -> None:
+    """The checker itself: the disk wing importing the Redis transport is caught (a module file
+    placed as if it were in the disk wing)."""
+    wing = tmp_path / "kvoffload" / "tiers" / "disk"
+    wing.mkdir(parents=True)
+    (wing / "x.py").write_text("from kvoffload.tiers.redis.transport import RedisTransport\n")
+    own = ".".join((wing / "x.py").relative_to(tmp_path).with_suffix("").parts)
+    assert _within(own, DISK_WING)
+    assert any(_within(t, REDIS_WING) for _, t in imported_modules(wing / "x.py"))

@@ -95,9 +95,9 @@ def test_every_exported_name_resolves(module: str) -> None:
 
 
 def test_package_exports_the_same_objects_as_their_modules() -> None:
-    from kvoffload import base, errors, keys, managers, mediums
+    from kvoffload import errors, keys, load_store_specs, manager_contract, managers
 
-    for module in (base, errors, keys, managers, mediums):
+    for module in (manager_contract, errors, keys, managers, load_store_specs):
         for name in module.__all__:
             if name in kvoffload.__all__:
                 assert getattr(kvoffload, name) is getattr(module, name)
@@ -180,3 +180,23 @@ def test_scheduler_core_imports_no_network_layer() -> None:
     )
     out = run_python(code)
     assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("kvoffload.base", "kvoffload.manager_contract", "OffloadingManager"),
+        ("kvoffload.mediums", "kvoffload.load_store_specs", "CPULoadStoreSpec"),
+        ("kvoffload.tiers.base", "kvoffload.tiers.contract", "SecondaryTier"),
+        ("kvoffload.tiers.remote", "kvoffload.tiers.redis.tier", "RedisTier"),
+    ],
+)
+def test_a_moved_module_path_still_works_with_a_warning(old: str, new: str, name: str) -> None:
+    """Paths users may have typed before the house moved (issue 33) forward to the new module,
+    naming it in a DeprecationWarning."""
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError):
+        module.__wrapped__  # noqa: B018  (dunder names are not forwarded)
