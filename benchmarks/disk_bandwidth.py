@@ -51,11 +51,11 @@ from pathlib import Path
 
 import torch
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.manager_contract import ReqContext
 from kvoffload.tiers import KVLayout, TierJob
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 
 
 def parse_args() -> argparse.Namespace:

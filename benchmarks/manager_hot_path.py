@@ -38,9 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.manager_contract import ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.replay import serve_request
 

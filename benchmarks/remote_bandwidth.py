@@ -62,8 +62,8 @@ from redis.cluster import RedisCluster
 
 from kvoffload.benchmark.redis_server import cluster_servers, standalone_server
 from kvoffload.keys import make_offload_key
-from kvoffload.tiers.contract import KVLayout, TierJob
 from kvoffload.tiers.blockformat import header_size
+from kvoffload.tiers.contract import KVLayout, TierJob
 from kvoffload.tiers.redis.tier import VALUE_ALIGN, RedisTier, RemoteTierConfig
 
 OPS = (

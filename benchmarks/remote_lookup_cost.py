@@ -24,9 +24,9 @@ from collections.abc import Iterator
 
 import torch
 
-from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.keys import make_offload_key
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.contract import KVLayout, TierJob
 from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 

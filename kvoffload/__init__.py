@@ -8,14 +8,6 @@ KV events' ``KVEventsConfig``. Their packages export them as well.
 """
 
 from kvoffload._lazy import lazy_exports
-from kvoffload.manager_contract import (
-    LoadStoreSpec,
-    LookupResult,
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    ReqContext,
-)
 from kvoffload.errors import (
     ConfigError,
     ContractError,
@@ -32,12 +24,20 @@ from kvoffload.keys import (
     offload_key_group,
     offload_key_hash,
 )
+from kvoffload.load_store_specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.manager_contract import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from kvoffload.managers import (
     CPUOffloadingManager,
     FilterReusedOffloadingManager,
     TieringOffloadingManager,
 )
-from kvoffload.load_store_specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 
 __version__ = "0.1.0"
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload.manager_contract import OffloadingManager
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
 from kvoffload.events.messages import KVEventBatch
 from kvoffload.events.publisher import NullEventPublisher
+from kvoffload.manager_contract import OffloadingManager
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.worker import DelayedCompletionHandler

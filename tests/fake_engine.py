@@ -63,8 +63,8 @@ from kvoffload import (
     ReqContext,
     make_offload_key,
 )
-from kvoffload.manager_contract import LoadStoreSpec, LookupResult, PrepareStoreOutput
 from kvoffload.load_store_specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.manager_contract import LoadStoreSpec, LookupResult, PrepareStoreOutput
 from kvoffload.scheduler import (
     NULL_BLOCK_ID,
     ConnectorUpdate,

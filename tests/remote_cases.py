@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from kvoffload import ReqContext, make_offload_key
-from kvoffload.manager_contract import LookupResult
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult
 from kvoffload.tiers.contract import KVLayout, TierJob, TierJobResult
 from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 

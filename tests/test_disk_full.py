@@ -32,8 +32,8 @@ from tier_cases import (
 
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import DiskTier
 from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.disk.tier import DiskTier
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)

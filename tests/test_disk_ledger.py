@@ -23,9 +23,9 @@ from tier_cases import (
 
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import DiskTier
 from kvoffload.tiers.disk.files import file_bytes
 from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.tier import DiskTier
 
 CTX = ReqContext("test")
 FILE = file_bytes(BLOCK_BYTES)

@@ -15,10 +15,10 @@ from tier_cases import disk_tier, host_pool, key, wait_jobs
 
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import RECONCILE_EVERY_TICKS, DiskTier
 from kvoffload.tiers.disk.files import SUFFIX
 from kvoffload.tiers.disk.scan import count_files
 from kvoffload.tiers.disk.spares import SPARE_DIR
+from kvoffload.tiers.disk.tier import RECONCILE_EVERY_TICKS, DiskTier
 
 TESTS = Path(__file__).parent
 CTX = ReqContext("test")

@@ -18,9 +18,9 @@ from tier_cases import (
 )
 
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import DiskTier
 from kvoffload.tiers.disk.files import file_bytes
 from kvoffload.tiers.disk.spares import SPARE_DIR, SPARE_SUFFIX, _Renamer
+from kvoffload.tiers.disk.tier import DiskTier
 
 FILE = file_bytes(BLOCK_BYTES)
 

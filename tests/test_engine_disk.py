@@ -31,12 +31,12 @@ from engine_cases import (
 )
 from tier_cases import dir_bytes, small_tmpfs
 
-from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.events.block_index import BlockIndex
 from kvoffload.events.messages import BlockStored
 from kvoffload.keys import offload_key_hash
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.blockformat import CorruptBlockError, parse_header, verify_payload
 
 TESTS = Path(__file__).parent

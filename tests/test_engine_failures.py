@@ -22,9 +22,9 @@ from engine_cases import (
     tiny_engine,
 )
 
-from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.engine import Engine
 from kvoffload.keys import make_offload_key
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.worker import FaultInjectingHandler
 
 ROUNDS = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=3, seed=7)

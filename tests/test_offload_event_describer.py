@@ -6,9 +6,9 @@ cascade to a further tier)."""
 
 from __future__ import annotations
 
-from kvoffload.manager_contract import OffloadingEvent
 from kvoffload.events import BlockStored
 from kvoffload.keys import make_offload_key
+from kvoffload.manager_contract import OffloadingEvent
 from kvoffload.scheduler.events import OffloadEventDescriber
 
 KEY = make_offload_key(bytes(32), 0)

@@ -32,8 +32,8 @@ from tier_cases import BLOCK_BYTES, disk_tier, fill_slot, host_pool, key, layout
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk import directory as diskdir
 from kvoffload.tiers.disk import reclaim as diskreclaim
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.redis.config import remote_key_prefix
 
 OLD_MODEL = "/models/llama"  # the previous format named a model by its path

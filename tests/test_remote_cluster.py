@@ -21,8 +21,8 @@ from remote_cases import (
     wait_until,
 )
 
-from kvoffload.manager_contract import LookupResult
 from kvoffload.errors import ConfigError
+from kvoffload.manager_contract import LookupResult
 from kvoffload.tiers.redis.tier import remote_key_prefix
 
 N = 96

@@ -29,8 +29,8 @@ from remote_cases import (
 )
 from remote_proxy import TrickleProxy
 
-from kvoffload.manager_contract import LookupResult
 from kvoffload.errors import ConfigError
+from kvoffload.manager_contract import LookupResult
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 PASSWORD = "s3cr3t-Pa55"

@@ -22,8 +22,8 @@ from hypothesis.stateful import (
 from redis_servers import RedisServer
 from remote_cases import WAIT_S, make_layout, make_tier
 
-from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.keys import make_offload_key
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.contract import TierJob
 from kvoffload.tiers.redis.tier import remote_key_prefix
 

@@ -23,11 +23,11 @@ from remote_cases import (
 )
 
 from kvoffload import ReqContext
-from kvoffload.manager_contract import LookupResult
 from kvoffload.errors import ConfigError
+from kvoffload.manager_contract import LookupResult
 from kvoffload.tiers.blockformat import encode_header, payload_checksum
-from kvoffload.tiers.redis.tier import VALUE_ALIGN, RedisTier, RemoteTierConfig, remote_key_prefix
 from kvoffload.tiers.redis.answers import RemoteAnswers
+from kvoffload.tiers.redis.tier import VALUE_ALIGN, RedisTier, RemoteTierConfig, remote_key_prefix
 
 HIT, MISS, RETRY, PENDING = (
     LookupResult.HIT,

@@ -18,8 +18,8 @@ from remote_cases import (
 )
 from remote_proxy import TrickleProxy
 
-from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers.contract import KVLayout

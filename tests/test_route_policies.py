@@ -11,7 +11,6 @@ import pytest
 
 from kvoffload.errors import ConfigError
 from kvoffload.routing.costs import BackendCosts
-from kvoffload.routing.prefix_index import Match
 from kvoffload.routing.policies import (
     POLICIES,
     BackendLoad,
@@ -19,6 +18,7 @@ from kvoffload.routing.policies import (
     create_policy,
     score_of,
 )
+from kvoffload.routing.prefix_index import Match
 from kvoffload.routing.router import BackendSpec, Router
 from kvoffload.serving.prompts import PromptTokenizer
 

@@ -25,8 +25,8 @@ from redis_servers import RedisServer, RedisUnavailableError, standalone_server
 
 from kvoffload.engine import Engine, EngineConfig, SamplingParams
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.redis.url import parse_redis_url
 from kvoffload.tiers.redis.tier import RemoteTierConfig
+from kvoffload.tiers.redis.url import parse_redis_url
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A password a URL carries as is, and one it must percent-encode.

@@ -35,8 +35,8 @@ from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 
 MISS, HIT, HIT_PENDING, RETRY = (
     LookupResult.MISS,

@@ -32,12 +32,12 @@ require_vllm()
 from vllm.v1.kv_offload.base import ReqContext as VllmReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager  # noqa: E402
 
-from kvoffload.manager_contract import ReqContext  # noqa: E402
 from kvoffload.benchmark import traces  # noqa: E402
 from kvoffload.benchmark.hit_rate import block_keys  # noqa: E402
 from kvoffload.integrations.vllm.compat import POLICY_HAS_REQUEST_ACCESS  # noqa: E402
 from kvoffload.integrations.vllm.replay import POLICY_MODULE, hit_ratio  # noqa: E402
 from kvoffload.keys import OffloadKey, make_offload_key  # noqa: E402
+from kvoffload.manager_contract import ReqContext  # noqa: E402
 from kvoffload.managers import CPUOffloadingManager  # noqa: E402
 
 if not POLICY_HAS_REQUEST_ACCESS:  # vLLM 0.32: its lru/arc are not 0.33's (no request access)

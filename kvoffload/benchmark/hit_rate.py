@@ -21,9 +21,9 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.benchmark.trace_file import read_trace
 from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.manager_contract import ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.replay import serve_request
 

@@ -26,9 +26,9 @@ from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.benchmark.matrix import Run, actual_label
 from kvoffload.benchmark.throughput import ThroughputResult, run_throughput
 from kvoffload.errors import KVOffloadError
+from kvoffload.tiers.redis.admin import drop_namespace
 from kvoffload.tiers.redis.connection import RespErrorRaised
 from kvoffload.tiers.redis.url import redacted_url
-from kvoffload.tiers.redis.admin import drop_namespace
 
 __all__ = [
     "Progress",

@@ -17,8 +17,8 @@ from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
 from kvoffload.cli.workload_flags import TRACE, WORKLOAD_FLAGS
-from kvoffload.servebench.routing_configs import CONFIG_NAMES
 from kvoffload.servebench.offloading import OFFLOADING_CONFIGS
+from kvoffload.servebench.routing_configs import CONFIG_NAMES
 from kvoffload.servebench.sessions import THINK_TIME_DISTS
 
 __all__ = ["add_parser"]

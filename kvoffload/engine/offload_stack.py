@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.manager_contract import OffloadingManager
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.model_config import ModelConfig
 from kvoffload.errors import ConfigError, HostAllocationError
+from kvoffload.manager_contract import OffloadingManager
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.scheduler import OffloadingConnectorScheduler, SchedulerOffloadConfig

@@ -7,9 +7,9 @@ the engine publishes one :class:`KVEventBatch` per step through the publisher th
 """
 
 from kvoffload._lazy import lazy_exports
+from kvoffload.events.block_index import BlockIndex
 from kvoffload.events.codec import EventDecodeError, EventDecoder, EventEncoder
 from kvoffload.events.config import PUBLISHERS, KVEventsConfig
-from kvoffload.events.block_index import BlockIndex
 from kvoffload.events.messages import (
     LOCALITY_LOCAL,
     LOCALITY_REMOTE,

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import TypeVar
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = [
     "GroupWatch",

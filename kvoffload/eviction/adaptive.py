@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction._request_state import RequestChains
 from kvoffload.eviction.base import OffloadedBlock, register_eviction_policy, requeue_tail_first
 from kvoffload.eviction.s3fifo import S3FIFOPolicy, taken_from_small
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["AdaptivePolicy"]
 

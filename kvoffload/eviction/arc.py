@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction._request_state import GroupWatch, RequestUses
 from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["ARCPolicy"]
 

@@ -14,10 +14,10 @@ from collections.abc import Container, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, TypeVar
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.eviction._request_state import RequestUses
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = [
     "ENTRY_POINT_GROUP",

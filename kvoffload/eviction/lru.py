@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterator, Sequence
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction._request_state import (
     GroupWatch,
     RequestState,
@@ -20,6 +19,7 @@ from kvoffload.eviction.base import (
     requeue_tail_first,
 )
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["LRUPolicy"]
 

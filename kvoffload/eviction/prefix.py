@@ -6,9 +6,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["PrefixPolicy"]
 

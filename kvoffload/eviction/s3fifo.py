@@ -7,7 +7,6 @@ from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 from typing import ClassVar
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction._request_state import (
     RequestChains,
     RequestUses,
@@ -16,6 +15,7 @@ from kvoffload.eviction._request_state import (
 )
 from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["S3FIFOPolicy"]
 

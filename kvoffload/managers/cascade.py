@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.tier_jobs import NO_REQUEST, BackgroundJob, BackgroundJobs
 from kvoffload.tiers.contract import SecondaryTier, TierJob

@@ -6,6 +6,12 @@ from collections.abc import Iterator, Sequence
 from itertools import filterfalse
 from operator import attrgetter
 
+from kvoffload.errors import ConfigError, ContractError
+from kvoffload.eviction import EvictionPolicy, OffloadedBlock, RequestUses, create_eviction_policy
+from kvoffload.eviction._request_state import request_state, take_request_state
+from kvoffload.eviction.base import PENDING, overrides
+from kvoffload.keys import OffloadKey
+from kvoffload.load_store_specs import CPULoadStoreSpec
 from kvoffload.manager_contract import (
     EventQueueMixin,
     LookupResult,
@@ -14,12 +20,6 @@ from kvoffload.manager_contract import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvoffload.errors import ConfigError, ContractError
-from kvoffload.eviction import EvictionPolicy, OffloadedBlock, RequestUses, create_eviction_policy
-from kvoffload.eviction._request_state import request_state, take_request_state
-from kvoffload.eviction.base import PENDING, overrides
-from kvoffload.keys import OffloadKey
-from kvoffload.load_store_specs import CPULoadStoreSpec
 
 __all__ = ["CPUOffloadingManager"]
 

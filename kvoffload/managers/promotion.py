@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvoffload.manager_contract import LookupResult, PrepareStoreOutput, ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult, PrepareStoreOutput, ReqContext
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.fitting import reserve_longest_head
 from kvoffload.managers.tier_jobs import NO_REQUEST, BackgroundJob, BackgroundJobs

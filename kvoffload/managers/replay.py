@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvoffload.manager_contract import LookupResult, OffloadingManager, ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult, OffloadingManager, ReqContext
 
 __all__ = ["serve_request"]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import (
     LoadStoreSpec,
     LookupResult,
@@ -13,8 +15,6 @@ from kvoffload.manager_contract import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvoffload.errors import ConfigError
-from kvoffload.keys import OffloadKey
 
 __all__ = ["FilterReusedOffloadingManager"]
 

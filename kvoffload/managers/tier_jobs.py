@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 from kvoffload.tiers.contract import SecondaryTier
 
 __all__ = ["NO_REQUEST", "BackgroundJob", "BackgroundJobs"]

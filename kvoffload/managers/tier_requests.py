@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = ["RequestTiers", "validate_tier_params"]
 

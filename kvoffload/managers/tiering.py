@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import (
     LoadStoreSpec,
     LookupResult,
@@ -52,8 +54,6 @@ from kvoffload.manager_contract import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvoffload.errors import ConfigError
-from kvoffload.keys import OffloadKey
 from kvoffload.managers.cascade import CASCADE_MODES, CASCADES, Cascade, CascadeQueue
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.promotion import Promotions

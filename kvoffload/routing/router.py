@@ -38,9 +38,9 @@ from kvoffload.events.messages import KVCacheEvent
 from kvoffload.routing.connections import Connections
 from kvoffload.routing.costs import BackendCosts, parse_metrics, share_compute_cost
 from kvoffload.routing.follower import EventFollower
+from kvoffload.routing.policies import BackendLoad, Policy, prefill_s
 from kvoffload.routing.prefix_index import Match, PrefixIndex
 from kvoffload.routing.prefix_keys import token_bytes
-from kvoffload.routing.policies import BackendLoad, Policy, prefill_s
 from kvoffload.serving.errors import APIError
 from kvoffload.serving.guard import ApiKey
 from kvoffload.serving.prompts import PromptTokenizer, chat_messages

@@ -40,10 +40,10 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import BlockRemoved, BlockStored
 from kvoffload.keys import make_offload_key
+from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.fence import ReuseFence
 from kvoffload.scheduler.interface import ConnectorUpdate, ScheduledRequest, SchedulerOutput

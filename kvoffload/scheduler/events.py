@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.manager_contract import OffloadingEvent
 from kvoffload.events.messages import BlockRemoved, BlockStored, external_block_hash
 from kvoffload.keys import BlockHash, OffloadKey, offload_key_group, offload_key_hash
+from kvoffload.manager_contract import OffloadingEvent
 from kvoffload.scheduler.state import RequestKVState
 
 __all__ = ["OffloadEventDescriber"]

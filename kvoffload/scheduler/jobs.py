@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import ReqContext
 from kvoffload.scheduler.state import RequestKVState
 
 __all__ = ["JobTable", "PlannedJob"]

@@ -3,10 +3,10 @@ blocks just allocated for them."""
 
 from __future__ import annotations
 
-from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.errors import ContractError
 from kvoffload.keys import OffloadKey
 from kvoffload.load_store_specs import GPULoadStoreSpec
+from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.scheduler.jobs import JobTable
 from kvoffload.scheduler.state import RequestKVState, SchedulerOffloadConfig
 from kvoffload.transfer import TransferJob

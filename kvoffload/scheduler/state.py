@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+from kvoffload.manager_contract import ReqContext
 from kvoffload.validation import accepts_renamed
 
 __all__ = [

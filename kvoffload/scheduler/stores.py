@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvoffload.manager_contract import LoadStoreSpec, OffloadingManager, PrepareStoreOutput, ReqContext
 from kvoffload.keys import OffloadKey, offload_key_group
-from kvoffload.managers.fitting import reserve_longest_head
 from kvoffload.load_store_specs import GPULoadStoreSpec
+from kvoffload.manager_contract import (
+    LoadStoreSpec,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from kvoffload.managers.fitting import reserve_longest_head
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.fence import ReuseFence
 from kvoffload.scheduler.jobs import JobTable

@@ -18,8 +18,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +30,13 @@ from typing import Any
 import numpy as np
 import redis
 
-from kvoffload.servebench.routing_configs import CONFIG_NAMES, NX_CACHE, ROUTER_CONFIGS, repeat_order
+from kvoffload.servebench.processes import free_port, running
+from kvoffload.servebench.routing_configs import (
+    CONFIG_NAMES,
+    NX_CACHE,
+    ROUTER_CONFIGS,
+    repeat_order,
+)
 from kvoffload.servebench.run import run_once
 
 __all__ = ["compare_routing"]
@@ -40,44 +44,10 @@ __all__ = ["compare_routing"]
 _FIGURES = ("prefix_hit_rate", "mean_ttft_ms", "p99_ttft_ms", "request_throughput")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _events() -> str:
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                        "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
                        "topic": "kv"})
-
-
-@contextlib.contextmanager
-def _process(args: list[str], port: int) -> Iterator[str]:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.cli.main", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{shlex.join(args)} exited {proc.returncode}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{args[0]} did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _serve_args(args: argparse.Namespace, scale: int, remote: str | None,
@@ -101,8 +71,8 @@ def _instance(stack: contextlib.ExitStack, args: argparse.Namespace, scale: int,
     disk = None
     if args.compare_routing_disk_size:
         disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-disk-"))
-    port = _port()
-    return stack.enter_context(_process([*_serve_args(args, scale, remote, disk), "--port",
+    port = free_port()
+    return stack.enter_context(running([*_serve_args(args, scale, remote, disk), "--port",
                                          str(port)], port))
 
 
@@ -121,11 +91,11 @@ def _one_config(args: argparse.Namespace, name: str, remote: str | None,
         if name == NX_CACHE:
             return run_once(args, _instance(stack, args, args.compare_routing, urls[0]), quiet=True)
         backends = [_instance(stack, args, 1, url) for url in urls]
-        port = _port()
+        port = free_port()
         route = ["route", "--model", args.model, "--port", str(port), *ROUTER_CONFIGS[name]]
         for b in backends:  # behind links their remote tiers have different URLs: one group
             route += ["--backend", f"{b},remote_group=shared" if links else b]
-        url = stack.enter_context(_process(route, port))
+        url = stack.enter_context(running(route, port))
         time.sleep(1.0)  # the router subscribes to every backend's events
         result = run_once(args, url, quiet=True)
         with urllib.request.urlopen(f"{url}/router/stats", timeout=10) as resp:

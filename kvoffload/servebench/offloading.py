@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from kvoffload.servebench.compare import _port, _process
+from kvoffload.servebench.processes import free_port, running
 from kvoffload.servebench.routing_configs import repeat_order
 
 __all__ = ["OFFLOADING_CONFIGS", "compare_offloading", "offloading_args"]
@@ -137,9 +137,9 @@ def _one(args: argparse.Namespace, name: str, remote: str | None,
         disk = None
         if name == "host_disk":
             disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-disk-"))
-        port = _port()
+        port = free_port()
         serve = [*offloading_args(args, name, disk, remote), "--port", str(port)]
-        return run(args, stack.enter_context(_process(serve, port)))
+        return run(args, stack.enter_context(running(serve, port)))
 
 
 def _number(x: float) -> str:

@@ -5,8 +5,8 @@ tiering manager moves them host pool ↔ device through the host tier. See ``doc
 """
 
 from kvoffload._lazy import lazy_exports
-from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.blockformat import BlockHeader, CorruptBlockError
+from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 
 __all__ = [
     "BlockHeader",

@@ -39,8 +39,8 @@ from typing import ClassVar
 
 import xxhash
 
-from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 
 __all__ = ["KVLayout", "SecondaryTier", "TierJob", "TierJobResult"]
 

@@ -15,8 +15,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 
-from kvoffload.manager_contract import LoadStoreSpec
 from kvoffload.errors import ContractError
+from kvoffload.manager_contract import LoadStoreSpec
 from kvoffload.transfer import TransferResult
 
 __all__ = ["OffloadingHandler", "OffloadingWorker", "TransferSpec", "WorkerState"]

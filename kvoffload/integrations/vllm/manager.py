@@ -51,11 +51,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.manager_contract import LookupResult as KVOLookupResult
-from kvoffload.manager_contract import OffloadingManager as KVOManager
 from kvoffload.integrations.vllm.compat import ConfigInfoMapping, our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
 from kvoffload.integrations.vllm.waits import LookupWaits
+from kvoffload.manager_contract import LookupResult as KVOLookupResult
+from kvoffload.manager_contract import OffloadingManager as KVOManager
 
 __all__ = ["STATS_METRIC", "KVOffloadManager"]
 

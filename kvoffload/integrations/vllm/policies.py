@@ -48,7 +48,6 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.base import ReqContext as VllmReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
-from kvoffload.manager_contract import ReqContext
 from kvoffload.eviction import EvictionPolicy, RequestUses, create_eviction_policy
 from kvoffload.eviction.base import overrides
 from kvoffload.integrations.vllm.compat import (
@@ -59,6 +58,7 @@ from kvoffload.integrations.vllm.compat import (
 )
 from kvoffload.integrations.vllm.context import kvoffload_context
 from kvoffload.keys import OffloadKey as KVOKey
+from kvoffload.manager_contract import ReqContext
 
 __all__ = [
     "KVOffloadARC",

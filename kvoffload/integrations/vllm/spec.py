@@ -48,15 +48,15 @@ from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingMetricMet
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvoffload.manager_contract import OffloadingManager as KVOManager
 from kvoffload.errors import ConfigError
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.integrations.vllm.compat import cpu_config_info
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager
-from kvoffload.integrations.vllm.shared_pool_view import unexported_alias
 from kvoffload.integrations.vllm.region import open_scheduler_region, release_region
+from kvoffload.integrations.vllm.shared_pool_view import unexported_alias
 from kvoffload.integrations.vllm.tiers import TIER_BUILDERS, layout_of_spec
 from kvoffload.integrations.vllm.worker import CPUPlatformWorker
+from kvoffload.manager_contract import OffloadingManager as KVOManager
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
 from kvoffload.tiers.contract import SecondaryTier

@@ -56,11 +56,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvoffload.manager_contract import LookupResult as KVOLookupResult
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.compat import our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
 from kvoffload.integrations.vllm.shared_pool_view import unexported_alias
+from kvoffload.manager_contract import LookupResult as KVOLookupResult
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.contract import TierJob
 from kvoffload.tiers.blockformat import CorruptBlockError
+from kvoffload.tiers.contract import TierJob
 from kvoffload.tiers.disk.directory import free_bytes
 from kvoffload.tiers.disk.files import BlockFiles, TemporaryRemovedError, is_no_space
 from kvoffload.tiers.disk.ledger import SpaceLedger

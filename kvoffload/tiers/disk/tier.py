@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_policy
 from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.disk.directory import check_o_direct, free_bytes, prepare_namespace
 from kvoffload.tiers.disk.files import BlockFiles, FaultHook, file_bytes

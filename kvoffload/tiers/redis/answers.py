@@ -19,8 +19,8 @@ import math
 import time
 from collections.abc import Sequence
 
-from kvoffload.manager_contract import LookupResult
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult
 
 __all__ = ["FOREVER", "RemoteAnswers"]
 

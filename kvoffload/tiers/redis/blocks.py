@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.contract import KVLayout
 from kvoffload.tiers.blockformat import (
     BlockHeader,
     CorruptBlockError,
@@ -29,9 +28,10 @@ from kvoffload.tiers.blockformat import (
     parse_header,
     payload_checksum,
 )
+from kvoffload.tiers.contract import KVLayout
+from kvoffload.tiers.redis.config import VALUE_ALIGN, remote_key_prefix
 from kvoffload.tiers.redis.messages import failure_cause
 from kvoffload.tiers.redis.transport import RedisTransport
-from kvoffload.tiers.redis.config import VALUE_ALIGN, remote_key_prefix
 
 __all__ = ["JobOutcome", "RemoteBlocks"]
 

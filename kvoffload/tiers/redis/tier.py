@@ -54,16 +54,16 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
+from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.redis.messages import cluster_node_problem, connect_problem
-from kvoffload.tiers.redis.transport import RedisTransport
-from kvoffload.tiers.redis.url import SETTING, parse_redis_url
 from kvoffload.tiers.redis.answers import FOREVER, RemoteAnswers
 from kvoffload.tiers.redis.blocks import JobOutcome, RemoteBlocks
 from kvoffload.tiers.redis.config import VALUE_ALIGN, RemoteTierConfig, remote_key_prefix
+from kvoffload.tiers.redis.messages import cluster_node_problem, connect_problem
+from kvoffload.tiers.redis.transport import RedisTransport
+from kvoffload.tiers.redis.url import SETTING, parse_redis_url
 
 __all__ = ["VALUE_ALIGN", "RedisTier", "RemoteTierConfig", "remote_key_prefix"]
 

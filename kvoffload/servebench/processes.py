@@ -1,0 +1,54 @@
+"""The processes a comparison starts: ``kvoffload serve`` or ``route`` on a free loopback port,
+ready once ``/health`` answers, stopped with SIGTERM (then SIGKILL after 60 s) on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+__all__ = ["free_port", "running"]
+
+
+def free_port() -> int:
+    """A loopback port free now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running(args: list[str], port: int) -> Iterator[str]:
+    """``kvoffload ARGS`` (serving on ``port``) while the block runs; yields its URL once
+    ``/health`` answers (300 s at most; a process that exits first raises)."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.cli.main", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{shlex.join(args)} exited {proc.returncode}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{args[0]} did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
