@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import ContractError, KVOffloadError
 
 __all__ = [
     "INSTALL_HINT",
@@ -170,7 +170,8 @@ class RedisServer:
         """Inside the block the process is stopped (SIGSTOP): the kernel still accepts its
         connections and takes what clients send, but nothing is ever answered (a server that
         hangs, however slow the machine). Resumed (SIGCONT) on exit."""
-        assert self.proc is not None and self.proc.poll() is None, "the server is not running"
+        if self.proc is None or self.proc.poll() is not None:
+            raise ContractError("the server is not running: nothing to pause")
         pid = self.proc.pid
         self.proc.send_signal(signal.SIGSTOP)
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvoffload.errors import ContractError
 from kvoffload.keys import BlockHash
 
 __all__ = ["BlockPool", "KVBlock"]
@@ -126,7 +127,8 @@ class BlockPool:
 
     def _uncache(self, block: KVBlock) -> None:
         h = block.block_hash
-        assert h is not None
+        if h is None:
+            raise ContractError(f"block {block.block_id} is not cached: it has no hash")
         del self._cached[h]
         block.block_hash = None
         self.num_evicted += 1

@@ -31,7 +31,7 @@ from kvoffload.engine.runner import ModelRunner
 from kvoffload.engine.sampling import SamplingParams
 from kvoffload.engine.scheduler import EngineScheduler
 from kvoffload.engine.telemetry import Telemetry
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events import create_event_publisher
 from kvoffload.events.messages import KVEventBatch
 from kvoffload.keys import BlockHasher
@@ -359,7 +359,8 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         first = req.first_token_time if req.first_token_time is not None else req.finish_time
-        assert req.finish_time is not None and first is not None
+        if req.finish_time is None or first is None:
+            raise ContractError(f"request {req.request_id} has no output: it has not finished")
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -422,7 +423,8 @@ class Engine:
     # ------------------------------------------------------------------ events
 
     def _publish(self) -> None:
-        assert self._device_events is not None
+        if self._device_events is None:
+            raise ContractError("publishing device events of an engine without events")
         events = self._device_events.take()
         if self.connector is not None:
             events.extend(self.connector.take_events())

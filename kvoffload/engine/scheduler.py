@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from kvoffload.engine.admission import HeldProbe, make_waiting_queue
 from kvoffload.engine.block_pool import BlockPool, KVBlock
 from kvoffload.engine.request import Request, RequestStatus
+from kvoffload.errors import ContractError
 from kvoffload.keys import BlockHash
 from kvoffload.scheduler import (
     ConnectorUpdate,
@@ -146,7 +147,8 @@ class EngineScheduler:
                 break
             self._just_loaded.discard(req.request_id)
             new = self.pool.allocate(need) if need > 0 else []
-            assert new is not None
+            if new is None:  # the room was counted above: the pool broke its count
+                raise ContractError(f"the block pool refused {need} blocks it counted as free")
             blocks.extend(new)
             req.block_ids.extend(b.block_id for b in new)
             plan.scheduled.append((req, n))

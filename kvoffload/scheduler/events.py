@@ -159,8 +159,7 @@ class OffloadEventDescriber:
                     and desc.block_size == run.block_size
                     and desc.token_ids
                 )
-                if extends:
-                    assert run is not None
+                if extends and run is not None:
                     run.block_hashes.append(ext(h, as_int))
                     run.token_ids.extend(desc.token_ids)
                 else:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from kvoffload.errors import ContractError
 from kvoffload.servebench.processes import free_port, running
 from kvoffload.servebench.routing_configs import (
     CONFIG_NAMES,
@@ -145,7 +146,8 @@ def _links(args: argparse.Namespace, server: Any) -> Iterator[list[str]]:
                              f"{rate:g}", str(args.compare_routing)], stdout=subprocess.PIPE,
                             text=True)
     try:
-        assert proc.stdout is not None
+        if proc.stdout is None:
+            raise ContractError("the link process has no stdout pipe")
         ports = proc.stdout.readline().split()
         if len(ports) != args.compare_routing:
             raise RuntimeError("the link proxy did not start")

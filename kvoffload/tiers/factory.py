@@ -105,7 +105,8 @@ def _build_remote_tier(
     start and ``kv_remote_optional`` is set."""
     from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 
-    assert settings.kv_remote_url is not None
+    if settings.kv_remote_url is None:
+        raise ConfigError("kv_remote_url", "a remote tier needs a URL")
     validate_remote_settings(
         settings.kv_remote_url, settings.kv_remote_ttl_s, settings.kv_remote_lookup_wait_s
     )

@@ -136,7 +136,8 @@ def _load_cause(result: Any, header: BlockHeader | None) -> str | None:
     """``None`` if ``result`` (of ``get_into``) is an intact block whose accepted ``header``
     states its checksum, else the cause of the failure."""
     if isinstance(result, tuple):
-        assert header is not None
+        if header is None:  # a value received without an accepted header: never served
+            return "corrupt"
         return None if result[1] == header.checksum else "checksum"
     if result is None:
         return "missing"

@@ -13,7 +13,7 @@ import threading
 from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 
-from kvoffload.tiers.redis.connection import RedisConnection
+from kvoffload.tiers.redis.connection import ProtocolError, RedisConnection
 
 __all__ = ["NUM_SLOTS", "Address", "SlotMap", "key_slot"]
 
@@ -74,15 +74,15 @@ class SlotMap:
                     conn.close()
                 self._apply(reply, address)
                 return
-            assert last is not None
-            raise last
+            raise last if last is not None else ConnectionError("no Cluster node to ask for slots")
 
     def _apply(self, reply: list[list[object]], asked: Address) -> None:
         slots: list[Address | None] = [None] * NUM_SLOTS
         masters: dict[Address, None] = {}
         for entry in reply:
             start, end, master = entry[0], entry[1], entry[2]
-            assert isinstance(start, int) and isinstance(end, int) and isinstance(master, list)
+            if not (isinstance(start, int) and isinstance(end, int) and isinstance(master, list)):
+                raise ProtocolError(f"malformed CLUSTER SLOTS entry from {asked}: {entry!r}")
             host = master[0].decode() if isinstance(master[0], bytes) else ""
             if host in ("", "?"):  # the node does not know its own address: the one we asked
                 host = asked[0]
