@@ -147,3 +147,21 @@ def test_background_failures_are_counted_and_logged_once() -> None:
         router.terminate()
         logged = [line for line in router.output().splitlines() if "scrape of" in line]
         assert len(logged) == 1 and "ValueError" in logged[0]
+
+
+def test_a_malformed_answer_never_logs_the_backends_key() -> None:
+    """aiohttp's ``ClientResponseError`` repr carries the request's headers: logging it showed
+    ``--backend-api-key`` in the router's warning. The router logs the error's type and text."""
+    key = "sk-backend-malformed-7d2e"
+    with (
+        serve("--kv-offloading-size", "0.01") as backend,
+        faulty("malformed", backend) as front,
+        route([front], "--backend-api-key", key, "--log-level", "debug") as router,
+    ):
+        status, _ = post_raw(f"{router.url}/v1/completions",
+                             json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+        assert status == 502
+        router.terminate()
+        output = router.output()
+    assert "answered malformed HTTP" in output  # the warning was written...
+    assert key not in output  # ...without the key

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
 from kvoffload.errors import KVOffloadError
+from kvoffload.routing.connections import error_text
 from kvoffload.routing.prefix_index import TIERS
 from kvoffload.routing.router import Backend, Router, Ticket
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
@@ -157,11 +158,11 @@ async def _route(router: Router, raw: Request, path: str) -> Response:
             response = await _forward(router, backend, path, data, headers, stream, ticket)
             return response
         except _RETRIABLE as exc:
-            router.mark_dead(backend, f"request failed: {exc!r}")
+            router.mark_dead(backend, f"request failed: {error_text(exc)}")
             router.counters["retries"] += 1
         except aiohttp.ClientError as exc:  # an answer that is not HTTP: the backend served it
             router.counters["bad_answers"] += 1
-            logger.warning("%s answered malformed HTTP: %r", backend.url, exc)
+            logger.warning("%s answered malformed HTTP: %s", backend.url, error_text(exc))
             return JSONResponse(error_body("the backend's answer was malformed", 502),
                                 status_code=502)
         finally:  # a relayed stream ends its ticket when it ends; anything else, here
@@ -237,7 +238,7 @@ class _Relay:
             while chunk := await self._next():
                 yield chunk
         except _RETRIABLE as exc:  # tokens were sent already: end the stream with an error event
-            self.router.mark_dead(self.backend, f"stream failed: {exc!r}")
+            self.router.mark_dead(self.backend, f"stream failed: {error_text(exc)}")
             yield b"data: " + json.dumps(error_body("the backend failed mid-stream", 503)).encode()
             yield b"\n\ndata: [DONE]\n\n"
         finally:

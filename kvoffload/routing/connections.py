@@ -17,10 +17,17 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["STALE_CONNECTION_ERRORS", "Connections"]
+__all__ = ["STALE_CONNECTION_ERRORS", "Connections", "error_text"]
 
 #: Raised when the server closed the connection before answering (a reset is a ClientOSError).
 STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` as one line fit for a log or a result file: its type and ``str``. Never its
+    ``repr``: aiohttp's ``ClientResponseError`` repr carries the request's headers, and with
+    them ``Authorization`` (the backends' or the benchmark's key)."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Connections:

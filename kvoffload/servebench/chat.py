@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import aiohttp
 
-from kvoffload.routing.connections import Connections
+from kvoffload.routing.connections import Connections, error_text
 from kvoffload.servebench.client import RequestResult
 
 __all__ = ["chat_turn"]
@@ -80,5 +80,5 @@ async def chat_turn(
         if not out.success:
             out.error = "no content chunk in the stream"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        out.error = repr(exc)
+        out.error = error_text(exc)
     return out

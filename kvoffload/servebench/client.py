@@ -29,7 +29,7 @@ import aiohttp
 import numpy as np
 
 from kvoffload.benchmark.datasets import BenchRequest
-from kvoffload.routing.connections import Connections
+from kvoffload.routing.connections import Connections, error_text
 
 __all__ = ["RequestResult", "arrival_gaps", "bench_connections", "replay_gaps", "run_requests"]
 
@@ -109,7 +109,7 @@ async def _one(
         if not out.success:
             out.error = "no token chunk in the stream"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        out.error = repr(exc)
+        out.error = error_text(exc)
     return out
 
 
