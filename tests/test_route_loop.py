@@ -21,6 +21,7 @@ from aiohttp import web
 from kvoffload.errors import ContractError, KVOffloadError
 from kvoffload.events import BlockStored, KVEventBatch
 from kvoffload.events.publisher import ZmqEventPublisher
+from kvoffload.routing import app as app_module
 from kvoffload.routing.app import BackendLost, BackendUnavailable, build_app
 from kvoffload.routing.follower import EventFollower, FollowerState
 from kvoffload.routing.policies import create_policy
@@ -135,10 +136,12 @@ def test_no_batch_is_applied_once_a_follower_stopped() -> None:
     assert applied == []
 
 
-def test_a_prompt_is_tokenized_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a prompt is being tokenized (here: held until the router answers ``/health``, at
-    most 5 s), the loop serves other requests. Before, tokenizing ran on the loop: ``/health``
-    waited for it, and the tokenizer saw no answer while it was held."""
+@pytest.mark.parametrize("held_step", ["tokenizing", "parsing"])
+def test_a_request_is_read_off_the_loop(held_step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a request's body is being parsed or its prompt tokenized (here: held until the
+    router answers ``/health``, at most 5 s), the loop serves other requests. Before,
+    tokenizing, and then parsing, ran on the loop: ``/health`` waited for them, and the held
+    step saw no answer."""
     entered, answered = threading.Event(), threading.Event()
     seen: list[bool] = []
 
@@ -153,7 +156,17 @@ def test_a_prompt_is_tokenized_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> 
             seen.append(answered.wait(5))
             return encode(text)
 
-        monkeypatch.setattr(router.tokenizer, "encode", held)
+        if held_step == "tokenizing":
+            monkeypatch.setattr(router.tokenizer, "encode", held)
+        else:
+            parse = app_module.parse_json_object
+
+            def held_parse(data: bytes) -> dict[str, Any]:
+                entered.set()
+                seen.append(answered.wait(5))
+                return parse(data)
+
+            monkeypatch.setattr(app_module, "parse_json_object", held_parse)
         server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=0,
                                                log_level="warning"))
         serving = asyncio.create_task(server.serve())
@@ -176,6 +189,7 @@ def test_a_prompt_is_tokenized_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> 
             await runner.cleanup()
 
     asyncio.run(run())
+    assert seen == [True]  # the held step saw the loop answer /health meanwhile
     assert seen == [True]
 
 

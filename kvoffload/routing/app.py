@@ -135,14 +135,23 @@ def router_stats(router: Router) -> dict[str, Any]:
     }
 
 
+def _read_request(
+    router: Router, path: str, data: bytes
+) -> tuple[dict[str, Any], list[int] | None, float]:
+    """The body parsed and checked, its prompt's token ids, and when parsing ended (on a worker
+    thread: a body of up to ``--max-request-bytes`` takes a while, and the loop relays
+    meanwhile)."""
+    body = parse_json_object(data)
+    parsed = time.perf_counter()
+    return body, router.prompt_ids(path, body), parsed
+
+
 async def _route(router: Router, raw: Request, path: str) -> Response:
     data = await raw.body()
-    body = parse_json_object(data)
-    start = time.perf_counter()
+    body, ids, start = await asyncio.to_thread(_read_request, router, path, data)
     session_key = raw.headers.get("x-session-id") or (
         body.get("user") if isinstance(body.get("user"), str) else None
     )
-    ids = await asyncio.to_thread(router.prompt_ids, path, body)  # the loop relays meanwhile
     ranking = router.rank(ids, session_key)
     router.decision_us.append((time.perf_counter() - start) * 1e6)
     router.counters["requests"] += 1

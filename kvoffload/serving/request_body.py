@@ -9,6 +9,7 @@ tokenizer) accepts: such a body is refused here, naming the field that holds it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,9 @@ __all__ = ["MAX_TOKEN_ID", "check_token_ids", "parse_json_object"]
 
 #: Token ids are unsigned 32-bit numbers wherever they are packed (the router's block keys).
 MAX_TOKEN_ID = 2**32 - 1
+#: How a surrogate can reach a string parsed from UTF-8 JSON: an escape ``\uD800``-``\uDFFF``,
+#: or its raw encoding (``ED A0``-``ED BF``, which ``json.loads`` decodes with surrogatepass).
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def parse_json_object(data: bytes) -> dict[str, Any]:
@@ -28,11 +32,20 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
         raise APIError(f"malformed JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise APIError("the body must be a JSON object")
+    if not _may_hold_surrogates(data):  # one scan of the bytes, not a walk of every value
+        return body
     where = _lone_surrogate(body, "")
     if where is not None:
         raise APIError("the text holds a lone UTF-16 surrogate (not valid Unicode)",
                        where or None)
     return body
+
+
+def _may_hold_surrogates(data: bytes) -> bool:
+    """Whether a string parsed from ``data`` may hold a surrogate: always for UTF-16/32 JSON
+    (``json.loads`` tells them by a NUL among the first bytes), else only where the bytes hold
+    one's escape or raw encoding."""
+    return b"\x00" in data[:4] or _SURROGATE_HINT.search(data) is not None
 
 
 def _lone_surrogate(value: Any, path: str) -> str | None:
