@@ -40,8 +40,9 @@ class IncrementalDecoder:
     offsets). Invariants: ``ids[:read]`` is decoded into :attr:`text` (the pieces returned so
     far); ``prefix <= read`` and the text of ``ids[prefix:read]`` ends on a whole character, so
     the new text is what decoding ``ids[prefix:]`` adds to it. Each :meth:`add` decodes at most
-    ``read - prefix + MAX_WINDOW_TOKENS`` tokens twice, however long the sequence is; the result
-    equals decoding all ids at once whenever no character spans more than
+    ``read - prefix + MAX_WINDOW_TOKENS`` tokens twice (a delta that ends inside a character after
+    more than that: at most :data:`MAX_WINDOW_TOKENS` more times), however long the sequence is;
+    the result equals decoding all ids at once whenever no character spans more than
     :data:`MAX_WINDOW_TOKENS` tokens."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
@@ -49,6 +50,8 @@ class IncrementalDecoder:
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
+        #: ``read`` when the text began to end inside a character (ids held since), else None
+        self._waiting_from: int | None = None
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Take ``token_ids``; return the text they complete (``final``: everything left)."""
@@ -56,14 +59,32 @@ class IncrementalDecoder:
         ids.extend(token_ids)
         if len(ids) == self._read:
             return ""
-        new_text = self._decode(ids[self._prefix :])
-        if not final and new_text.endswith(_REPLACEMENT) and (
-            len(ids) - self._prefix <= MAX_WINDOW_TOKENS
-        ):
-            return ""  # an incomplete character: wait for the tokens that complete it
+        end, new_text = len(ids), self._decode(ids[self._prefix :])
+        if not final and new_text.endswith(_REPLACEMENT):
+            if self._waiting_from is not None:  # the character began among the held ids
+                if end - self._waiting_from <= MAX_WINDOW_TOKENS:
+                    return ""  # wait for the tokens that complete it
+            elif end - self._prefix <= MAX_WINDOW_TOKENS:
+                self._waiting_from = self._read
+                return ""
+            else:  # a long delta that ends inside a character: send its whole head
+                end, new_text = self._whole_head(new_text)
+        self._waiting_from = end if end < len(ids) else None
         prefix_text = self._decode(ids[self._prefix : self._read])
-        self._prefix, self._read = self._read, len(ids)
+        self._prefix, self._read = self._read, end
         return new_text[len(prefix_text) :]
+
+    def _whole_head(self, text: str) -> tuple[int, str]:
+        """``(end, text of ids[prefix:end])`` for the longest head of the ids whose text ends
+        on a whole character, holding back at most :data:`MAX_WINDOW_TOKENS` unread ids (a
+        delta of many tokens that ends inside a character); none: every id, the U+FFFD taken
+        as final (``text`` is the window's text)."""
+        ids = self._ids
+        for end in range(len(ids) - 1, max(self._read, len(ids) - MAX_WINDOW_TOKENS - 1), -1):
+            head = self._decode(ids[self._prefix : end])
+            if not head.endswith(_REPLACEMENT):
+                return end, head
+        return len(ids), text
 
 
 @dataclass(slots=True)
