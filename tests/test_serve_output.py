@@ -86,7 +86,7 @@ def test_a_long_delta_that_ends_inside_a_character_waits_for_the_rest() -> None:
     """One delta of more than :data:`MAX_WINDOW_TOKENS` ids ending in the first bytes of a
     character, then its last byte: the character is sent whole (before: a U+FFFD, then the
     lone continuation byte's U+FFFD, where full decoding gives the character)."""
-    head = list(b"x" * (MAX_WINDOW_TOKENS + 8)) + [0xE2, 0x82]
+    head = [*b"x" * (MAX_WINDOW_TOKENS + 8), 0xE2, 0x82]
     ids = [*head, 0xAC, *b"!"]
     text, _, _ = _run(ids, [len(head)], [])
     assert text == TOKENIZER.decode(ids) == "x" * (MAX_WINDOW_TOKENS + 8) + "\u20ac!"
