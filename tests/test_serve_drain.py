@@ -78,6 +78,30 @@ def test_sigterm_drains_answering_503_then_exits_0() -> None:
         assert "Traceback" not in output and "draining" in output, output
 
 
+def test_a_second_sigterm_stops_waiting_for_the_requests_in_flight() -> None:
+    """The held request never completes its body: after the first SIGTERM the server waits for
+    it; the second one ends the wait and the process exits (before, uvicorn closed its listener
+    and went on waiting for the request with no limit)."""
+    with serve(events=False) as server:
+        held = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        with held:
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
+            _wait_for(lambda: metric(server.url, "kvoffload_serve_http_requests_in_flight") == 2,
+                      "the held request never reached the app")
+            server.proc.send_signal(signal.SIGTERM)
+            _wait_for(lambda: _status(f"{server.url}/health") == 503, "never started draining")
+            assert server.proc.poll() is None  # waiting for the held request
+            server.proc.send_signal(signal.SIGTERM)
+            try:
+                status = server.proc.wait(60)
+            except Exception:
+                pytest.fail("a second SIGTERM left the server waiting for its request")
+        # uvicorn logs the aborted request's cancellation: a forced stop is not a clean one.
+        assert status in (0, -signal.SIGTERM, 128 + signal.SIGTERM), server.output()
+
+
 def test_the_engine_is_closed_on_its_thread_never_beside_it() -> None:
     """A step that does not return (a hung device): ``close`` waits, logs, and leaves the
     engine alone; once the step returns, the engine thread closes it, and only that thread."""

@@ -5,8 +5,8 @@ SIGTERM (and a first Ctrl-C) stop the server gracefully. First it drains
 (``/health`` too; ``/metrics`` still answers), and the requests in flight run to their end. When
 none is left uvicorn stops (listener closed, idle connections closed); then the engine loop lets
 the stores of finished requests reach every tier (their KV events go out) and closes the engine
-on its own thread, and the process exits 0. A second SIGTERM stops waiting for the requests in
-flight; a second Ctrl-C quits at once. After a Ctrl-C, :func:`serve` raises
+on its own thread, and the process exits 0. A second SIGTERM or Ctrl-C stops waiting for the
+requests in flight: uvicorn stops at once and the engine loop aborts what is left. After a Ctrl-C, :func:`serve` raises
 ``KeyboardInterrupt`` once all that is done (the command prints one line and exits 130).
 """
 
@@ -149,7 +149,7 @@ def serve(
 class _DrainingServer(uvicorn.Server):
     """uvicorn, whose first SIGTERM or SIGINT starts ``drain`` instead of stopping at once: it
     stops (as uvicorn does on a signal) once nothing is in flight, checked every tick (0.1 s).
-    A second signal stops it now (a second SIGINT: without waiting for connections)."""
+    A second signal stops it now, without waiting for the requests in flight."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
@@ -157,8 +157,8 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or not self.started:
-            if self.drain.draining and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: no more waiting
+            if self.drain.draining and self.drain.in_flight:
+                self.force_exit = True  # a second signal: no more waiting for requests
             super().handle_exit(sig, frame)
             return
         self._captured_signals.append(sig)  # re-raised by uvicorn once it has stopped
