@@ -114,26 +114,37 @@ def test_a_batch_is_applied_on_the_loop_so_a_busy_follower_never_stalls_it(
 
 
 def test_no_batch_is_applied_once_a_follower_stopped() -> None:
-    """``stop`` returns at once, and a batch the thread received before is not applied after
-    it: the application runs on the loop, which checks the follower's state first."""
+    """``stop`` returns at once, and a batch the thread handed to the loop before is not applied
+    after it: the application runs on the loop, which checks the follower's state first. The
+    order is pinned: the loop (this test) waits until the thread has handed the batch over, so
+    the hand-over cannot run before ``stop``."""
     applied: list[int] = []
+    handed_over = threading.Event()
 
     async def body(router: Router, pub: ZmqEventPublisher) -> None:
         follower = router.backends[0].follower
         assert follower is not None and follower.state is FollowerState.RUNNING
         await _until(lambda: follower.batches == 1, "the first batch was never applied")
-        iid = router.backends[0].index_id
-        assert iid is not None
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def recorded(callback: Any, *args: Any) -> Any:
+            handle = schedule(callback, *args)
+            handed_over.set()
+            return handle
+
+        loop.call_soon_threadsafe = recorded  # type: ignore[method-assign]
         follower._apply = lambda events: applied.append(len(events))  # type: ignore[method-assign]
-        follower.stop()  # on the loop: whatever the thread receives now is dropped
-        assert follower.state is FollowerState.STOPPED
         pub.publish(KVEventBatch(1.0, [BlockStored([13], 12, TOKENS[:BS], BS, None, "GPU",
                                                    None)]))
-        follower._thread.join(10)  # the test's own wait: the thread ends by itself
-        assert not follower._thread.is_alive()
+        # Blocking the loop: the hand-over is queued behind this coroutine, so it runs after stop.
+        assert handed_over.wait(30), "the thread never handed the batch over"
+        follower.stop()
+        assert follower.state is FollowerState.STOPPED
+        await _until(lambda: not follower._thread.is_alive(), "the thread did not end")
 
     _with_router(body)
-    assert applied == []
+    assert handed_over.is_set() and applied == []
 
 
 @pytest.mark.parametrize("held_step", ["tokenizing", "parsing"])
