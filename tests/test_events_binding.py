@@ -110,6 +110,27 @@ def test_a_connecting_publisher_meets_a_subscriber_told_to_bind() -> None:
         assert _first_batch(pub, sub)
 
 
+def test_a_publisher_the_default_rule_makes_connect_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's rule connects a publisher given a specific non-loopback address: nothing flows
+    unless a subscriber binds it, so the default's choice is a warning (an explicit
+    ``bind=False`` is not). The rule is made to choose connect on a loopback address here, so
+    that the test sends nothing beyond this host."""
+    import kvoffload.events.publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "binds_by_default", lambda endpoint: False)
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    with caplog.at_level(logging.WARNING, "kvoffload.events.publisher"):
+        with ZmqEventPublisher(endpoint, bind=False):
+            pass
+        assert not [r for r in caplog.records if "subscriber must bind" in r.message]
+        with ZmqEventPublisher(endpoint) as pub:
+            assert not pub.binds
+    warned = [r for r in caplog.records if "subscriber must bind" in r.message]
+    assert len(warned) == 1 and endpoint in warned[0].message
+
+
 def test_a_subscriber_no_publisher_reaches_warns(caplog: pytest.LogCaptureFixture) -> None:
     """Nothing is bound at the address (both sides connect, say): the subscriber warns once,
     naming the address and the rule, instead of staying silent."""

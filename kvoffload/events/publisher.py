@@ -181,6 +181,13 @@ class ZmqEventPublisher(EventPublisher):
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             binds = binds_by_default(endpoint) if bind is None else bind
             self.endpoint = self._attach(self._pub, "endpoint", endpoint, binds)
+            if bind is None and not binds:  # the default rule chose: nothing flows unless
+                logger.warning(  # some subscriber binds, and nobody may notice
+                    "KV events: publishing by connecting to %s (vLLM's rule for a specific "
+                    "address): a subscriber must bind it (events listen --bind); set the events "
+                    "config's \"bind\": true to bind it here, or false to silence this",
+                    endpoint,
+                )
             #: Whether ``endpoint`` is bound (else connected: a subscriber must bind it).
             self.binds = binds
             if replay_endpoint is not None:

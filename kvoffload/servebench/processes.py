@@ -14,7 +14,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+from kvoffload.cli.front_door_flags import API_KEY_ENV, BACKEND_API_KEY_ENV
+
 __all__ = ["free_port", "running"]
+
+#: Keys ``serve`` and ``route`` read from the environment: never inherited by the comparison's own
+#: servers, or each would refuse the benchmark's requests (401).
+_SERVER_KEY_ENVS = frozenset((API_KEY_ENV, BACKEND_API_KEY_ENV))
 
 
 def free_port() -> int:
@@ -28,7 +34,9 @@ def free_port() -> int:
 def running(args: list[str], port: int) -> Iterator[str]:
     """``kvoffload ARGS`` (serving on ``port``) while the block runs; yields its URL once
     ``/health`` answers (300 s at most; a process that exits first raises)."""
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # The servers the comparison starts take no key (the benchmark sends $OPENAI_API_KEY only).
+    env = {k: v for k, v in os.environ.items() if k not in _SERVER_KEY_ENVS}
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen([sys.executable, "-m", "kvoffload.cli.main", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
