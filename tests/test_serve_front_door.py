@@ -71,8 +71,9 @@ def test_every_endpoint_but_health_and_metrics_needs_the_key(server: str, reques
             error = json.loads(body)["error"]
             assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
         assert _get(process.url + path, key)[0] == 200
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        data = json.dumps(COMPLETION if "chat" not in path else CHAT).encode()
+    posts = ["/v1/completions", "/v1/chat/completions"] + (["/tokenize"] if server == "keyed" else [])
+    for path in posts:
+        data = json.dumps(CHAT if "chat" in path else COMPLETION).encode()
         status, answer = post_raw(process.url + path, data)
         assert status == 401, answer
         status, answer = post_raw(process.url + path, data, headers=auth(key))
