@@ -73,7 +73,9 @@ def test_sigterm_drains_answering_503_then_exits_0() -> None:
         assert answer.startswith(b"HTTP/1.1 200"), answer
         completion = json.loads(answer.split(b"\r\n\r\n", 1)[1])
         assert completion["usage"]["completion_tokens"] == 3
-        assert server.terminate(60) == 0
+        # It exits by itself once the drain is over (a second SIGTERM here could land while the
+        # answered request is still counted in flight, and force the stop).
+        assert server.proc.wait(60) == 0
         output = server.output()
         assert "Traceback" not in output and "draining" in output, output
 

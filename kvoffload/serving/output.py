@@ -27,6 +27,8 @@ _REPLACEMENT = "\ufffd"
 #: taken as final (a byte that starts no character), so a model that keeps sampling such bytes
 #: costs bounded work per token. A character's bytes span at most 4 byte tokens.
 MAX_WINDOW_TOKENS = 32
+#: The most ids one character's bytes span (UTF-8: 4 bytes, so 4 byte-level tokens at most).
+MAX_CHAR_TOKENS = 4
 
 
 def finish_reason_of(output: RequestOutput) -> str:
@@ -41,7 +43,7 @@ class IncrementalDecoder:
     far); ``prefix <= read`` and the text of ``ids[prefix:read]`` ends on a whole character, so
     the new text is what decoding ``ids[prefix:]`` adds to it. Each :meth:`add` decodes at most
     ``read - prefix + MAX_WINDOW_TOKENS`` tokens twice (a delta that ends inside a character after
-    more than that: at most :data:`MAX_WINDOW_TOKENS` more times), however long the sequence is;
+    more than that: at most :data:`MAX_CHAR_TOKENS` more times), however long the sequence is;
     the result equals decoding all ids at once whenever no character spans more than
     :data:`MAX_WINDOW_TOKENS` tokens."""
 
@@ -61,14 +63,13 @@ class IncrementalDecoder:
             return ""
         end, new_text = len(ids), self._decode(ids[self._prefix :])
         if not final and new_text.endswith(_REPLACEMENT):
-            if self._waiting_from is not None:  # the character began among the held ids
-                if end - self._waiting_from <= MAX_WINDOW_TOKENS:
-                    return ""  # wait for the tokens that complete it
-            elif end - self._prefix <= MAX_WINDOW_TOKENS:
+            if self._waiting_from is None and end - self._prefix <= MAX_WINDOW_TOKENS:
                 self._waiting_from = self._read
-                return ""
-            else:  # a long delta that ends inside a character: send its whole head
-                end, new_text = self._whole_head(new_text)
+                return ""  # an incomplete character: wait for the tokens that complete it
+            if self._waiting_from is not None and end - self._waiting_from <= MAX_WINDOW_TOKENS:
+                return ""  # still waiting
+            # A long delta, or a long wait: send the head that ends on a whole character
+            end, new_text = self._whole_head(new_text)
         self._waiting_from = end if end < len(ids) else None
         prefix_text = self._decode(ids[self._prefix : self._read])
         self._prefix, self._read = self._read, end
@@ -76,11 +77,11 @@ class IncrementalDecoder:
 
     def _whole_head(self, text: str) -> tuple[int, str]:
         """``(end, text of ids[prefix:end])`` for the longest head of the ids whose text ends
-        on a whole character, holding back at most :data:`MAX_WINDOW_TOKENS` unread ids (a
-        delta of many tokens that ends inside a character); none: every id, the U+FFFD taken
-        as final (``text`` is the window's text)."""
+        on a whole character, holding back at most :data:`MAX_CHAR_TOKENS` unread ids (the
+        start of the last character); none: every id, the U+FFFD taken as final (a byte that
+        starts no character; ``text`` is the window's text)."""
         ids = self._ids
-        for end in range(len(ids) - 1, max(self._read, len(ids) - MAX_WINDOW_TOKENS - 1), -1):
+        for end in range(len(ids) - 1, max(self._read, len(ids) - MAX_CHAR_TOKENS - 1), -1):
             head = self._decode(ids[self._prefix : end])
             if not head.endswith(_REPLACEMENT):
                 return end, head
