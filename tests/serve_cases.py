@@ -191,11 +191,21 @@ def unavailable(backend: HasURL) -> Iterator[Endpoint]:
 
 
 @contextlib.contextmanager
-def _front(name: str, backend: HasURL) -> Iterator[Endpoint]:
-    """The script ``name`` in front of ``backend``: it prints its port on its first line."""
+def faulty(mode: str, backend: HasURL) -> Iterator[Endpoint]:
+    """``backend`` behind ``faulty_front.py MODE`` (a process of its own): a stream that stalls
+    after its first chunk (``hold``), a malformed answer, unparsable ``/metrics``."""
+    with _front("faulty_front.py", backend, mode) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def _front(name: str, backend: HasURL, *args: str) -> Iterator[Endpoint]:
+    """The script ``name`` (with ``args``) in front of ``backend``: it prints its port on its
+    first line."""
     script = Path(__file__).with_name(name)
     port = backend.url.rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, str(script), port], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), *args, port], stdout=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout is not None
         yield Endpoint(f"http://127.0.0.1:{int(proc.stdout.readline())}")

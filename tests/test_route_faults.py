@@ -9,35 +9,14 @@ import contextlib
 import http.client
 import json
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from serve_cases import Endpoint, HasURL, http_json, metric, post_raw, route, serve
+from serve_cases import faulty, http_json, metric, post_raw, route, serve
 
 pytestmark = pytest.mark.timeout(180)
 
 ERROR_EVENT = b'data: {"error": {"message": "the backend failed mid-stream"'
-
-
-@contextlib.contextmanager
-def faulty(mode: str, backend: HasURL) -> Iterator[Endpoint]:
-    """``backend`` behind ``faulty_front.py MODE`` (a process of its own)."""
-    script = Path(__file__).with_name("faulty_front.py")
-    port = backend.url.rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, str(script), mode, port], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout is not None
-        yield Endpoint(f"http://127.0.0.1:{int(proc.stdout.readline())}")
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def _open_stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:

@@ -16,10 +16,8 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 
-import aiohttp
-
-from kvoffload.routing.connections import Connections, error_text
-from kvoffload.servebench.client import RequestResult
+from kvoffload.routing.connections import Connections
+from kvoffload.servebench.client import RequestResult, stream_into
 
 __all__ = ["chat_turn"]
 
@@ -60,25 +58,5 @@ async def chat_turn(
         "stream_options": {"include_usage": True},
     }
     out = RequestResult()
-    start = last = out.start_time = time.perf_counter()
-    try:
-        resp = await conns.post(f"{url}/v1/chat/completions", json=body)
-        async with resp:
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return out
-            buffer = b""
-            async for chunk in resp.content.iter_any():
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    data = event.removeprefix(b"data: ").strip()
-                    if data and data != b"[DONE]" and not data.startswith(b":"):
-                        last = _fold(out, data, start, last)
-        out.latency = last - start
-        out.success = out.ttft > 0
-        if not out.success:
-            out.error = "no content chunk in the stream"
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        out.error = error_text(exc)
+    await stream_into(out, conns, f"{url}/v1/chat/completions", body, _fold)
     return out

@@ -22,8 +22,9 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -31,7 +32,15 @@ import numpy as np
 from kvoffload.benchmark.datasets import BenchRequest
 from kvoffload.routing.connections import Connections, error_text
 
-__all__ = ["RequestResult", "arrival_gaps", "bench_connections", "replay_gaps", "run_requests"]
+__all__ = [
+    "EventFolder",
+    "RequestResult",
+    "arrival_gaps",
+    "bench_connections",
+    "replay_gaps",
+    "run_requests",
+    "stream_into",
+]
 
 
 #: The environment variable whose key every benchmark request carries (as ``vllm bench serve``).
@@ -89,13 +98,32 @@ async def _one(
     }
     headers = {"x-session-id": session_id} if session_id else {}
     out = RequestResult(prompt_len=len(req.prompt))
+    await stream_into(out, conns, f"{url}/v1/completions", body, _read_event, headers)
+    return out
+
+
+#: Folds one SSE payload into a result; returns the time of the latest token chunk.
+EventFolder = Callable[[RequestResult, bytes, float, float], float]
+
+
+async def stream_into(
+    out: RequestResult,
+    conns: Connections,
+    url: str,
+    body: Mapping[str, Any],
+    fold: EventFolder,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """POST ``body`` to ``url`` and read its SSE stream into ``out`` through ``fold``: start
+    time, latency (the last token chunk), success (a token chunk came), or ``error`` (never
+    raises for a failed request)."""
     start = last = out.start_time = time.perf_counter()
     try:
-        resp = await conns.post(f"{url}/v1/completions", json=body, headers=headers)
+        resp = await conns.post(url, json=body, headers=headers or {})
         async with resp:
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return out
+                return
             buffer = b""
             async for chunk in resp.content.iter_any():
                 buffer += chunk
@@ -103,14 +131,13 @@ async def _one(
                     event, buffer = buffer.split(b"\n\n", 1)
                     data = event.removeprefix(b"data: ").strip()
                     if data and data != b"[DONE]" and not data.startswith(b":"):
-                        last = _read_event(out, data, start, last)
+                        last = fold(out, data, start, last)
         out.latency = last - start
         out.success = out.ttft > 0
         if not out.success:
             out.error = "no token chunk in the stream"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = error_text(exc)
-    return out
 
 
 def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
