@@ -7,14 +7,16 @@ whose body the test holds back, so it cannot end before the test lets it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
-from serve_cases import metric, post_raw, serve
+from serve_cases import Process, metric, post_raw, serve
 
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.serving.loop import EngineLoop, LoopState
@@ -43,19 +45,25 @@ def _status(url: str) -> int:
             return exc.code
 
 
+@contextlib.contextmanager
+def _draining_with_a_held_request(server: Process) -> Iterator[socket.socket]:
+    """A request in flight on ``server`` (its headers and half its body are in; the rest waits
+    on the test, through the yielded socket), then SIGTERM, once it drains."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as held:
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
+        # 2: the held request and the scrape itself.
+        _wait_for(lambda: metric(server.url, "kvoffload_serve_http_requests_in_flight") == 2,
+                  "the held request never reached the app")
+        server.proc.send_signal(signal.SIGTERM)
+        _wait_for(lambda: _status(f"{server.url}/health") == 503, "never started draining")
+        yield held
+
+
 def test_sigterm_drains_answering_503_then_exits_0() -> None:
     with serve(events=False) as server:
-        held = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        with held:
-            # A request in flight: its headers and half its body are in; the rest waits on us.
-            held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
-            # 2: the held request and the scrape itself.
-            _wait_for(lambda: metric(server.url, "kvoffload_serve_http_requests_in_flight") == 2,
-                      "the held request never reached the app")
-            server.proc.send_signal(signal.SIGTERM)
-            _wait_for(lambda: _status(f"{server.url}/health") == 503, "never started draining")
+        with _draining_with_a_held_request(server) as held:
             # New requests, on new connections: answered, 503, OpenAI's error JSON.
             for _ in range(3):
                 status, answer = post_raw(f"{server.url}/v1/completions", BODY)
@@ -85,15 +93,7 @@ def test_a_second_sigterm_stops_waiting_for_the_requests_in_flight() -> None:
     it; the second one ends the wait and the process exits (before, uvicorn closed its listener
     and went on waiting for the request with no limit)."""
     with serve(events=False) as server:
-        held = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        with held:
-            held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
-            _wait_for(lambda: metric(server.url, "kvoffload_serve_http_requests_in_flight") == 2,
-                      "the held request never reached the app")
-            server.proc.send_signal(signal.SIGTERM)
-            _wait_for(lambda: _status(f"{server.url}/health") == 503, "never started draining")
+        with _draining_with_a_held_request(server):
             assert server.proc.poll() is None  # waiting for the held request
             server.proc.send_signal(signal.SIGTERM)
             try:
