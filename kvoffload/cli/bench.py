@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.benchmark.workload import workload_requests
 from kvoffload.cli.args import check_output_path, int_in
 from kvoffload.cli.command import command
-from kvoffload.cli.engine_flags import TIER_SETTINGS, add_engine_flags, engine_kwargs_from_args
 from kvoffload.cli.flagspec import Flag, add_flags, resolve_flags
 from kvoffload.cli.workload_flags import (
     add_workload_flags,
@@ -77,10 +76,27 @@ BENCH_FLAGS: tuple[Flag, ...] = (
 )
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``kvoffload bench`` and its commands."""
+def add_parser(subparsers: Any, argv: Sequence[str] = ()) -> None:
+    """Register ``kvoffload bench`` and its commands: when ``argv`` names one, only that one is
+    built (the others are placeholders), so that ``bench trace`` imports no engine or server."""
     bench = subparsers.add_parser("bench", help="benchmarks of the reference engine")
     sub = bench.add_subparsers(dest="bench_command", required=True)
+    builders: dict[str, Callable[[Any], None]] = {
+        "throughput": _add_throughput_parser,
+        "trace": _add_trace_parser,
+        "serve": _add_serve_parser,
+    }
+    wanted = [a for a in argv if a in builders][:1] or list(builders)
+    for name, build in builders.items():
+        if name in wanted:
+            build(sub)
+        else:
+            sub.add_parser(name, help=f"(bench {name})")
+
+
+def _add_throughput_parser(sub: Any) -> None:
+    from kvoffload.cli.engine_flags import add_engine_flags
+
     p = sub.add_parser(
         "throughput",
         help="offline throughput with and without KV offloading",
@@ -96,12 +112,17 @@ def add_parser(subparsers: Any) -> None:
     add_flags(p, BENCH_FLAGS)
     p.set_defaults(func=_run, check=_check_args, parser=p)
 
-    from kvoffload.cli.trace import add_parser as add_trace_parser
 
-    add_trace_parser(sub)
-    from kvoffload.cli.bench_serve import add_parser as add_serve_parser
+def _add_trace_parser(sub: Any) -> None:
+    from kvoffload.cli.trace import add_parser
 
-    add_serve_parser(sub)
+    add_parser(sub)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    from kvoffload.cli.bench_serve import add_parser
+
+    add_parser(sub)
 
 
 def _check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Run]]:
@@ -113,6 +134,7 @@ def _check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[Run]
     :class:`EngineConfig` refuses, for any run. Reads no dataset and loads no weights.
     """
     from kvoffload.benchmark.matrix import run_matrix
+    from kvoffload.cli.engine_flags import TIER_SETTINGS, engine_kwargs_from_args
     from kvoffload.engine.loader import load_model_config
 
     two = args.instances == 2
