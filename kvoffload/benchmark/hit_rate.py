@@ -3,8 +3,10 @@
 A trace is a list of requests, each the list of its block ids in prefix order (the ``hash_ids``
 of a Mooncake-format JSONL file). :func:`replay` serves every request through a real
 :class:`~kvoffload.managers.CPUOffloadingManager` with :func:`~kvoffload.managers.replay.serve_request`
-(lookup until the first miss, load the hits, touch every key, store the rest, finish); the figure
-is hits / blocks over the whole trace. Two references run outside the manager:
+(lookup until the first miss, load the hits, touch every key, store the rest, finish). Each runner
+gives the prefix hits of every request (``*_hits``), to be scored over any window and with any
+weights (:mod:`kvoffload.benchmark.trace_score`); ``*_ratio`` is hits / blocks over the whole
+trace. Two references run outside the manager:
 
 ``infinite``
     A cache that never evicts: a block is a hit if it and its whole prefix were seen before.
@@ -29,11 +31,14 @@ from kvoffload.managers.replay import serve_request
 
 __all__ = [
     "belady_hit_ratio",
+    "belady_hits",
     "block_keys",
     "gap_closed",
     "infinite_hit_ratio",
+    "infinite_hits",
     "load_trace",
     "replay",
+    "replay_hits",
 ]
 
 _NEVER = 1 << 62
@@ -52,22 +57,38 @@ def block_keys(requests: Sequence[Sequence[int]]) -> dict[int, OffloadKey]:
     return {b: make_offload_key(b.to_bytes(8, "big")) for ids in requests for b in ids}
 
 
+def _ratio(hits: Sequence[int], requests: Sequence[Sequence[int]]) -> float:
+    return sum(hits) / max(sum(map(len, requests)), 1)
+
+
 def infinite_hit_ratio(requests: Sequence[Sequence[int]]) -> float:
     """Hit ratio of a cache that never evicts."""
+    return _ratio(infinite_hits(requests), requests)
+
+
+def infinite_hits(requests: Sequence[Sequence[int]]) -> list[int]:
+    """Prefix hits of every request in a cache that never evicts."""
     seen: set[int] = set()
-    hits = total = 0
+    out = []
     for ids in requests:
+        hits = 0
         for block_id in ids:
             if block_id not in seen:
                 break
             hits += 1
-        total += len(ids)
+        out.append(hits)
         seen.update(ids)
-    return hits / max(total, 1)
+    return out
 
 
 def belady_hit_ratio(requests: Sequence[Sequence[int]], capacity: int) -> float:
     """Clairvoyant (farthest next use first, bypass allowed) prefix-hit ratio."""
+    return _ratio(belady_hits(requests, capacity), requests)
+
+
+def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> list[int]:
+    """Prefix hits of every request under clairvoyant eviction (farthest next use first, bypass
+    allowed)."""
     # next_use[i][id]: block-reference time of the next request that names id after request i.
     next_use: list[dict[int, int]] = [{}] * len(requests)
     last: dict[int, int] = {}
@@ -80,13 +101,14 @@ def belady_hit_ratio(requests: Sequence[Sequence[int]], capacity: int) -> float:
             last[b] = clock + pos
     cached: dict[int, int] = {}  # id -> next use; the heap holds stale entries too
     heap: list[tuple[int, int]] = []
-    hits = total = 0
+    out = []
     for i, ids in enumerate(requests):
+        hits = 0
         for block_id in ids:
             if block_id not in cached:
                 break
             hits += 1
-        total += len(ids)
+        out.append(hits)
         for block_id, t in next_use[i].items():
             cached[block_id] = t
             heapq.heappush(heap, (-t, block_id))
@@ -97,7 +119,7 @@ def belady_hit_ratio(requests: Sequence[Sequence[int]], capacity: int) -> float:
         if len(heap) > 4 * capacity + 1024:  # drop stale entries: memory stays O(capacity)
             heap = [(-t, b) for b, t in cached.items()]
             heapq.heapify(heap)
-    return hits / max(total, 1)
+    return out
 
 
 def replay(
@@ -107,22 +129,34 @@ def replay(
     capacity: int,
     progress: Callable[[int], object] | None = None,
 ) -> float:
-    """Prefix-hit ratio of ``policy`` at ``capacity`` blocks, through the real manager.
+    """Prefix-hit ratio of ``policy`` at ``capacity`` blocks, through the real manager
+    (:func:`replay_hits`)."""
+    return _ratio(replay_hits(requests, keys, policy, capacity, progress), requests)
+
+
+def replay_hits(
+    requests: Sequence[Sequence[int]],
+    keys: dict[int, OffloadKey],
+    policy: str,
+    capacity: int,
+    progress: Callable[[int], object] | None = None,
+) -> list[int]:
+    """Prefix hits of every request with ``policy`` at ``capacity`` blocks, through the real
+    manager.
 
     ``progress(n)`` is called now and then with the number of requests served since its last call.
     """
     manager = CPUOffloadingManager(capacity, eviction_policy=policy)
-    hits = total = 0
+    out = []
     done = 0
     for i, ids in enumerate(requests):
-        hits += serve_request(manager, [keys[b] for b in ids], ReqContext(f"req-{i}"))
-        total += len(ids)
+        out.append(serve_request(manager, [keys[b] for b in ids], ReqContext(f"req-{i}")))
         if progress is not None and i - done + 1 >= _PROGRESS_EVERY:
             progress(i - done + 1)
             done = i + 1
     if progress is not None and len(requests) > done:
         progress(len(requests) - done)
-    return hits / max(total, 1)
+    return out
 
 
 def gap_closed(value: float, lru: float, belady: float) -> float:

@@ -5,13 +5,19 @@ everywhere: :class:`ConfigError` naming ``dataset_path``, the file and line, and
 A record is a JSON object: ``hash_ids``, the ids of its 512-token blocks in prefix order (equal
 ids are a shared prefix; integers in ``[0, 2**63)``), and optionally ``input_length`` and
 ``output_length`` (token counts, non-negative integers) and ``timestamp`` (milliseconds, a
-finite number). Blank lines and records without hash ids are skipped.
+finite number). Blank lines and records without hash ids are skipped. A path ending in ``.gz`` is
+read through gzip; ``-`` is standard input (read once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import math
+import sys
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,10 @@ from typing import Any
 from kvoffload.benchmark.traces import BLOCK_TOKENS
 from kvoffload.errors import ConfigError
 
-__all__ = ["TraceRecord", "check_trace_path", "read_trace"]
+__all__ = ["STDIN", "TraceRecord", "check_trace_path", "read_trace"]
+
+#: The path that names standard input.
+STDIN = "-"
 
 _MAX_ID = 2**63  # ids become 8-byte keys
 _DEFAULT_OUTPUT_LENGTH = 16
@@ -35,34 +44,54 @@ class TraceRecord:
     arrival_s: float
 
 
-def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRecord]:
-    """The first ``limit`` (default: all) records with hash ids of the trace at ``path``, in
-    file order. :class:`ConfigError` when the file is missing, holds no such record, or a line
-    before the last one read is not a record (``FILE:LINE: not a Mooncake trace record (WHY)``)."""
+def read_trace(
+    path: str | Path, limit: int | None = None, block_size: int = BLOCK_TOKENS
+) -> list[TraceRecord]:
+    """The first ``limit`` (default: all) records with hash ids of the trace at ``path`` (``.gz``:
+    gzip; ``-``: standard input), in file order; a record without ``input_length`` has
+    ``block_size`` tokens per block. :class:`ConfigError` when the file is missing or not gzip
+    where named so, holds no such record, or a line before the last one read is not a record
+    (``FILE:LINE: not a Mooncake trace record (WHY)``)."""
     trace = check_trace_path(path)
+    name = "<stdin>" if str(path) == STDIN else str(trace)
     records: list[TraceRecord] = []
-    with trace.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
+    with _lines(trace, name) as lines:
+        for line_no, raw in enumerate(lines, 1):
             if limit is not None and len(records) >= limit:
                 break
-            record = _record(trace, line_no, raw)
+            record = _record(name, line_no, raw, block_size)
             if record is not None:
                 records.append(record)
     if not records:
-        raise ConfigError("dataset_path", f"{trace} holds no requests")
+        raise ConfigError("dataset_path", f"{name} holds no requests")
     return records
 
 
 def check_trace_path(path: str | Path) -> Path:
-    """``path`` if a trace can be read from it: a file, or a named pipe (``<(zcat t.gz)``);
-    else :class:`ConfigError`. Reads nothing."""
+    """``path`` if a trace can be read from it: ``-`` (standard input), a file, or a named pipe
+    (``<(zcat t.gz)``); else :class:`ConfigError`. Reads nothing."""
     trace = Path(path)
+    if str(path) == STDIN:
+        return trace
     if not trace.exists() or trace.is_dir():
         raise ConfigError("dataset_path", f"{str(path)!r} is not a file")
     return trace
 
 
-def _record(trace: Path, line_no: int, raw: bytes) -> TraceRecord | None:
+@contextlib.contextmanager
+def _lines(trace: Path, name: str) -> Iterator[Iterator[bytes]]:
+    """The raw lines of the trace; a gzip file that is not one is a :class:`ConfigError`."""
+    if str(trace) == STDIN:
+        yield iter(sys.stdin.buffer)
+        return
+    with gzip.open(trace, "rb") if trace.suffix == ".gz" else trace.open("rb") as stream:
+        try:
+            yield iter(stream)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise ConfigError("dataset_path", f"{name}: not gzip, or cut short ({exc})") from None
+
+
+def _record(trace: str, line_no: int, raw: bytes, block_size: int) -> TraceRecord | None:
     """The record of one line (``None`` for a blank line or one without hash ids)."""
 
     def bad(why: str) -> ConfigError:
@@ -86,7 +115,7 @@ def _record(trace: Path, line_no: int, raw: bytes) -> TraceRecord | None:
     if not hash_ids:
         return None
     input_length = _count(
-        bad, "input_length", record.get("input_length", len(hash_ids) * BLOCK_TOKENS)
+        bad, "input_length", record.get("input_length", len(hash_ids) * block_size)
     )
     output_length = _count(
         bad, "output_length", record.get("output_length", _DEFAULT_OUTPUT_LENGTH)
