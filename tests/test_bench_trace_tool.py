@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ HEAVY = ("torch", "fastapi", "aiohttp", "uvicorn", "transformers", "kvoffload.en
 # requests: 0 + 4 + 8 + 0 + 8 = 20 of the 6 + 5 + 9 + 3 + 8 = 31 tokens, and 5 of the 10 blocks.
 # A warm-up of 0.4 leaves requests 2-4 scored: 16 of 20 tokens, 4 of 6 blocks; the warm-up names
 # blocks 1, 2, 3: it fills a capacity of 3, not one of 4.
-TINY = [
+TINY: list[dict[str, Any]] = [
     {"hash_ids": [1, 2], "input_length": 6},  # blocks of 4 + 2 tokens
     {"hash_ids": [1, 3], "input_length": 5},  # 4 + 1
     {"hash_ids": [1, 2, 4], "input_length": 9},  # 4 + 4 + 1
@@ -210,6 +211,7 @@ def test_capacities_in_gib_through_a_kv_shape(tmp_path: Path) -> None:
     ("argv", "setting"),
     [
         (["--capacities-gib", "1"], "capacities_gib"),  # no KV shape
+        (["--kv-dtype", "fp8"], "kv_dtype"),  # no KV shape for it
         (["--kv-layers", "2", "--capacities-gib", "1"], "kv_shape"),  # a partial shape
         (["--kv-shape", "llama-3-8b", "--capacities-gib", "0.01"], "capacities_gib"),
         (["--kv-shape", "llama-3-8b", "--capacities-gib", "nan"], "capacities_gib"),

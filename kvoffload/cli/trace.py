@@ -84,7 +84,8 @@ TRACE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "kv_shape",
-        "a well-known model's KV shape (layers, KV heads, head dim), to size blocks in bytes",
+        "a well-known model's KV shape (layers, KV heads, head dim), to size blocks in bytes: "
+        + ", ".join(sorted(KNOWN_SHAPES)),
         choices=sorted(KNOWN_SHAPES),
         unit="MODEL",
         unset="none",
@@ -115,7 +116,8 @@ TRACE_FLAGS: tuple[Flag, ...] = (
         "dtype of the KV cache",
         choices=tuple(DTYPE_BYTES),
         default="bf16",
-        unit="DTYPE",
+        unit="|".join(DTYPE_BYTES),
+        needs=_NEEDS_SHAPE,
     ),
     Flag(
         "block_size",
@@ -154,7 +156,7 @@ def add_parser(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser(
         "trace",
         help="prefix-hit rate of eviction policies on traces (choose a policy)",
-        description=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ").replace("``", ""),
+        description=__doc__.split("\n\n")[1].replace("\n", " ").replace("``", ""),
     )
     add_flags(p, TRACE_FLAGS)
     p.set_defaults(func=run, check=_check_args, parser=p)
@@ -270,7 +272,6 @@ def _capacities(text: str) -> list[int]:
 
 
 def _policies(text: str | None) -> list[str]:
-    from kvoffload.errors import ConfigError
     from kvoffload.eviction import available_eviction_policies
 
     registered = available_eviction_policies()
