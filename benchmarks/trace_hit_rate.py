@@ -1,4 +1,4 @@
-"""Block-level prefix-hit ratio of each eviction policy on traces: ``kvoffload bench trace``.
+"""Prefix-hit rate of each eviction policy on traces (token-weighted, or by blocks): ``kvoffload bench trace``.
 
 Usage (every flag of ``kvoffload bench trace --help``)::
 
