@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvoffload.benchmark.kv_shape import GIB, KNOWN_SHAPES, KVShape, blocks_for_gib
 from kvoffload.benchmark.trace_score import ScoredTrace, block_tokens
@@ -251,3 +253,23 @@ def test_kv_shapes_are_checked() -> None:
         KVShape("bad", 0, 8, 128)
     with pytest.raises(ConfigError, match="kv_dtype"):
         KVShape("bad", 32, 8, 128, dtype="int3")
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=12
+    ),
+    st.sampled_from([0.0, 0.25, 0.5, 0.9]),
+)
+def test_token_and_block_figures_agree_on_full_blocks(
+    shapes: list[tuple[int, int, int]], fraction: float
+) -> None:
+    """Any trace, any hits: both figures lie in [0, 1]; when every block is full (no
+    ``input_length`` given) hit tokens / tokens is hit blocks / blocks."""
+    requests = [list(range(i * 10, i * 10 + n)) for i, (n, _, _) in enumerate(shapes)]
+    hits = [min(h, n) for n, _, h in shapes]
+    lengths = [length for _, length, _ in shapes]
+    scored = ScoredTrace.build(requests, lengths, 4, fraction)
+    assert 0 <= scored.token_hit_rate(hits) <= 1 and 0 <= scored.block_hit_ratio(hits) <= 1
+    full = ScoredTrace.build(requests, [4 * len(ids) for ids in requests], 4, fraction)
+    assert full.token_hit_rate(hits) == pytest.approx(full.block_hit_ratio(hits))
