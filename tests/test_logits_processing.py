@@ -49,7 +49,7 @@ def test_batched_penalties_equal_the_formula(rows: list[tuple]) -> None:
     params = [SamplingParams(repetition_penalty=r[3], frequency_penalty=r[4], presence_penalty=r[5])
               for r in rows]
     got = process_logits(logits, params, [r[1] for r in rows], [r[2] for r in rows], None)
-    for i, (row, prompt, output, *_rest) in enumerate(rows):
+    for i, (_row, prompt, output, *_rest) in enumerate(rows):
         want = _reference([float(x) for x in logits[i]], prompt, output, params[i])
         assert got[i].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
 
