@@ -18,22 +18,20 @@ __all__ = ["apply_penalties", "process_logits"]
 def process_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | torch.Tensor],
     outputs: Sequence[Sequence[int]],
     eos_token_id: int | None,
 ) -> torch.Tensor:
     """``logits`` ``(N, vocab)`` as float32 with row ``i`` adjusted by ``params[i]`` given its
     prompt ``prompts[i]`` and the tokens generated so far ``outputs[i]``: while fewer than
-    ``min_tokens`` are out, EOS (``eos_token_id``, even with ``ignore_eos``, as vLLM) and the
+    ``min_tokens`` are out (a prompt may be a 1-D id tensor: no conversion per step), EOS (``eos_token_id``, even with ``ignore_eos``, as vLLM) and the
     stop tokens get ``-inf``; the ``logit_bias`` is added; then the penalties
     (:func:`apply_penalties`). A new tensor; ``logits`` is not changed."""
     out = logits.float().clone()
     vocab = out.shape[1]
     mask_rows: list[int] = []
     mask_ids: list[int] = []
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
+    biases: list[torch.Tensor] = []  # per biased row: (k, 3) of (row, token id, bias)
     penalised: list[int] = []
     for i, p in enumerate(params):
         if len(outputs[i]) < p.min_tokens:
@@ -43,19 +41,20 @@ def process_logits(
             ids = [t for t in stops if t < vocab]
             mask_rows += [i] * len(ids)
             mask_ids += ids
-        for token, bias in p.logit_bias:
-            if token < vocab:
-                bias_rows.append(i)
-                bias_ids.append(token)
-                bias_values.append(bias)
+        if p.logit_bias:
+            pairs = torch.tensor(p.logit_bias, dtype=torch.float64)
+            biases.append(torch.cat([torch.full((len(pairs), 1), float(i),
+                                                dtype=torch.float64), pairs], dim=1))
         if p.penalised:
             penalised.append(i)
     device = out.device
     if mask_rows:
         out[_index(mask_rows, device), _index(mask_ids, device)] = float("-inf")
-    if bias_rows:
-        out.index_put_((_index(bias_rows, device), _index(bias_ids, device)),
-                       torch.tensor(bias_values, dtype=out.dtype, device=device), accumulate=True)
+    if biases:
+        table = torch.cat(biases)
+        table = table[table[:, 1] < vocab].to(device)
+        out.index_put_((table[:, 0].long(), table[:, 1].long()), table[:, 2].to(out.dtype),
+                       accumulate=True)
     if penalised:
         rows = _index(penalised, device)
         out[rows] = apply_penalties(
@@ -71,7 +70,7 @@ def process_logits(
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | torch.Tensor],
     outputs: Sequence[Sequence[int]],
     repetition: torch.Tensor,
     frequency: torch.Tensor,
@@ -83,31 +82,34 @@ def apply_penalties(
     multiplied by it; then ``frequency * count_in_output`` and ``presence * (count > 0)`` are
     subtracted (OpenAI's definition: the output only). A new tensor."""
     num_rows, vocab = logits.shape
-    dtype = logits.dtype
-    output_counts = _bin_counts(outputs, num_rows, vocab, logits.device).to(dtype)
-    output_seen = output_counts > 0
-    seen = output_seen | (_bin_counts(prompts, num_rows, vocab, logits.device) > 0)
-    factor = repetition.to(dtype).unsqueeze(1)
-    repeated = torch.where(logits > 0, logits / factor, logits * factor)
-    out = torch.where(seen, repeated, logits)
-    out = out - frequency.to(dtype).unsqueeze(1) * output_counts
-    return out - presence.to(dtype).unsqueeze(1) * output_seen.to(dtype)
+    dtype, device = logits.dtype, logits.device
+    # One spare column: the padding id ``vocab`` reads and writes there, then it is dropped.
+    out = torch.cat([logits, torch.zeros((num_rows, 1), dtype=dtype, device=device)], dim=1)
+    output_ids = _padded(outputs, num_rows, vocab, device)
+    seen = torch.cat([_padded(prompts, num_rows, vocab, device), output_ids], dim=1)
+    # Repetition: only the seen ids, gathered and written back (a repeated id writes the same
+    # value twice), so the work scales with the tokens seen, not the vocabulary.
+    values = out.gather(1, seen)
+    penalty = repetition.to(dtype).unsqueeze(1)
+    out.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
+    counts = torch.zeros((num_rows, vocab + 1), dtype=dtype, device=device)
+    counts.scatter_add_(1, output_ids, torch.ones(output_ids.shape, dtype=dtype, device=device))
+    out.sub_(frequency.to(dtype).unsqueeze(1) * counts)
+    out.sub_(presence.to(dtype).unsqueeze(1) * (counts > 0))
+    return out[:, :vocab]
 
 
-def _bin_counts(
-    rows: Sequence[Sequence[int]], num_rows: int, vocab: int, device: torch.device
+def _padded(
+    rows: Sequence[Sequence[int] | torch.Tensor], num_rows: int, vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """``(num_rows, vocab)`` counts of each id in each row (ids outside the vocabulary are not
-    counted), by one scatter-add over the rows padded with the id ``vocab``."""
+    """``rows`` as one ``(num_rows, longest + 1)`` id tensor padded with ``vocab`` (ids
+    outside the vocabulary become ``vocab`` too): the column a scatter over it may spoil."""
     width = max((len(r) for r in rows), default=0)
     padded = torch.full((num_rows, width + 1), vocab, dtype=torch.long)
     for i, row in enumerate(rows):
-        if row:
+        if len(row):
             padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-    padded = padded.clamp_(0, vocab).to(device)
-    counts = torch.zeros((num_rows, vocab + 1), dtype=torch.long, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab]
+    return padded.clamp_(0, vocab).to(device)
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -67,7 +67,8 @@ class ModelRunner:
         processed = logits
         if any(p.adjusts_logits for p in params):
             processed = process_logits(
-                logits, params, [r.prompt_token_ids for r in sample_reqs],
+                logits, params, [r.prompt_tensor() if r.sampling_params.penalised else ()
+                                 for r in sample_reqs],
                 [r.output_token_ids for r in sample_reqs], self.eos_token_id,
             )
         tokens = sample(processed, params, generators)
