@@ -156,6 +156,21 @@ def test_max_completion_tokens_on_completions(client: openai.OpenAI) -> None:
     assert out.usage.completion_tokens == 3
 
 
+def test_echo_sends_the_prompt_first(client: openai.OpenAI) -> None:
+    alone = _complete(client, max_tokens=4).choices[0].text
+    echoed = _complete(client, max_tokens=4, echo=True)
+    assert echoed.choices[0].text == PROMPT + alone
+    ids = _complete(client, [list(PROMPT.encode()), list(OTHER.encode())], max_tokens=4, echo=True)
+    assert [c.text[: len(p)] for c, p in zip(ids.choices, (PROMPT, OTHER), strict=True)] == [
+        PROMPT, OTHER]
+    chunks = list(_complete(client, max_tokens=4, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT + alone
+    with pytest.raises(openai.BadRequestError) as caught:  # echo's prompt logprobs: not computed
+        _complete(client, max_tokens=4, echo=True, logprobs=1)
+    assert caught.value.body["param"] == "echo"
+
+
 def test_top_logprobs_keep_same_text_tokens_apart_and_bytes_are_real(
     client: openai.OpenAI,
 ) -> None:
@@ -208,7 +223,7 @@ def test_chat_n_streams_with_a_role_only_first_chunk(client: openai.OpenAI) -> N
 # (endpoint, the parameter, a value this server does not do)
 REFUSED = [
     ("completions", "best_of", 2),
-    ("completions", "echo", True),
+    ("completions", "echo", "yes"),
     ("completions", "suffix", "x"),
     ("completions", "response_format", {"type": "json_object"}),
     ("completions", "use_beam_search", True),

@@ -155,6 +155,8 @@ class _Job:
     body: CompletionRequest | ChatCompletionRequest
     prompts: list[list[int]]
     choices: list[_Choice]
+    #: completions with ``echo``: each prompt's text, sent before its choices' output
+    echo: list[str] | None = None
 
 
 def _validated(model: type[M], data: bytes) -> M:
@@ -181,11 +183,16 @@ def _validated(model: type[M], data: bytes) -> M:
 def _prepare_completion(ctx: ServingContext, data: bytes) -> _Job:
     body = _validated(CompletionRequest, data)
     _check_model(ctx, body.model)
-    prompts = _completion_prompts(ctx, body.prompt)
+    prompts, texts = _completion_prompts(ctx, body.prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     samplings = [_sampling(ctx, body, len(ids), max_tokens, "prompt", body.logprobs)
                  for ids in prompts]
-    return _Job(body, prompts, _choices(prompts, samplings, body.n))
+    echo = None
+    if body.echo is True:  # as vLLM: the prompt's text as sent, or its ids decoded
+        decode = ctx.loop.engine.tokenizer.decode
+        echo = [decode(ids) if text is None else text
+                for ids, text in zip(prompts, texts, strict=True)]
+    return _Job(body, prompts, _choices(prompts, samplings, body.n), echo)
 
 
 def _prepare_chat(ctx: ServingContext, data: bytes) -> _Job:
@@ -236,24 +243,29 @@ def _check_model(ctx: ServingContext, model: str | None) -> None:
         )
 
 
-def _completion_prompts(ctx: ServingContext, prompt: Any) -> list[list[int]]:
-    """The prompts of a completions request: one text or id list, or a list of them (at most
-    :data:`MAX_PROMPTS`)."""
+def _completion_prompts(
+    ctx: ServingContext, prompt: Any
+) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts of a completions request (one text or id list, or a list of them, at most
+    :data:`MAX_PROMPTS`) as token ids, and each one's text where it was sent as text."""
     several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
     prompts = prompt if several else [prompt]
     if len(prompts) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     vocab = ctx.loop.engine.model_config.vocab_size
-    out = []
+    out: list[list[int]] = []
+    texts: list[str | None] = []
     for i, one in enumerate(prompts):
         param = f"prompt.{i}" if several else "prompt"
         if isinstance(one, str):
             if not one:
                 raise APIError("the prompt must not be empty", param)
             out.append(ctx.tokenizer.encode(one))
+            texts.append(one)
         else:
             out.append(check_token_ids(one, param, vocab))
-    return out
+            texts.append(None)
+    return out, texts
 
 
 def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -544,6 +556,9 @@ class _CompletionFormat(_Format):
         body = job.body
         self.want_logprobs = isinstance(body, CompletionRequest) and body.logprobs is not None
         self._offsets = [0] * len(job.choices)
+        n = len(job.choices) // len(job.prompts)
+        #: per choice, the prompt text still to echo (sent with its first chunk)
+        self._echo = [job.echo[i // n] if job.echo else "" for i in range(len(job.choices))]
 
     def _logprobs(self, index: int, piece: TextPiece) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -553,7 +568,9 @@ class _CompletionFormat(_Format):
         return out
 
     def _choice(self, index: int, piece: TextPiece, assembler: TextAssembler) -> dict[str, Any]:
-        return {"index": index, "text": piece.text, "logprobs": self._logprobs(index, piece),
+        echo, self._echo[index] = self._echo[index], ""
+        return {"index": index, "text": echo + piece.text,
+                "logprobs": self._logprobs(index, piece),
                 "finish_reason": piece.finish_reason,
                 "stop_reason": self._stop_reason(piece, assembler)}
 

@@ -187,8 +187,17 @@ class CompletionRequest(_SamplingFields):
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
 
     def refused(self) -> str | None:
+        """As the base's, but ``best_of`` equal to ``n`` and ``echo`` without ``logprobs`` (the
+        prompt's log-probabilities are not computed) are honoured."""
+        update: dict[str, Any] = {}
         if self.best_of is not None and self.best_of == self.n:
-            return super().model_copy(update={"best_of": None}).refused()
+            update["best_of"] = None
+        if self.echo is True and self.logprobs is None:
+            update["echo"] = None
+        if update:
+            return self.model_copy(update=update).refused()
+        if self.echo is True:
+            return "echo: with logprobs it needs the prompt's log-probabilities (not supported)"
         return super().refused()
 
 
