@@ -12,7 +12,7 @@ and vLLM do (their names are logged). Client-sized inputs are bounded: ``n`` <= 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -97,12 +97,20 @@ class _SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
+    #: What the endpoint's tokenization does with special tokens (vLLM's default there).
+    adds_special_tokens: ClassVar[bool] = True
+
     def refused(self) -> str | None:
         """The first parameter set to something this server does not do (see :data:`REFUSED`),
         with why, as ``"name: why"``; ``None`` when every one is neutral."""
         for name, (neutral, why) in REFUSED.items():
             if name in type(self).model_fields and not neutral(getattr(self, name)):
                 return f"{name}: {why}"
+        if self.add_special_tokens not in (None, self.adds_special_tokens):
+            return (f"add_special_tokens: only {str(self.adds_special_tokens).lower()} here (the "
+                    "tokenizer adds what the model expects)")
+        if self.stream_options is not None and not self.stream:
+            return "stream_options: only with stream: true"
         return None
 
 
@@ -168,8 +176,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "skip_special_tokens": (_true, "special tokens are always left out of the text"),
     "spaces_between_special_tokens": (_true, "special tokens are always left out of the text"),
     "truncate_prompt_tokens": (_absent, "prompts are not truncated: send a shorter prompt"),
-    "add_special_tokens": (lambda v: v is None or isinstance(v, bool),
-                           "must be a boolean (the tokenizer adds what the model expects)"),
     "priority": (lambda v: v is None or v == 0, "requests are served first come, first served"),
     "return_token_ids": (_false, "not supported"),
     "vllm_xargs": (_empty, "not supported"),
@@ -207,10 +213,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    #: an earlier turn's tool calls: tool calling is not supported, so none may be given
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
+
+    adds_special_tokens: ClassVar[bool] = False  # the chat template writes them
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: StrictBool = False
