@@ -122,8 +122,9 @@ class TextAssembler:
 
     ``include_stop``: a matched stop string (or a stop token's text) stays in the output.
     ``min_tokens``: stop strings count only where they end after that many tokens' text.
-    ``stop_tokens``: the ids (EOS and stop tokens) whose text is left out when one ends the
-    request (and ``include_stop`` is off). ``stop_reason``: what ended it (set on finishing)."""
+    ``stop_tokens``: given the finished output, the stop token id that ended it (``None``
+    otherwise); that token's text, or EOS's (``eos_token_id``), is left out unless
+    ``include_stop``. ``stop_reason``: the stop string or stop token id that ended it."""
 
     def __init__(
         self,
