@@ -6,13 +6,16 @@ token's real ``bytes``, choices indexed with ``n`` > 1 and several prompts, stre
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from serve_cases import Process, serve
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from serve_cases import Process, post_raw, serve
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -274,3 +277,29 @@ def test_neutral_values_of_refused_parameters_are_accepted(client: openai.OpenAI
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, tools=[],
                                           tool_choice="none", response_format={"type": "text"})
     assert chat.choices[0].message.role == "assistant"
+
+
+#: Values of the sampling parameters, in range or not, of the right type or not.
+ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(-3, 3),
+                      st.text(max_size=3), st.lists(st.integers(-1, 600), max_size=3),
+                      st.dictionaries(st.sampled_from(["65", "256", "-1", "x"]),
+                                      st.floats(-200, 200), max_size=2))
+SAMPLING = ["n", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "logit_bias", "min_p", "include_stop_str_in_output", "stop", "stop_token_ids",
+            "seed", "temperature", "top_k", "logprobs", "echo", "best_of"]
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(SAMPLING), ANY_VALUE, max_size=5))
+def test_any_mix_of_parameters_is_served_or_refused_never_a_crash(
+    server: Process, fields: dict[str, Any]
+) -> None:
+    body = {"model": "tiny", "prompt": ["ab", "cd"], "max_tokens": 3, **fields}
+    status, answer = post_raw(f"{server.url}/v1/completions", json.dumps(body).encode())
+    assert status in (200, 400), answer
+    if status == 400:
+        assert answer["error"]["param"], answer
+    else:
+        n = fields.get("n", 1)
+        assert [c["index"] for c in answer["choices"]] == list(range(2 * n))
