@@ -6,6 +6,7 @@ step was quadratic."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -41,10 +42,12 @@ def _finished(ids: list[int]) -> RequestOutput:
     return RequestOutput("r", [1], ids, "length", None, 1, 0, 0, 0.0, 0.0, 0)
 
 
-def _run(ids: list[int], cuts: list[int], stop: list[str]) -> tuple[str, TextAssembler, bool]:
+def _run(
+    ids: list[int], cuts: list[int], stop: list[str], **options: Any
+) -> tuple[str, TextAssembler, bool]:
     """Feed ``ids`` in steps ending at ``cuts``; the text streamed, the assembler, and whether
-    a stop string ended it."""
-    assembler = TextAssembler(TOKENIZER.decode, stop)
+    a stop string ended it (``options``: the assembler's)."""
+    assembler = TextAssembler(TOKENIZER.decode, stop, **options)
     bounds = sorted({c for c in cuts if 0 < c < len(ids)} | {len(ids)})
     streamed, start = [], 0
     for end in bounds:
@@ -83,6 +86,60 @@ def test_stop_strings_cut_where_full_decoding_finds_them(
     # a stop string once it is final: as full decoding sees it.
     assert text == (full[: min(found)] if found else full)
     assert stopped == bool(found)
+
+
+def _first_stop(text: str, stop: list[str], end_after: int = 0) -> tuple[int, str] | None:
+    """The first stop string in ``text`` that ends past ``end_after`` characters (ties: the
+    first listed)."""
+    found = [(i, k, s) for k, s in enumerate(stop)
+             if (i := text.find(s, max(0, end_after - len(s) + 1))) >= 0]
+    return min(found)[::2] if found else None
+
+
+ASCII_IDS = st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1,
+                    max_size=60).map(lambda t: list(t.encode()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ASCII_IDS, st.lists(st.integers(0, 60), max_size=20),
+       st.lists(st.text("abc", min_size=1, max_size=3), min_size=1, max_size=3),
+       st.integers(0, 30), st.booleans())
+def test_min_tokens_and_include_stop_str_as_vllm(
+    ids: list[int], cuts: list[int], stop: list[str], min_tokens: int, include: bool
+) -> None:
+    """A stop string counts only where it ends past the first ``min_tokens`` tokens' text;
+    ``include_stop_str_in_output`` keeps it; ``stop_reason`` names it."""
+    full = TOKENIZER.decode(ids)
+    text, assembler, stopped = _run(ids, cuts, stop, include_stop=include, min_tokens=min_tokens)
+    found = _first_stop(full, stop, len(TOKENIZER.decode(ids[:min_tokens])))
+    if found is None:
+        assert (text, stopped, assembler.stop_reason) == (full, False, None)
+    else:
+        at, matched = found
+        assert text == full[: at + len(matched) if include else at]
+        assert stopped and assembler.stop_reason == matched
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked() -> None:
+    ids = list(b"abc;")
+    output = RequestOutput("r", [1], ids, "stop", None, 1, 0, 0, 0.0, 0.0, 0)
+    for include, want in ((False, "abc"), (True, "abc;")):
+        assembler = TextAssembler(TOKENIZER.decode, [], include_stop=include,
+                                  stop_tokens=lambda out: out.output_token_ids[-1])
+        assert assembler.feed(Delta(ids, [], output)).text == want
+        assert assembler.stop_reason == ord(";")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 511), max_size=40))
+def test_token_bytes_are_what_decoding_joins(ids: list[int]) -> None:
+    """A token's bytes, joined over any ids, decode to the ids' text (a byte token inside a
+    character is its byte, not U+FFFD's three): byte-level ids and byte-level BPE alike."""
+    joined = b"".join(TOKENIZER.token_bytes(i) for i in ids)
+    assert joined.decode("utf-8", errors="replace") == TOKENIZER.decode(ids)
+    bpe_ids = [i % 400 for i in ids]
+    joined = b"".join(BPE.token_bytes(i) for i in bpe_ids)
+    assert joined.decode("utf-8", errors="replace") == BPE.decode(bpe_ids)
 
 
 def test_a_long_delta_that_ends_inside_a_character_waits_for_the_rest() -> None:

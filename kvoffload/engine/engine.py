@@ -166,7 +166,7 @@ class Engine:
         try:
             if num_blocks * kv_bytes_per_block >= 2**63:
                 raise MemoryError("larger than any address space")
-            return ModelRunner(self.model, num_blocks, bs)
+            return ModelRunner(self.model, num_blocks, bs, self.model_config.eos_token_id)
         except (RuntimeError, MemoryError) as exc:
             setting = "kv_cache_memory" if config.num_device_blocks is None else "num_device_blocks"
             raise ConfigError(
@@ -345,8 +345,9 @@ class Engine:
         params = req.sampling_params
         if len(req.output_token_ids) >= params.max_tokens:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
-        elif token in params.stop_token_ids or (
-            token == self.model_config.eos_token_id and not params.ignore_eos
+        elif len(req.output_token_ids) >= params.min_tokens and (
+            token in params.stop_token_ids
+            or (token == self.model_config.eos_token_id and not params.ignore_eos)
         ):
             self._finish(req, RequestStatus.FINISHED_STOPPED)
 

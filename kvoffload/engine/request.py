@@ -93,11 +93,19 @@ class Request:
     inter_token_latencies: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
+    _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = self.hasher.hash_blocks(self.all_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt's ids as a CPU ``long`` tensor, made once (the repetition penalty reads it
+        every step)."""
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
 
     @property
     def num_tokens(self) -> int:

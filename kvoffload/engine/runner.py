@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvoffload.engine.attention import AttentionMetadata
+from kvoffload.engine.logits_processing import process_logits
 from kvoffload.engine.model import DecoderModel
 from kvoffload.engine.request import Request
 from kvoffload.engine.sampling import make_generator, sample
@@ -15,8 +16,11 @@ __all__ = ["ModelRunner"]
 class ModelRunner:
     """Owns the model and the engine's KV cache tensor (``model.kv_cache_shape(num_blocks, block_size)``)."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: DecoderModel, num_blocks: int, block_size: int, eos_token_id: int | None = None
+    ) -> None:
         self.model = model
+        self.eos_token_id = eos_token_id  # masked while a request is under its min_tokens
         self.block_size = block_size
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
 
@@ -60,10 +64,17 @@ class ModelRunner:
             if req.generator is None and not req.sampling_params.greedy:
                 req.generator = make_generator(req.sampling_params)
             generators.append(req.generator)
-        tokens = sample(logits, params, generators)
+        processed = logits
+        if any(p.adjusts_logits for p in params):
+            processed = process_logits(
+                logits, params, [r.prompt_tensor() if r.sampling_params.penalised else ()
+                                 for r in sample_reqs],
+                [r.output_token_ids for r in sample_reqs], self.eos_token_id,
+            )
+        tokens = sample(processed, params, generators)
         out: dict[str, tuple[int, dict[int, float] | None]] = {}
         for row, (req, token) in enumerate(zip(sample_reqs, tokens, strict=True)):
-            k = req.sampling_params.logprobs
+            k = req.sampling_params.logprobs  # the model's raw log-probabilities (vLLM's default)
             out[req.request_id] = (token, None if k is None else _logprobs(logits[row], token, k))
         return out
 

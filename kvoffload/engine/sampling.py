@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,16 @@ class SamplingParams:
     part of the output). ``logprobs``: return, per generated token, the log-probabilities of
     the ``logprobs`` most likely tokens plus the sampled one (``-1``: the whole vocabulary;
     ``None``: none). Invalid values raise :class:`ConfigError` naming the field.
+
+    As vLLM's ``SamplingParams``: ``min_tokens`` forbids EOS and ``stop_token_ids`` until that
+    many tokens are out; ``logit_bias`` (token id -> bias, a mapping or pairs; stored as sorted
+    pairs) is added to the logits; ``repetition_penalty`` (> 0; 1 is off) divides the positive
+    logits and multiplies the negative ones of every token seen in the prompt or the output;
+    ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2]) subtract ``penalty * count`` and
+    ``penalty * (count > 0)`` over the output's tokens; ``min_p`` (in [0, 1]) drops, when
+    sampling, the tokens less likely than ``min_p`` times the most likely one. All of these
+    apply to greedy rows too, except ``min_p`` (argmax-invariant); logprobs are the model's raw
+    ones (vLLM's default ``raw_logprobs``).
     """
 
     max_tokens: int = 16
@@ -42,6 +53,12 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -77,10 +94,52 @@ class SamplingParams:
             raise ConfigError(
                 "logprobs", f"must be None, -1 (all) or an integer >= 0, got {self.logprobs!r}"
             )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(
+                "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ConfigError("repetition_penalty",
+                              f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ConfigError(name, f"must be in [-2, 2], got {value!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ConfigError("min_p", f"must be in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0
+                or self.presence_penalty != 0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the pick (penalties, bias, ``min_tokens``)."""
+        return self.penalised or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``bias`` (a mapping or ``(id, bias)`` pairs) as sorted ``(id, bias)`` pairs, checked."""
+    try:
+        pairs = list(bias.items() if isinstance(bias, Mapping) else bias)
+        out = tuple(sorted((token, value) for token, value in pairs))
+    except (TypeError, ValueError):
+        raise ConfigError("logit_bias", f"must map token ids to numbers, got {bias!r}") from None
+    for token, value in out:
+        if not _is_int(token) or token < 0 or not _is_real(value):
+            raise ConfigError("logit_bias", f"must map token ids >= 0 to finite numbers, "
+                              f"got {token!r}: {value!r}")
+    if len({token for token, _ in out}) != len(out):
+        raise ConfigError("logit_bias", "names a token id twice")
+    return tuple((token, float(value)) for token, value in out)
 
 
 def _is_int(value: object) -> bool:
@@ -128,6 +187,10 @@ def sample(
 def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     scaled = row.float() / p.temperature
     vocab = scaled.shape[0]
+    if p.min_p > 0:
+        # vLLM's min-p: drop ids whose probability is below min_p times the top one's.
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     ids: torch.Tensor | None = None
     if 0 < p.top_k < vocab:
         scaled, ids = torch.topk(scaled, p.top_k)  # sorted, largest first

@@ -7,7 +7,10 @@ of times and a character split across tokens comes out whole: while the window's
 U+FFFD (an incomplete UTF-8 sequence) it is held back until the next tokens complete it or the
 request ends. While streaming, the last ``len(longest stop string) - 1`` characters are held back
 too, so a stop string is never sent before it is recognised; the output ends before the stop
-string (OpenAI's rule) and the request is aborted at once.
+string (OpenAI's rule; vLLM's ``include_stop_str_in_output`` keeps it) and the request is
+aborted at once. As vLLM: no stop string ends the output before ``min_tokens`` tokens; a stop
+token's (or EOS's) own text is left out unless ``include_stop_str_in_output``; ``stop_reason`` is
+the stop string or stop token id that ended the request (``None`` for EOS and length).
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.engine import RequestOutput
+from kvoffload.engine import RequestOutput, SamplingParams
 from kvoffload.serving.loop import Delta
 
 __all__ = ["MAX_WINDOW_TOKENS", "IncrementalDecoder", "TextAssembler", "TextPiece",
-           "finish_reason_of"]
+           "finish_reason_of", "stop_token_of"]
 
 _REPLACEMENT = "\ufffd"
 #: The most tokens a decoding window holds while its text ends in U+FFFD; past it the U+FFFD is
@@ -35,6 +38,19 @@ def finish_reason_of(output: RequestOutput) -> str:
     """OpenAI's finish reason: ``length`` at max_tokens, else ``stop`` (EOS, a stop token or
     string, or an abort)."""
     return "length" if output.finish_reason == "length" else "stop"
+
+
+def stop_token_of(output: RequestOutput, params: SamplingParams, eos_token_id: int | None) -> (
+    int | None
+):
+    """The stop token id that ended ``output`` (vLLM's ``stop_reason``); ``None`` when it ended
+    otherwise, EOS included (EOS is checked first, as vLLM does)."""
+    if output.finish_reason != "stop" or not output.output_token_ids:
+        return None
+    last = output.output_token_ids[-1]
+    if last == eos_token_id and not params.ignore_eos:
+        return None
+    return last if last in params.stop_token_ids else None
 
 
 class IncrementalDecoder:
@@ -102,12 +118,34 @@ class TextPiece:
 
 class TextAssembler:
     """Feeds on a request's :class:`Delta` objects, gives back :class:`TextPiece` objects. Work
-    per delta is bounded by the delta and the held-back text, never the text sent so far."""
+    per delta is bounded by the delta and the held-back text, never the text sent so far.
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]) -> None:
+    ``include_stop``: a matched stop string (or a stop token's text) stays in the output.
+    ``min_tokens``: stop strings count only where they end after that many tokens' text.
+    ``stop_tokens``: given the finished output, the stop token id that ended it (``None``
+    otherwise); that token's text, or EOS's (``eos_token_id``), is left out unless
+    ``include_stop``. ``stop_reason``: the stop string or stop token id that ended it."""
+
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop: Sequence[str],
+        include_stop: bool = False,
+        min_tokens: int = 0,
+        stop_tokens: Callable[[RequestOutput], int | None] | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
         self._decoder = IncrementalDecoder(decode)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
+        self._stop_token_of = stop_tokens
+        self._eos = eos_token_id
+        #: A stop string must end past this many characters of output (min_tokens' text).
+        self._stop_end_min: float = 0 if min_tokens == 0 else float("inf")
+        self._sent_chars = 0
+        self.stop_reason: str | int | None = None
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
         self._sent: list[str] = []  # the pieces' texts so far
@@ -128,23 +166,51 @@ class TextAssembler:
         self._pending_ids.extend(delta.token_ids)
         self._pending_lps.extend(delta.logprobs)
         finished = delta.finished
+        ids = delta.token_ids
         if finished is not None:
             self.output = finished
-        self._unsent += self._decoder.add(delta.token_ids, final=finished is not None)
-        cut = self._find_stop()
-        if cut is not None:
-            return self._emit(cut, "stop", stopped=True)
+            if self._ends_on_stop_token(finished) and not self._include_stop:
+                ids = ids[:-1]  # the stop token's own text is not output (vLLM)
+        before = len(self.token_ids) - len(delta.token_ids)
+        if before < self._min_tokens <= before + len(ids):
+            # min_tokens is reached inside this delta: note where its text ends
+            head = self._min_tokens - before
+            self._unsent += self._decoder.add(ids[:head])
+            self._stop_end_min = self._sent_chars + len(self._unsent)
+            ids = ids[head:]
+        self._unsent += self._decoder.add(ids, final=finished is not None)
+        found = self._find_stop()
+        if found is not None:
+            cut, stop = found
+            self.stop_reason = stop
+            return self._emit(cut + len(stop) if self._include_stop else cut, "stop",
+                              stopped=True)
         if finished is not None:
             return self._emit(len(self._unsent), finish_reason_of(finished))
         return self._emit(max(0, len(self._unsent) - self._hold), None)
 
-    def _find_stop(self) -> int | None:
-        """Where the first stop string starts in the held-back text (one ending in text sent
-        earlier would have been found then: the held-back tail covers every partial one)."""
-        if not self._stop:
+    def _ends_on_stop_token(self, output: RequestOutput) -> bool:
+        """Whether EOS or a stop token ended ``output`` (sets :attr:`stop_reason` for the
+        latter)."""
+        if output.finish_reason != "stop" or not output.output_token_ids:
+            return False
+        if self._stop_token_of is not None:
+            self.stop_reason = self._stop_token_of(output)
+        return self.stop_reason is not None or output.output_token_ids[-1] == self._eos
+
+    def _find_stop(self) -> tuple[int, str] | None:
+        """Where the first stop string starts in the held-back text, and which (one ending in
+        text sent earlier would have been found then: the held-back tail covers every partial
+        one); only strings that end past ``min_tokens``' text count."""
+        if not self._stop or self._stop_end_min == float("inf"):
             return None
-        found = [i for i in (self._unsent.find(s) for s in self._stop) if i >= 0]
-        return min(found) if found else None
+        best: tuple[int, str] | None = None
+        floor = self._stop_end_min - self._sent_chars
+        for stop in self._stop:
+            at = self._unsent.find(stop, max(0, int(floor) - len(stop) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        return best
 
     def _emit(self, upto: int, finish_reason: str | None, stopped: bool = False) -> TextPiece:
         piece = TextPiece(self._unsent[:upto], finish_reason=finish_reason, stopped=stopped)
@@ -156,41 +222,61 @@ class TextAssembler:
             piece.logprobs, self._pending_lps = self._pending_lps, []
         if piece.text:
             self._sent.append(piece.text)
+            self._sent_chars += len(piece.text)
         return piece
 
 
+#: OpenAI's stand-in for a log-probability of ``-inf`` (JSON has no infinity), as vLLM sends.
+MIN_LOGPROB = -9999.0
+
+
+def _clamped(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, MIN_LOGPROB)
+
+
+def token_id_key(token: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` form of a token: ``token_id:N``."""
+    return f"token_id:{token}"
+
+
 def completion_logprobs(
-    piece: TextPiece, decode: Callable[[Sequence[int]], str], offset: int
+    piece: TextPiece, decode: Callable[[Sequence[int]], str], offset: int,
+    as_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """``choices[].logprobs`` of the completions API for ``piece``'s tokens."""
+    """``choices[].logprobs`` of the completions API for ``piece``'s tokens. ``top_logprobs``
+    is keyed by each token's text; where two tokens decode to the same text, the later one is
+    keyed ``token_id:N`` (vLLM's form) so none is lost; ``as_token_ids``: every token so."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token, lps in zip(piece.token_ids, piece.logprobs, strict=False):
-        text = decode([token])
+        text = token_id_key(token) if as_token_ids else decode([token])
         tokens.append(text)
-        token_lps.append(lps.get(token))
-        tops.append({decode([t]): lp for t, lp in lps.items()})
+        token_lps.append(_clamped(lps.get(token)))
+        top: dict[str, float] = {}
+        for t, lp in lps.items():
+            key = token_id_key(t) if as_token_ids else decode([t])
+            top[token_id_key(t) if key in top else key] = max(lp, MIN_LOGPROB)
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(
-    piece: TextPiece, decode: Callable[[Sequence[int]], str], top: int
+    piece: TextPiece, decode: Callable[[Sequence[int]], str], top: int,
+    token_bytes: Callable[[int], bytes], as_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """``choices[].logprobs`` of the chat API for ``piece``'s tokens (``top`` alternatives)."""
+    """``choices[].logprobs`` of the chat API for ``piece``'s tokens (``top`` alternatives);
+    ``bytes`` are each token's own bytes (``token_bytes``: a byte token that is part of a
+    character has its byte, not U+FFFD's); ``as_token_ids``: tokens as ``token_id:N``."""
+
+    def entry(token: int, lp: float | None) -> dict[str, Any]:
+        return {"token": token_id_key(token) if as_token_ids else decode([token]),
+                "logprob": _clamped(lp), "bytes": list(token_bytes(token))}
+
     content = []
     for token, lps in zip(piece.token_ids, piece.logprobs, strict=False):
-        text = decode([token])
         ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top]
-        content.append(
-            {
-                "token": text,
-                "logprob": lps.get(token),
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode())}
-                    for t, lp in ranked
-                ],
-            }
-        )
+        item = entry(token, lps.get(token))
+        item["top_logprobs"] = [entry(t, lp) for t, lp in ranked]
+        content.append(item)
     return {"content": content}
