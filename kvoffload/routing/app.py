@@ -93,6 +93,24 @@ def build_app(
     async def stats() -> dict[str, Any]:
         return router_stats(router)
 
+    @app.post("/router/match")
+    async def match(raw: Request) -> dict[str, Any]:
+        """What each backend holds of a prompt, in blocks per tier, from the router's index:
+        a completions body (``prompt``: text or token ids) or a chat body (``messages``)."""
+        data = await raw.body()
+        body = parse_json_object(data)
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        ids = await asyncio.to_thread(router.prompt_ids, path, body)
+        if ids is None:
+            raise APIError("expected a prompt (text or token ids) or chat messages",
+                           param="messages" if "messages" in body else "prompt")
+        return {
+            "block_size": router.block_size,
+            "blocks": len(ids) // router.block_size,
+            "backends": [{"url": b.url, **{t: getattr(m, t) for t in TIERS}}
+                         for b, m in router.holdings(ids)],
+        }
+
     @app.get("/v1/models")
     async def models() -> Response:
         for backend in router.backends:

@@ -391,6 +391,14 @@ class Router:
             return None
         return None
 
+    def holdings(self, token_ids: list[int]) -> list[tuple[Backend, Match]]:
+        """What each healthy backend holds of the prompt ``token_ids``, as the index knows it
+        (the :class:`Match` a ``kv_aware`` decision weighs), in ``--backend`` order."""
+        healthy = [b for b in self.backends if b.healthy and b.index_id is not None]
+        ids = [b.index_id for b in healthy if b.index_id is not None]
+        matches = self.index.match(token_bytes(token_ids), ids)
+        return [(b, matches[i]) for b, i in zip(healthy, ids, strict=True)]
+
     def rank(self, token_ids: list[int] | None, session_key: str | None) -> Ranking:
         """Healthy backends in the policy's order (its choice first, then the retries, next-best
         first), with what each holds of the prompt. Allocation-light: a handful of small

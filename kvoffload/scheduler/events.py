@@ -55,7 +55,7 @@ class OffloadEventDescriber:
     so a block that cascades to a further tier (host, then disk) is described there too.
     """
 
-    def __init__(self, int_block_hashes: bool = False, locality: str | None = None) -> None:
+    def __init__(self, int_block_hashes: bool = True, locality: str | None = None) -> None:
         self._as_int = int_block_hashes
         self._locality = locality
         self._pending: dict[OffloadKey, _BlockDescription] = {}
