@@ -93,7 +93,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_workload_flags(p)
     add_engine_flags(p, defaults=BENCH_DEFAULTS)
-    add_flags(p, BENCH_FLAGS)
+    add_flags(p, BENCH_FLAGS, section="benchmark")
     p.set_defaults(func=_run, check=_check_args, parser=p)
 
     from kvoffload.cli.trace import add_parser as add_trace_parser

@@ -15,7 +15,7 @@ from typing import Any
 from kvoffload.benchmark.traces import SUITE
 from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
-from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
+from kvoffload.cli.flagspec import Flag, Needs, add_flags, help_section, resolve_flags
 from kvoffload.cli.workload_flags import TRACE, WORKLOAD_FLAGS
 from kvoffload.servebench.offloading import OFFLOADING_CONFIGS
 from kvoffload.servebench.routing_configs import CONFIG_NAMES
@@ -155,6 +155,18 @@ SESSIONS_FLAGS: tuple[Flag, ...] = (
 )
 
 
+#: ``--help``'s sections of bench serve's flags, by what they need (else by setting, else
+#: "benchmark").
+_NEEDS_SECTIONS = {TRACE: "workload", COMPARE: "compare routing", REDIS: "compare routing",
+                   OFFLOADING: "compare offloading", ANY_COMPARE: "compare routing or offloading"}
+_SECTIONS = {"compare_routing": "compare routing", "compare_offloading": "compare offloading"}
+
+
+def _sectioned(flag: Flag) -> Flag:
+    section = _NEEDS_SECTIONS.get(flag.needs) if flag.needs is not None else None
+    return dataclasses.replace(flag, section=section or _SECTIONS.get(flag.dest))
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
@@ -167,10 +179,10 @@ def add_parser(sub: Any) -> None:
     )
     add_flags(p, tuple(  # bench throughput's workloads, plus sessions (online only)
         dataclasses.replace(f, choices=(*f.choices, "sessions"))  # type: ignore[misc]
-        if f.dest == "dataset_name" else f for f in WORKLOAD_FLAGS))
-    add_flags(p, BENCH_SERVE_FLAGS)
-    add_flags(p, SESSIONS_FLAGS)
-    p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+        if f.dest == "dataset_name" else f for f in WORKLOAD_FLAGS), section="workload")
+    add_flags(p, tuple(map(_sectioned, BENCH_SERVE_FLAGS)), section="benchmark")
+    add_flags(p, SESSIONS_FLAGS, section="sessions workload (--dataset-name sessions)")
+    help_section(p, "benchmark").add_argument("--goodput", nargs="+", metavar="KEY:MS",
                    help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's "
                    "(default: none)")
     p.set_defaults(func=_run, parser=p)

@@ -30,8 +30,9 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
     Flag("backend", "a backend (repeat); its KV events are found at its /kv_event_sources "
          "unless given", kind="append", default=(), unset="none: at least one is required",
          unit="URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,remote_group=G]"),
-    Flag("host", "address to listen on", default="127.0.0.1", unit="HOST"),
-    Flag("port", "port to listen on", parse=int_in(0, 65535), default=8080, unit="PORT"),
+    Flag("host", "address to listen on", default="127.0.0.1", unit="HOST", section="server"),
+    Flag("port", "port to listen on", parse=int_in(0, 65535), default=8080, unit="PORT",
+         section="server"),
     Flag("policy", "routing policy", choices=POLICIES, default="kv_aware"),
     Flag("tier_weights", "kv_aware: how cached blocks count (measured costs, tier-blind, Dynamo's "
          "static credits)", choices=TIER_WEIGHTS, default="measured"),
@@ -39,18 +40,19 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
          "chat template", default="small", unit="MODEL"),
     Flag("block_size", "the backends' block size", parse=int_in(1), default=16, unit="TOKENS"),
     Flag("health_interval", "seconds between health checks", parse=real_in(0, positive=True),
-         default=1.0, unit="SECONDS"),
+         default=1.0, unit="SECONDS", section="backends' health"),
     Flag("health_failures", "failed checks in a row that take a backend out of rotation",
-         parse=int_in(1), default=2, unit="N"),
+         parse=int_in(1), default=2, unit="N", section="backends' health"),
     Flag("metrics_interval", "seconds between scrapes of the backends' /metrics (measured "
-         "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS"),
+         "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS",
+         section="backends' health"),
     Flag("stream_idle_timeout", "seconds a streamed answer may go without a byte from its "
          "backend before it ends with an error event", parse=real_in(0, positive=True),
          default=60.0, unit="SECONDS"),
-    Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning"),
+    Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning", section="server"),
     *FRONT_DOOR_FLAGS,
     Flag("backend_api_key", "the key sent to every backend as 'Authorization: Bearer KEY'",
-         parse=secret, unit="KEY", unset=f"${BACKEND_API_KEY_ENV}, else none"),
+         parse=secret, unit="KEY", unset=f"${BACKEND_API_KEY_ENV}, else none", section="server"),
 )
 
 
@@ -63,7 +65,7 @@ def add_parser(subparsers: Any) -> None:
         "where its predicted time to first token is lowest: blocks to compute and blocks to "
         "load from each tier, at each backend's measured costs, plus its queue.",
     )
-    add_flags(p, ROUTE_FLAGS)
+    add_flags(p, ROUTE_FLAGS, section="routing")
     p.set_defaults(func=_run, parser=p)
 
 

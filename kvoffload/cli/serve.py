@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
         "and /metrics needs 'Authorization: Bearer KEY'. Requests are batched continuously; SIGTERM finishes the requests in "
         "flight, lets their stores reach the tiers, and exits 0.",
     )
-    add_flags(p, SERVE_FLAGS)
+    add_flags(p, SERVE_FLAGS, section="server")
     add_engine_flags(p, exclude=_NOT_FOR_SERVE)
     p.set_defaults(func=_run, parser=p)
 
