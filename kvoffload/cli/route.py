@@ -63,7 +63,9 @@ def add_parser(subparsers: Any) -> None:
         description="Route OpenAI API requests over backends (kvoffload serve, vllm serve). With "
         "--policy kv_aware (default) it follows every backend's KV events and sends each request "
         "where its predicted time to first token is lowest: blocks to compute and blocks to "
-        "load from each tier, at each backend's measured costs, plus its queue.",
+        "load from each tier, at each backend's measured costs, plus its queue. It warns once "
+        "per backend that does not answer, or that publishes no KV events (kv_aware cannot see "
+        "its cache).",
     )
     add_flags(p, ROUTE_FLAGS, section="routing")
     p.set_defaults(func=_run, parser=p)
@@ -87,6 +89,9 @@ def _run(args: argparse.Namespace) -> int:
         specs = [BackendSpec.parse(b) for b in args.backend]
     except ValueError as exc:
         args.parser.error(str(exc))
+    from kvoffload.cli.listen_socket import bind_listener
+
+    sock = bind_listener(args.host, args.port)  # in use: one line, exit 2, before the tokenizer
     # A model whose tokenizer cannot be loaded is a ConfigError (one line, command), never a
     # silent fall back to byte-level ids that match none of the backends' blocks.
     tokenizer = PromptTokenizer(args.model, require_tokenizer=True)
@@ -107,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
                                            timeout_keep_alive=KEEP_ALIVE_S))
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:
-        server.run()  # Ctrl-C: KeyboardInterrupt once it stopped (one line, exit 130)
+        server.run(sockets=[sock])  # Ctrl-C: KeyboardInterrupt once it stopped (one line, exit 130)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
