@@ -152,7 +152,7 @@ def add_flags(
             target = groups[flag.group]
         target.add_argument(flag.option, **_argument(flag, default))
         for old in flag.aliases:
-            parser.add_argument(old, **_alias_argument(flag))
+            heading.add_argument(old, **_alias_argument(flag))
         rules.append((flag, default))
     parser.set_defaults(**{_RULES: rules})
 
