@@ -46,7 +46,8 @@ def test_help_states_every_default_once(command, capsys) -> None:
 
 @pytest.mark.parametrize(("argv", "setting"), [
     (["serve", "--model", "tiny", "--kv-disk-size", "1"], "kv_disk_size"),
-    (["serve", "--model", "tiny", "--kv-remote-url", "redis://127.0.0.1:1"], "kv_remote_url"),
+    (["serve", "--model", "tiny", "--kv-offloading-size", "0", "--kv-remote-url",
+      "redis://127.0.0.1:1"], "kv_remote_url"),
 ])
 def test_refused_settings_are_one_line(argv, setting, capsys) -> None:
     assert main(argv) == 2

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
+from serve_cases import Process, free_port, serve
 
 from kvoffload.cli import host_tier_size
 from kvoffload.cli.bench_serve import EXIT_INITIAL_TEST
@@ -32,7 +33,6 @@ from kvoffload.cli.main import parse_args
 from kvoffload.routing.policies import create_policy
 from kvoffload.routing.router import BackendSpec, Router
 from kvoffload.serving.prompts import PromptTokenizer
-from serve_cases import Process, free_port, serve
 
 GIB = 2**30
 

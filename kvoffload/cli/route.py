@@ -6,7 +6,8 @@ import argparse
 import gc
 import logging
 import signal
-from typing import Any
+import socket
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.config import LOG_LEVELS
 
@@ -20,7 +21,11 @@ from kvoffload.cli.front_door_flags import (
     api_key_from,
     secret,
 )
+from kvoffload.cli.listen_socket import bind_listener
 from kvoffload.routing.policies import POLICIES, TIER_WEIGHTS
+
+if TYPE_CHECKING:
+    from kvoffload.routing.router import BackendSpec
 
 __all__ = ["ROUTE_FLAGS", "add_parser"]
 
@@ -73,13 +78,7 @@ def add_parser(subparsers: Any) -> None:
 
 @command
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvoffload.routing.app import build_app
-    from kvoffload.routing.policies import create_policy
-    from kvoffload.routing.router import BackendSpec, Router
-    from kvoffload.serving.prompts import PromptTokenizer
-    from kvoffload.serving.server import KEEP_ALIVE_S
+    from kvoffload.routing.router import BackendSpec
 
     args = resolve_flags(args)
     if not args.backend:
@@ -89,9 +88,21 @@ def _run(args: argparse.Namespace) -> int:
         specs = [BackendSpec.parse(b) for b in args.backend]
     except ValueError as exc:
         args.parser.error(str(exc))
-    from kvoffload.cli.listen_socket import bind_listener
-
     sock = bind_listener(args.host, args.port)  # in use: one line, exit 2, before the tokenizer
+    with sock:  # closed here too when the router cannot start
+        return _serve_routes(args, specs, sock)
+
+
+def _serve_routes(args: argparse.Namespace, specs: list[BackendSpec], sock: socket.socket) -> int:
+    """Build the router over ``specs`` and serve it on ``sock`` until it stops."""
+    import uvicorn
+
+    from kvoffload.routing.app import build_app
+    from kvoffload.routing.policies import create_policy
+    from kvoffload.routing.router import Router
+    from kvoffload.serving.prompts import PromptTokenizer
+    from kvoffload.serving.server import KEEP_ALIVE_S
+
     # A model whose tokenizer cannot be loaded is a ConfigError (one line, command), never a
     # silent fall back to byte-level ids that match none of the backends' blocks.
     tokenizer = PromptTokenizer(args.model, require_tokenizer=True)

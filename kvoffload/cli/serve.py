@@ -62,9 +62,10 @@ def _run(args: argparse.Namespace) -> int:
               f"({HOST_TIER_DEFAULT.text}; --kv-offloading-size sets it, 0 turns it off)",
               file=sys.stderr, flush=True)
     logging.basicConfig(level=flags.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    status = serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
-                   sock=sock, api_key=api_key_from(flags.api_key, API_KEY_ENV),
-                   max_request_bytes=flags.max_request_bytes)
+    with sock:  # closed here too when the engine cannot start
+        status = serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
+                       sock=sock, api_key=api_key_from(flags.api_key, API_KEY_ENV),
+                       max_request_bytes=flags.max_request_bytes)
     _exit_now(status)
     return status  # pragma: no cover - not reached
 
