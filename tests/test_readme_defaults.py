@@ -80,3 +80,16 @@ def test_every_engine_flag_has_a_row() -> None:
     listed = {re.sub(r"^--\[no-\]", "--", o) for row in _table() for o in row[1].split(", ")}
     assert {f.option for f in ENGINE_FLAGS} <= listed
     assert set(_defaults(["serve"])) <= listed
+
+
+def test_the_readmes_config_example_is_valid(tmp_path: Path) -> None:
+    """The README's ``--config`` example parses (every key a flag of the command it names)."""
+    from kvoffload.cli.main import parse_args
+
+    (block,) = re.findall(r"```yaml\n(# kvoffload (.*?)\n.*?)```", README.read_text(), re.S)
+    text, command = block
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    argv = [path.name if w == "serve.yaml" else w for w in command.split()]
+    args = parse_args([str(path) if w == path.name else w for w in argv])
+    assert args.kv_offloading_size == 8 and args.port == 8001  # the file's and the flag's
