@@ -1,8 +1,9 @@
 """``kvoffload serve``'s default host tier, sized from the machine: a quarter of the memory
 available when it starts (``MemAvailable``), at most 16 GiB, rounded down to 1/4 GiB; none where
 that is under 1/4 GiB or the available memory cannot be read. ``--kv-offloading-size`` sets
-the size; 0 turns the tier off. The host pool's pages are reserved, not touched, at start: the
-tier takes memory as it fills."""
+the size; 0 turns the tier off. On CPU the host pool's pages are reserved, not touched, at start
+(the tier takes memory as it fills); with a CUDA device the pool is page-locked at start, so its
+whole size is taken then."""
 
 from __future__ import annotations
 
