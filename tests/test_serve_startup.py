@@ -112,12 +112,21 @@ def test_serve_says_its_host_tier_and_one_line_when_ready(server: Process) -> No
     assert lines.index(sizing) < lines.index(ready)
 
 
-def _bench_serve(url: str, *flags: str, tty: bool = False) -> tuple[int, str, str]:
+#: two short requests of the default workload
+WORKLOAD = ("--num-prompts", "2", "--prefix-repetition-prefix-len", "32", "--output-len", "2")
+#: one user's two short chat turns (test_bench_sessions' sizes: answers with text)
+SESSIONS = ("--dataset-name", "sessions", "--sessions-num-users", "1", "--sessions-num-rounds",
+            "2", "--sessions-system-prompt-len", "40", "--sessions-user-context-len", "60",
+            "--sessions-question-len", "12", "--sessions-answer-len", "5",
+            "--sessions-think-time", "0")
+
+
+def _bench_serve(url: str, *flags: str, tty: bool = False,
+                 workload: tuple[str, ...] = WORKLOAD) -> tuple[int, str, str]:
     """``kvoffload bench serve`` against ``url``: (exit status, stdout, stderr); with ``tty``
     its stderr is a terminal (a pseudo-terminal read here)."""
     argv = [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--base-url", url,
-            "--model", "tiny", "--num-prompts", "2", "--prefix-repetition-prefix-len", "32",
-            "--output-len", "2", *flags]
+            "--model", "tiny", *workload, *flags]
     if not tty:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         return done.returncode, done.stdout, done.stderr
@@ -173,6 +182,9 @@ def test_bench_serve_shows_a_progress_bar_on_a_terminal_unless_disabled(server: 
     assert "2/2" not in err and "Successful requests:" in out
     status, _, err = _bench_serve(server.url)  # stderr not a terminal: no bar either
     assert status == 0 and "2/2" not in err
+    status, out, err = _bench_serve(server.url, tty=True, workload=SESSIONS)  # a bar of turns
+    assert status == 0, err
+    assert "2/2" in err and "Successful requests:" in out
 
 
 def test_route_warns_once_per_backend_it_cannot_use(caplog: pytest.LogCaptureFixture) -> None:

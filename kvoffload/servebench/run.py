@@ -27,7 +27,7 @@ from kvoffload.servebench.metrics import (
     summarize,
 )
 
-__all__ = ["build_requests", "initial_test", "run_once"]
+__all__ = ["build_requests", "initial_test", "progress_bar", "run_once"]
 
 
 def build_requests(flags: argparse.Namespace) -> tuple[list[BenchRequest], list[str | None]]:
@@ -84,7 +84,7 @@ def initial_test(url: str, model: str) -> str | None:
     return None if result.success else result.error
 
 
-def _progress_bar(total: int, args: argparse.Namespace, quiet: bool) -> Any:
+def progress_bar(total: int, args: argparse.Namespace, quiet: bool) -> Any:
     """A bar of requests done on stderr; ``None`` with ``--disable-tqdm`` or ``quiet``, and
     tqdm leaves it out where stderr is not a terminal."""
     if quiet or args.disable_tqdm:
@@ -108,7 +108,7 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
         gaps = replay_gaps([r.arrival_s for r in requests], args.timestamp_scale)
     else:
         gaps = arrival_gaps(len(requests), _rate(args), args.burstiness, args.seed)
-    bar = _progress_bar(len(requests), args, quiet)
+    bar = progress_bar(len(requests), args, quiet)
     try:
         results, duration = asyncio.run(run_requests(
             url, model, requests, gaps, args.max_concurrency, sessions,
