@@ -192,9 +192,12 @@ def test_route_warns_once_per_backend_it_cannot_use(caplog: pytest.LogCaptureFix
     not answer: one warning each, not repeated when the first rejoins; round_robin, which reads
     no events, is not warned about them."""
 
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
     async def run(policy: str) -> list[str]:
         app = web.Application()
-        app.router.add_get("/health", lambda _: web.Response())
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
