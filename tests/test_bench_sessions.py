@@ -226,7 +226,9 @@ def test_each_configuration_has_its_flags() -> None:
                                 "--compare-offloading-disk-size", "0.02"))
     base = ["serve", "--model", "tiny", "--num-device-blocks", "8"]
     host = [*base, "--kv-offloading-size", "0.01"]
-    assert offloading_args(flags, "no_offloading", None, None) == base
+    # serve's default is a host tier sized from the machine: no_offloading turns it off
+    assert offloading_args(flags, "no_offloading", None, None) == [*base, "--kv-offloading-size",
+                                                                   "0"]
     assert offloading_args(flags, "host", None, None) == host
     assert offloading_args(flags, "host_disk", "/d", None) == [*host, "--kv-disk-path", "/d",
                                                                "--kv-disk-size", "0.02"]

@@ -109,7 +109,7 @@ def _add_throughput_parser(sub: Any) -> None:
     )
     add_workload_flags(p)
     add_engine_flags(p, defaults=BENCH_DEFAULTS)
-    add_flags(p, BENCH_FLAGS)
+    add_flags(p, BENCH_FLAGS, section="benchmark")
     p.set_defaults(func=_run, check=_check_args, parser=p)
 
 

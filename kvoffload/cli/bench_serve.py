@@ -10,18 +10,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any
 
 from kvoffload.benchmark.traces import SUITE
 from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
-from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
+from kvoffload.cli.flagspec import Flag, Needs, add_flags, help_section, resolve_flags
 from kvoffload.cli.workload_flags import TRACE, WORKLOAD_FLAGS
 from kvoffload.servebench.offloading import OFFLOADING_CONFIGS
 from kvoffload.servebench.routing_configs import CONFIG_NAMES
 from kvoffload.servebench.sessions import THINK_TIME_DISTS
 
-__all__ = ["add_parser"]
+__all__ = ["EXIT_INITIAL_TEST", "add_parser"]
+
+#: The exit status when the initial test request fails (nothing was measured).
+EXIT_INITIAL_TEST = 3
 
 SUITE_NAMES = tuple(sorted(SUITE))
 
@@ -80,8 +84,10 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          "bench trace --generate)", choices=SUITE_NAMES, needs=TRACE, unset="none"),
     Flag("max_prompt_len", "keep a trace prompt's first N tokens (shared prefixes stay shared)",
          parse=int_in(1), unit="TOKENS", needs=TRACE, unset="all"),
-    Flag("request_rate", "mean arrivals per second (gamma process; --honor-timestamps replays "
-         "the trace's instead)", parse=_request_rate, unit="RPS", unset="inf: all at once"),
+    Flag("request_rate", "mean arrivals per second: Poisson arrivals (gamma with "
+         "--burstiness); inf sends every request at once, as vLLM's default; --honor-timestamps "
+         "replays the trace's instead", parse=_request_rate, unit="RPS",
+         unset="inf: all at once"),
     Flag("burstiness", "gamma shape of the arrivals: 1 = Poisson", parse=real_in(0, positive=True),
          default=1.0, unit="X"),
     Flag("max_concurrency", "requests in flight at most", parse=int_in(1), unit="N",
@@ -94,6 +100,8 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          "--max-concurrency), before the measured run: the caches and tiers hold what it "
          "uses, so TTFT shows loads rather than first-use prefills", kind="switch"),
     Flag("save_detailed", "keep the per-request arrays (ttfts, itls, ...) in --output-json",
+         kind="switch"),
+    Flag("disable_tqdm", "no progress bar (there is none where stderr is not a terminal)",
          kind="switch"),
     Flag("label", "the run's label in the JSON", unit="TEXT", unset="none"),
     Flag("output_json", "write the results here", unit="FILE", unset="none"),
@@ -155,22 +163,39 @@ SESSIONS_FLAGS: tuple[Flag, ...] = (
 )
 
 
+#: ``--help``'s sections of bench serve's flags, by what they need (else by setting, else
+#: "benchmark").
+_NEEDS_SECTIONS = {TRACE: "workload", COMPARE: "compare routing", REDIS: "compare routing",
+                   OFFLOADING: "compare offloading", ANY_COMPARE: "compare routing or offloading"}
+_SECTIONS = {"compare_routing": "compare routing", "compare_offloading": "compare offloading"}
+
+
+def _sectioned(flag: Flag) -> Flag:
+    section = _NEEDS_SECTIONS.get(flag.needs) if flag.needs is not None else None
+    return dataclasses.replace(flag, section=section or _SECTIONS.get(flag.dest))
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="online serving benchmark (like vllm bench serve)",
-        description="Send a workload to an OpenAI-compatible server or router at Poisson "
-        "arrivals and report vLLM's serving figures, plus the prefix-hit rate by source from the "
-        "servers' /metrics. --dataset-name sessions runs closed-loop chat users instead (TTFT per "
-        "round). --compare-routing N compares routing policies over N fresh instances; "
-        "--compare-offloading compares offloading configurations.",
+        description="Send a workload to an OpenAI-compatible server or router and report vLLM's "
+        "serving figures, plus the prefix-hit rate by source from the servers' /metrics. Every "
+        "request is sent at once by default, as vLLM's (--request-rate inf); --request-rate R "
+        "sends them at Poisson arrivals of R per second (--burstiness: gamma arrivals). First a "
+        "one-token test request (vLLM's initial test run): when it fails, the server's error is "
+        "printed and nothing is measured. --dataset-name sessions runs closed-loop chat users "
+        "instead (TTFT per round). --compare-routing N compares routing policies over N fresh "
+        "instances; --compare-offloading compares offloading configurations. Exit status: 0 "
+        "every request succeeded, 1 some failed, 2 a flag or setting was refused, 3 the initial "
+        "test request failed.",
     )
     add_flags(p, tuple(  # bench throughput's workloads, plus sessions (online only)
         dataclasses.replace(f, choices=(*f.choices, "sessions"))  # type: ignore[misc]
-        if f.dest == "dataset_name" else f for f in WORKLOAD_FLAGS))
-    add_flags(p, BENCH_SERVE_FLAGS)
-    add_flags(p, SESSIONS_FLAGS)
-    p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+        if f.dest == "dataset_name" else f for f in WORKLOAD_FLAGS), section="workload")
+    add_flags(p, tuple(map(_sectioned, BENCH_SERVE_FLAGS)), section="benchmark")
+    add_flags(p, SESSIONS_FLAGS, section="sessions workload (--dataset-name sessions)")
+    help_section(p, "benchmark").add_argument("--goodput", nargs="+", metavar="KEY:MS",
                    help="SLOs of a good request (ttft, tpot, e2el; milliseconds), as vLLM's "
                    "(default: none)")
     p.set_defaults(func=_run, parser=p)
@@ -202,10 +227,16 @@ def _run(args: argparse.Namespace) -> int:
     for setting in ("output_json", "plot"):
         if getattr(args, setting):
             check_output_path(setting, getattr(args, setting))
-    from kvoffload.servebench.run import run_once
+    from kvoffload.servebench.run import initial_test, run_once
     from kvoffload.servebench.sessions import run_sessions
 
     run = run_sessions if args.dataset_name == "sessions" else run_once
+    if not (args.compare_routing or args.compare_offloading):
+        failure = initial_test(args.base_url.rstrip("/"), args.served_model_name or args.model)
+        if failure is not None:
+            print(f"{args.parser.prog}: the initial test request to {args.base_url} failed: "
+                  f"{failure}", file=sys.stderr, flush=True)
+            return EXIT_INITIAL_TEST
     if args.compare_routing:
         from kvoffload.servebench.compare import compare_routing
 

@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from kvoffload.cli.args import int_in, real_in
-from kvoffload.cli.flagspec import Flag, Needs, add_flags, resolve_flags
+from kvoffload.cli.flagspec import Flag, Needs, add_flags, help_section, resolve_flags
 from kvoffload.engine import EngineConfig
 from kvoffload.engine.admission import SCHEDULING_POLICIES
 from kvoffload.engine.config import OFFLOADING_BACKENDS
@@ -274,7 +274,35 @@ def add_engine_flags(
 ) -> None:
     """Add every engine and tier flag to ``parser``. ``defaults`` (setting -> value) replaces
     ``EngineConfig``'s defaults for this command; ``exclude`` leaves settings out."""
-    add_flags(parser, ENGINE_FLAGS, defaults, exclude)
+    for title in _ORDER:  # the headings in this order (argparse hides an empty one)
+        help_section(parser, title)
+    table = tuple(map(_sectioned, ENGINE_FLAGS))
+    add_flags(parser, table, defaults, exclude)
+
+
+#: ``--help``'s sections of the engine flags: a row's own ``section=`` wins; else this map; else
+#: the tier it needs names it (a new ``needs=DISK`` flag is listed under "disk tier" with no
+#: change here); else "engine". Listed in the order of :data:`_ORDER`.
+_NEEDS_SECTIONS = {HOST: "host tier", DISK: "disk tier", REMOTE: "remote tier",
+                   SECONDARY: "disk and remote tiers", METRICS: "metrics and logs"}
+_ORDER = ("engine", "host tier", "disk tier", "remote tier", "disk and remote tiers", "events",
+          "metrics and logs")
+_SECTIONS = {
+    "kv_offloading_size": "host tier",
+    "kv_disk_path": "disk tier",
+    "kv_remote_url": "remote tier",
+    "kv_events_config": "events",
+    "metrics_port": "metrics and logs",
+    "log_stats_interval_s": "metrics and logs",
+}
+
+
+def _sectioned(flag: Flag) -> Flag:
+    """``flag`` with its ``--help`` section (see :data:`_SECTIONS`)."""
+    if flag.section is not None:
+        return flag
+    by_needs = _NEEDS_SECTIONS.get(flag.needs) if flag.needs is not None else None
+    return dataclasses.replace(flag, section=_SECTIONS.get(flag.dest, by_needs or "engine"))
 
 
 def engine_kwargs_from_args(

@@ -3,8 +3,9 @@
 A :class:`Flag` holds everything about one flag: the setting it sets (``dest``), how its value is
 parsed (type and range, :mod:`kvoffload.cli.args`), its default, its unit (shown as the metavar),
 its help, what it needs to have any effect (:class:`Needs`: a flag given without it is refused,
-never silently ignored) and its deprecated spellings. :func:`add_flags` adds a table of flags to a
-parser; :func:`resolve_flags` applies the rules to what was parsed and fills in the defaults.
+never silently ignored), its deprecated spellings and its ``--help`` section. :func:`add_flags`
+adds a table of flags to a parser; :func:`resolve_flags` applies the rules to what was parsed and
+fills in the defaults (a :class:`MachineDefault` is computed then).
 
 Invariant: every flag of a table parses to ``None`` when it is not given, so the rules can tell a
 flag the user gave from a default; ``--help`` states each default once, as the table has it.
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["Flag", "Needs", "add_flags", "resolve_flags"]
+__all__ = ["Flag", "MachineDefault", "Needs", "add_flags", "help_section", "resolve_flags"]
 
 #: Where a parser keeps its tables' rules: ``[(Flag, default), ...]`` (a parser default).
 _RULES = "_flag_rules"
@@ -38,13 +39,23 @@ class Needs:
 
 
 @dataclass(frozen=True)
+class MachineDefault:
+    """A default read from the machine when the flags are resolved (never while ``--help`` is
+    built): ``value()`` computes it, ``text`` states the rule in ``--help``."""
+
+    text: str
+    value: Callable[[], Any]
+
+
+@dataclass(frozen=True)
 class Flag:
     """One flag. ``kind``: ``value`` takes an argument (``parse`` converts and range-checks it;
     ``choices`` lists the allowed words, a callable is called when the flag is added), ``append``
     one per use (a tuple), ``switch`` is ``--flag`` alone, ``negatable`` adds ``--no-flag``. ``unset``: how a ``None`` default reads
     in ``--help``. ``group``: flags of one group exclude each other, and their defaults apply only
     when none of them is given. ``aliases``: deprecated spellings, accepted with a one-line
-    notice."""
+    notice. ``section``: the ``--help`` heading it is listed under (unset: the one
+    :func:`add_flags` is given for its table)."""
 
     dest: str
     help: str
@@ -57,6 +68,7 @@ class Flag:
     unset: str = "unset"
     aliases: tuple[str, ...] = ()
     group: str | None = None
+    section: str | None = None
 
     @property
     def option(self) -> str:
@@ -64,6 +76,8 @@ class Flag:
 
     def default_text(self, default: Any) -> str:
         """How ``default`` reads in ``--help``."""
+        if isinstance(default, MachineDefault):
+            return default.text
         if default is None or default == ():
             return "off" if self.kind in ("switch", "negatable") else self.unset
         if isinstance(default, bool):
@@ -113,10 +127,13 @@ def add_flags(
     table: Sequence[Flag],
     defaults: Mapping[str, Any] | None = None,
     exclude: Collection[str] = (),
+    section: str | None = None,
 ) -> None:
     """Add every flag of ``table`` (less the settings in ``exclude``) to ``parser``, with the
     table's defaults overridden by ``defaults`` (setting -> value), and record their rules for
-    :func:`resolve_flags`."""
+    :func:`resolve_flags`. ``--help`` lists each flag under its own ``section``, else under
+    ``section``, else under the parser's "options"; one heading per title, whichever table adds
+    to it."""
     defaults = dict(defaults or {})
     unknown = set(defaults) - {f.dest for f in table}
     if unknown:
@@ -127,16 +144,27 @@ def add_flags(
         if flag.dest in exclude:
             continue
         default = defaults.get(flag.dest, flag.default)
-        target: Any = parser
+        heading = help_section(parser, flag.section or section)
+        target: Any = heading
         if flag.group is not None:
             if flag.group not in groups:
-                groups[flag.group] = parser.add_mutually_exclusive_group()
+                groups[flag.group] = heading.add_mutually_exclusive_group()
             target = groups[flag.group]
         target.add_argument(flag.option, **_argument(flag, default))
         for old in flag.aliases:
-            parser.add_argument(old, **_alias_argument(flag))
+            heading.add_argument(old, **_alias_argument(flag))
         rules.append((flag, default))
     parser.set_defaults(**{_RULES: rules})
+
+
+def help_section(parser: argparse.ArgumentParser, title: str | None) -> Any:
+    """The argument group titled ``title`` (made on first use), or ``parser`` for none."""
+    if title is None:
+        return parser
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
 
 
 def _choices(flag: Flag) -> Sequence[str] | None:
@@ -187,7 +215,8 @@ def resolve_flags(args: argparse.Namespace, provided: Collection[str] = ()) -> a
     resolved = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != _RULES})
     for flag, default in rules:
         if flag.dest not in given and flag.group not in groups_given:
-            setattr(resolved, flag.dest, default)
+            value = default.value() if isinstance(default, MachineDefault) else default
+            setattr(resolved, flag.dest, value)
         elif flag.kind == "append":
             setattr(resolved, flag.dest, tuple(getattr(args, flag.dest)))
     for flag, _ in rules:

@@ -27,9 +27,9 @@ def secret(text: str) -> str:
 FRONT_DOOR_FLAGS: tuple[Flag, ...] = (
     Flag("api_key", "a key every request but /health and /metrics must carry as "
          "'Authorization: Bearer KEY'", parse=secret, unit="KEY",
-         unset=f"${API_KEY_ENV}, else none: no key needed"),
+         unset=f"${API_KEY_ENV}, else none: no key needed", section="server"),
     Flag("max_request_bytes", "the largest request body taken (larger: 413)",
-         parse=int_in(1024), default=DEFAULT_MAX_REQUEST_BYTES, unit="BYTES"),
+         parse=int_in(1024), default=DEFAULT_MAX_REQUEST_BYTES, unit="BYTES", section="server"),
 )
 
 

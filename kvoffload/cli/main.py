@@ -1,4 +1,5 @@
-"""``kvoffload`` entry point: one subcommand module per command group, imported on use."""
+"""``kvoffload`` entry point: one subcommand module per command group, imported on use. Every
+command takes ``--config FILE.yaml`` (:mod:`kvoffload.cli.config_file`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _COMMAND_GROUPS = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     from kvoffload import __version__
     from kvoffload.cli.args import CommandParser
+    from kvoffload.cli.config_file import add_config_flag, command_parsers
 
     parser = CommandParser(prog="kvoffload", description="KV-cache offloading for LLM inference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -33,11 +35,19 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             importlib.import_module(_COMMAND_GROUPS[name]).add_parser(sub)
         else:
             sub.add_parser(name, help=f"({name} commands)")
+    for command in command_parsers(parser):
+        add_config_flag(command)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command's flags, its ``--config`` file's under them; a usage error exits 2."""
+    from kvoffload.cli.config_file import apply_config_file
+
+    return apply_config_file(argv, _parse(argv), _parse)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
     args, unknown = build_parser(argv).parse_known_args(argv)
     if unknown:
         # The subcommand's usage, not the top-level one (leaf parsers set ``parser``).
@@ -46,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         if leaf is None:
             build_parser(argv).error(message)
         leaf.error(message)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -6,7 +6,8 @@ import argparse
 import gc
 import logging
 import signal
-from typing import Any
+import socket
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.config import LOG_LEVELS
 
@@ -20,7 +21,11 @@ from kvoffload.cli.front_door_flags import (
     api_key_from,
     secret,
 )
+from kvoffload.cli.listen_socket import bind_listener
 from kvoffload.routing.policies import POLICIES, TIER_WEIGHTS
+
+if TYPE_CHECKING:
+    from kvoffload.routing.router import BackendSpec
 
 __all__ = ["ROUTE_FLAGS", "add_parser"]
 
@@ -30,8 +35,9 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
     Flag("backend", "a backend (repeat); its KV events are found at its /kv_event_sources "
          "unless given", kind="append", default=(), unset="none: at least one is required",
          unit="URL[,events=tcp://H:P][,replay=tcp://H:P][,topic=T][,remote_group=G]"),
-    Flag("host", "address to listen on", default="127.0.0.1", unit="HOST"),
-    Flag("port", "port to listen on", parse=int_in(0, 65535), default=8080, unit="PORT"),
+    Flag("host", "address to listen on", default="127.0.0.1", unit="HOST", section="server"),
+    Flag("port", "port to listen on", parse=int_in(0, 65535), default=8080, unit="PORT",
+         section="server"),
     Flag("policy", "routing policy", choices=POLICIES, default="kv_aware"),
     Flag("tier_weights", "kv_aware: how cached blocks count (measured costs, tier-blind, Dynamo's "
          "static credits)", choices=TIER_WEIGHTS, default="measured"),
@@ -39,18 +45,19 @@ ROUTE_FLAGS: tuple[Flag, ...] = (
          "chat template", default="small", unit="MODEL"),
     Flag("block_size", "the backends' block size", parse=int_in(1), default=16, unit="TOKENS"),
     Flag("health_interval", "seconds between health checks", parse=real_in(0, positive=True),
-         default=1.0, unit="SECONDS"),
+         default=1.0, unit="SECONDS", section="backends' health"),
     Flag("health_failures", "failed checks in a row that take a backend out of rotation",
-         parse=int_in(1), default=2, unit="N"),
+         parse=int_in(1), default=2, unit="N", section="backends' health"),
     Flag("metrics_interval", "seconds between scrapes of the backends' /metrics (measured "
-         "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS"),
+         "costs)", parse=real_in(0, positive=True), default=1.0, unit="SECONDS",
+         section="backends' health"),
     Flag("stream_idle_timeout", "seconds a streamed answer may go without a byte from its "
          "backend before it ends with an error event", parse=real_in(0, positive=True),
          default=60.0, unit="SECONDS"),
-    Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning"),
+    Flag("log_level", "log level", choices=tuple(LOG_LEVELS), default="warning", section="server"),
     *FRONT_DOOR_FLAGS,
     Flag("backend_api_key", "the key sent to every backend as 'Authorization: Bearer KEY'",
-         parse=secret, unit="KEY", unset=f"${BACKEND_API_KEY_ENV}, else none"),
+         parse=secret, unit="KEY", unset=f"${BACKEND_API_KEY_ENV}, else none", section="server"),
 )
 
 
@@ -61,21 +68,17 @@ def add_parser(subparsers: Any) -> None:
         description="Route OpenAI API requests over backends (kvoffload serve, vllm serve). With "
         "--policy kv_aware (default) it follows every backend's KV events and sends each request "
         "where its predicted time to first token is lowest: blocks to compute and blocks to "
-        "load from each tier, at each backend's measured costs, plus its queue.",
+        "load from each tier, at each backend's measured costs, plus its queue. It warns once "
+        "per backend that does not answer, or that publishes no KV events (kv_aware cannot see "
+        "its cache).",
     )
-    add_flags(p, ROUTE_FLAGS)
+    add_flags(p, ROUTE_FLAGS, section="routing")
     p.set_defaults(func=_run, parser=p)
 
 
 @command
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvoffload.routing.app import build_app
-    from kvoffload.routing.policies import create_policy
-    from kvoffload.routing.router import BackendSpec, Router
-    from kvoffload.serving.prompts import PromptTokenizer
-    from kvoffload.serving.server import KEEP_ALIVE_S
+    from kvoffload.routing.router import BackendSpec
 
     args = resolve_flags(args)
     if not args.backend:
@@ -85,6 +88,21 @@ def _run(args: argparse.Namespace) -> int:
         specs = [BackendSpec.parse(b) for b in args.backend]
     except ValueError as exc:
         args.parser.error(str(exc))
+    sock = bind_listener(args.host, args.port)  # in use: one line, exit 2, before the tokenizer
+    with sock:  # closed here too when the router cannot start
+        return _serve_routes(args, specs, sock)
+
+
+def _serve_routes(args: argparse.Namespace, specs: list[BackendSpec], sock: socket.socket) -> int:
+    """Build the router over ``specs`` and serve it on ``sock`` until it stops."""
+    import uvicorn
+
+    from kvoffload.routing.app import build_app
+    from kvoffload.routing.policies import create_policy
+    from kvoffload.routing.router import Router
+    from kvoffload.serving.prompts import PromptTokenizer
+    from kvoffload.serving.server import KEEP_ALIVE_S
+
     # A model whose tokenizer cannot be loaded is a ConfigError (one line, command), never a
     # silent fall back to byte-level ids that match none of the backends' blocks.
     tokenizer = PromptTokenizer(args.model, require_tokenizer=True)
@@ -105,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
                                            timeout_keep_alive=KEEP_ALIVE_S))
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:
-        server.run()  # Ctrl-C: KeyboardInterrupt once it stopped (one line, exit 130)
+        server.run(sockets=[sock])  # Ctrl-C: KeyboardInterrupt once it stopped (one line, exit 130)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1

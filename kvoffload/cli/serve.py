@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from uvicorn.config import LOG_LEVELS
@@ -12,6 +13,7 @@ from kvoffload.cli.command import command
 from kvoffload.cli.engine_flags import add_engine_flags
 from kvoffload.cli.flagspec import Flag, add_flags
 from kvoffload.cli.front_door_flags import API_KEY_ENV, FRONT_DOOR_FLAGS, api_key_from
+from kvoffload.cli.host_tier_size import HOST_TIER_DEFAULT
 
 __all__ = ["SERVE_FLAGS", "add_parser"]
 
@@ -38,8 +40,8 @@ def add_parser(subparsers: Any) -> None:
         "and /metrics needs 'Authorization: Bearer KEY'. Requests are batched continuously; SIGTERM finishes the requests in "
         "flight, lets their stores reach the tiers, and exits 0.",
     )
-    add_flags(p, SERVE_FLAGS)
-    add_engine_flags(p, exclude=_NOT_FOR_SERVE)
+    add_flags(p, SERVE_FLAGS, section="server")
+    add_engine_flags(p, defaults={"kv_offloading_size": HOST_TIER_DEFAULT}, exclude=_NOT_FOR_SERVE)
     p.set_defaults(func=_run, parser=p)
 
 
@@ -49,14 +51,21 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvoffload.cli.engine_flags import engine_config_from_args
     from kvoffload.cli.flagspec import resolve_flags
+    from kvoffload.cli.listen_socket import bind_listener
     from kvoffload.serving.server import serve
 
-    config = engine_config_from_args(args)  # a refused flag or bad setting: one line, exit 2
-    flags = resolve_flags(args)
+    flags = resolve_flags(args)  # the host tier's default is read from the machine here, once
+    config = engine_config_from_args(flags)  # a refused flag or bad setting: one line, exit 2
+    sock = bind_listener(flags.host, flags.port)  # in use: one line, exit 2, before the model
+    if args.kv_offloading_size is None:
+        print(f"kvoffload serve: host tier {config.kv_offloading_size:g} GiB "
+              f"({HOST_TIER_DEFAULT.text}; --kv-offloading-size sets it, 0 turns it off)",
+              file=sys.stderr, flush=True)
     logging.basicConfig(level=flags.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    status = serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
-                   api_key=api_key_from(flags.api_key, API_KEY_ENV),
-                   max_request_bytes=flags.max_request_bytes)
+    with sock:  # closed here too when the engine cannot start
+        status = serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
+                       sock=sock, api_key=api_key_from(flags.api_key, API_KEY_ENV),
+                       max_request_bytes=flags.max_request_bytes)
     _exit_now(status)
     return status  # pragma: no cover - not reached
 

@@ -178,7 +178,7 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, WORKLOAD_FLAGS)
+    add_flags(parser, WORKLOAD_FLAGS, section="workload")
 
 
 def check_workload(flags: argparse.Namespace) -> None:

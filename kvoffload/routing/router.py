@@ -183,6 +183,8 @@ class Router:
                                        "bad_answers", "matched_blocks", "best_matched_blocks"), 0)
         #: background failures by (task, cause: the exception's type); each logged once
         self.failures: Counter[tuple[str, str]] = Counter()
+        #: (backend URL, what) of the warnings given: each once per router
+        self._warned: set[tuple[str, str]] = set()
         self._state = RouterState.CREATED
         self._connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -222,6 +224,10 @@ class Router:
         self._connections = Connections(aiohttp.ClientTimeout(total=None, sock_connect=5),
                                         key.header() if key is not None else None)
         await asyncio.gather(*(self._check(b) for b in self.backends))
+        for backend in self.backends:
+            if not backend.healthy:
+                self._warn_once(backend, "unreachable", "backend %s does not answer /health: "
+                                "no request goes to it until it does")
         self._tasks = [
             asyncio.create_task(self._every("health", self.health_interval_s, self._check)),
             asyncio.create_task(self._every("scrape", self.metrics_interval_s, self._scrape)),
@@ -251,6 +257,13 @@ class Router:
                     self.failed(task, backend, result)
                 elif isinstance(result, BaseException):  # cancelled: the router stops
                     raise result
+
+    def _warn_once(self, backend: Backend, what: str, text: str) -> None:
+        """Log ``text`` (``%s``: the backend's URL) the first time ``what`` is found of
+        ``backend``."""
+        if (backend.url, what) not in self._warned:
+            self._warned.add((backend.url, what))
+            logger.warning(text, backend.url)
 
     def failed(self, task: str, backend: Backend, exc: BaseException) -> None:
         """Count a background failure of ``task`` for ``backend``; the first of each cause is
@@ -315,6 +328,10 @@ class Router:
                 reset=lambda: self._reset_of(backend, iid),
                 loop=asyncio.get_running_loop(),
             ).start()
+        elif self.policy.needs_match:
+            self._warn_once(backend, "no events", f"backend %s publishes no KV events (none at "
+                            f"its /kv_event_sources, none given in --backend): {self.policy.name} "
+                            "cannot see what it caches")
         backend.lost = asyncio.Event()
         backend.healthy = True
         logger.warning("backend %s in rotation", backend.url)

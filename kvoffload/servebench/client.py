@@ -37,6 +37,7 @@ __all__ = [
     "RequestResult",
     "arrival_gaps",
     "bench_connections",
+    "error_message",
     "replay_gaps",
     "run_requests",
     "stream_into",
@@ -122,7 +123,7 @@ async def stream_into(
         resp = await conns.post(url, json=body, headers=headers or {})
         async with resp:
             if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                out.error = f"HTTP {resp.status}: {error_message(await resp.text())}"
                 return
             buffer = b""
             async for chunk in resp.content.iter_any():
@@ -138,6 +139,16 @@ async def stream_into(
             out.error = "no token chunk in the stream"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = error_text(exc)
+
+
+def error_message(text: str) -> str:
+    """An error answer's message: OpenAI's ``{"error": {"message": ...}}`` (vLLM's and ours),
+    else the text; at most 300 characters."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text
+    return str(message)[:300]
 
 
 def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -165,10 +176,11 @@ async def run_requests(
     gaps: Sequence[float],
     max_concurrency: int | None,
     sessions: Sequence[str | None] | None = None,
+    on_done: Callable[[], object] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Run every request, ``gaps[i]`` seconds after the previous one was sent (at most
     ``max_concurrency`` in flight); returns the results (in request order) and the wall
-    duration."""
+    duration. ``on_done()`` is called as each request ends (a progress bar)."""
     gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
         asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     )
@@ -179,6 +191,8 @@ async def run_requests(
         async with gate:
             out = await _one(conns, url, model, req, sessions[i] if sessions else None)
         out.queue_time = out.start_time - arrival
+        if on_done is not None:
+            on_done()
         return out
 
     conns = bench_connections(timeout)

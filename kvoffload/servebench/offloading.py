@@ -55,8 +55,9 @@ def offloading_args(args: argparse.Namespace, name: str, disk: str | None,
         raise ValueError(f"unknown offloading configuration {name!r}")
     out = ["serve", "--model", args.model, "--num-device-blocks", str(args.num_device_blocks),
            *shlex.split(args.serve_args or "")]
-    if name != BASELINE:
-        out += ["--kv-offloading-size", f"{args.compare_offloading_host_size:g}"]
+    # no_offloading says so: serve's own default is a host tier sized from the machine
+    host = 0.0 if name == BASELINE else args.compare_offloading_host_size
+    out += ["--kv-offloading-size", f"{host:g}"]
     if name == "host_disk":
         if disk is None:
             raise ValueError("host_disk needs a disk directory")

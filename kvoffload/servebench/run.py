@@ -9,6 +9,7 @@ import asyncio
 import datetime
 import json
 import math
+import sys
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -26,7 +27,7 @@ from kvoffload.servebench.metrics import (
     summarize,
 )
 
-__all__ = ["build_requests", "run_once"]
+__all__ = ["build_requests", "initial_test", "progress_bar", "run_once"]
 
 
 def build_requests(flags: argparse.Namespace) -> tuple[list[BenchRequest], list[str | None]]:
@@ -74,6 +75,25 @@ def metrics_urls(url: str) -> list[str]:
         return [url]
 
 
+def initial_test(url: str, model: str) -> str | None:
+    """vLLM's "initial test run": one short request (a one-token prompt, one output token,
+    streamed as the workload's are) before anything is measured. ``None`` when it succeeded,
+    else why it failed: the server's own error (an unknown model name, a missing API key) or
+    why nothing answered. The prompt is shorter than a block: it leaves nothing in any cache."""
+    (result,), _ = asyncio.run(run_requests(url, model, [BenchRequest([1], 1)], [0.0], None))
+    return None if result.success else result.error
+
+
+def progress_bar(total: int, args: argparse.Namespace, quiet: bool) -> Any:
+    """A bar of requests done on stderr; ``None`` with ``--disable-tqdm`` or ``quiet``, and
+    tqdm leaves it out where stderr is not a terminal."""
+    if quiet or args.disable_tqdm:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, disable=None)
+
+
 def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[str, Any]:
     """One run of the workload against ``url``: vLLM's result keys (per-request arrays only
     with ``--save-detailed``) plus the servers' tokens by source."""
@@ -88,8 +108,14 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
         gaps = replay_gaps([r.arrival_s for r in requests], args.timestamp_scale)
     else:
         gaps = arrival_gaps(len(requests), _rate(args), args.burstiness, args.seed)
-    results, duration = asyncio.run(run_requests(
-        url, model, requests, gaps, args.max_concurrency, sessions))
+    bar = progress_bar(len(requests), args, quiet)
+    try:
+        results, duration = asyncio.run(run_requests(
+            url, model, requests, gaps, args.max_concurrency, sessions,
+            on_done=None if bar is None else lambda: bar.update(1)))
+    finally:
+        if bar is not None:
+            bar.close()
     after = scrape_sources(urls)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     out: dict[str, Any] = {
@@ -109,6 +135,9 @@ def run_once(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[st
     }
     if not quiet:
         print_result(out, percentiles)
+        failure = next((r.error for r in results if not r.success), None)
+        if failure is not None:
+            print(f"First failed request: {failure}")
     if not args.save_detailed:
         for key in DETAILED_KEYS:
             del out[key]

@@ -41,7 +41,7 @@ from kvoffload.servebench.metrics import (
     scrape_sources,
     summarize,
 )
-from kvoffload.servebench.run import metrics_urls, print_result
+from kvoffload.servebench.run import metrics_urls, print_result, progress_bar
 from kvoffload.servebench.words import words_of_tokens
 
 __all__ = [
@@ -151,10 +151,11 @@ async def run_users(
     think: Sequence[Sequence[float]],
     max_concurrency: int | None,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    on_done: Callable[[], object] | None = None,
 ) -> tuple[list[Turn], float]:
     """Run every user's conversation (at most ``max_concurrency`` users at once), ``sleep``-ing
     ``think[user][round]`` after each turn but the last; returns the turns sent (by user, then
-    round) and the wall duration."""
+    round) and the wall duration. ``on_done()`` is called as each turn ends (a progress bar)."""
     gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
         asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     )
@@ -171,6 +172,8 @@ async def run_users(
                 result = await chat_turn(conns, url, model, messages, workload.answer_len)
                 result.queue_time = result.start_time - arrival if rnd == 0 else 0.0
                 turns.append(Turn(user, rnd, messages, result))
+                if on_done is not None:
+                    on_done()
                 if not result.success:
                     return
                 answers.append(result.generated_text)
@@ -213,7 +216,14 @@ def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dic
     model = args.served_model_name or args.model
     urls = metrics_urls(url)
     before = scrape_sources(urls)
-    turns, duration = asyncio.run(run_users(url, model, workload, think, args.max_concurrency))
+    bar = progress_bar(workload.num_users * workload.num_rounds, args, quiet)
+    try:
+        turns, duration = asyncio.run(run_users(
+            url, model, workload, think, args.max_concurrency,
+            on_done=None if bar is None else lambda: bar.update(1)))
+    finally:
+        if bar is not None:
+            bar.close()
     after = scrape_sources(urls)
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     results = [t.result for t in turns]

@@ -17,7 +17,8 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import Any
 
@@ -32,6 +33,7 @@ from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.metrics import ServerMetrics
 from kvoffload.serving.prompts import PromptTokenizer
+from kvoffload.serving.ready import ready_line
 from kvoffload.tiers.redis.url import parse_redis_url, redacted_url
 
 __all__ = ["KEEP_ALIVE_S", "max_model_len", "remote_tier_id", "serve"]
@@ -104,7 +106,9 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> int:
     """Build the engine and serve it until SIGTERM (returns the exit status) or Ctrl-C (raises
-    ``KeyboardInterrupt`` after the same graceful end)."""
+    ``KeyboardInterrupt`` after the same graceful end). ``sock``: a socket bound to the address
+    (the command binds it before the model loads). Once it answers requests it prints one line
+    on stderr (:func:`~kvoffload.serving.ready.ready_line`)."""
     engine = Engine(**_engine_kwargs(config))
     loop = EngineLoop(engine)
     drain = Drain()
@@ -136,7 +140,9 @@ def serve(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
         timeout_keep_alive=KEEP_ALIVE_S,
     )
-    server = _DrainingServer(uv_config, drain)
+    server = _DrainingServer(uv_config, drain, lambda url: print(
+        ready_line(engine, url, ctx.model_name, ctx.kv_event_sources), file=sys.stderr,
+        flush=True))
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn re-raises it at the end
     try:
         server.run(sockets=[sock] if sock is not None else None)
@@ -151,9 +157,17 @@ class _DrainingServer(uvicorn.Server):
     stops (as uvicorn does on a signal) once nothing is in flight, checked every tick (0.1 s).
     A second signal stops it now, without waiting for the requests in flight."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, ready: Callable[[str], None]) -> None:
         super().__init__(config)
         self.drain = drain
+        self.ready = ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, then ``ready(URL)`` once it accepts connections (the port as bound)."""
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or not self.started:
