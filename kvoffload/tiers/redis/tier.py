@@ -57,6 +57,7 @@ from typing import Any
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
+from kvoffload.tiers.codec import BlockCodec
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.redis.answers import FOREVER, RemoteAnswers
 from kvoffload.tiers.redis.blocks import JobOutcome, RemoteBlocks
@@ -137,9 +138,12 @@ class RedisTier(SecondaryTier):
         self._server_base: dict[str, int] = {}
         self._io_counters: Counter[str] = Counter()
 
+        codec = BlockCodec(config.compression, layout, "kv_remote_compression")  # checked first
         self._transport = self._connect()
         ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
-        self._blocks = RemoteBlocks(pool, layout, self._transport, ttl_ms, self.url.namespace)
+        self._blocks = RemoteBlocks(
+            pool, layout, self._transport, ttl_ms, self.url.namespace, codec
+        )
         self._threads = [
             threading.Thread(target=self._io_loop, name="kvo-remote-io", daemon=True),
             threading.Thread(target=self._lookup_loop, name="kvo-remote-lookup", daemon=True),
@@ -310,6 +314,7 @@ class RedisTier(SecondaryTier):
         with self._lock:
             out.update(self._io_counters)
         out.update(self._transport.counters())
+        out.update(self._blocks.codec.stats.as_stats())
         return out
 
     def close(self) -> None:
