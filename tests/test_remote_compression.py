@@ -5,6 +5,8 @@ tiers on one server serves exact blocks, damaged frames fail their loads and are
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from redis_servers import RedisServer, standalone_server
@@ -12,6 +14,7 @@ from remote_cases import keys_for, lookup_all, make_pool, make_tier, run_job
 from remote_codec_cases import fill_kv, kv_layout
 
 from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import LookupResult
 from kvoffload.tiers.blockformat import encode_header, payload_checksum
 from kvoffload.tiers.codec.frame import LOSSLESS_ID, pack_frame_header
@@ -21,8 +24,8 @@ HIT, MISS = LookupResult.HIT, LookupResult.MISS
 BLOCK = 16 * 1024
 
 
-def _value_lengths(server_url_client, prefix: bytes, keys) -> list[int]:  # type: ignore[no-untyped-def]
-    with server_url_client() as c:
+def _value_lengths(client: Any, prefix: bytes, keys: list[OffloadKey]) -> list[int]:
+    with client() as c:
         return [c.strlen(prefix + key) for key in keys]
 
 
@@ -58,7 +61,7 @@ def test_loads_are_exact_whatever_each_tier_compresses(
         b.close()
 
 
-def test_cluster_round_trip_is_exact_and_compressed(redis_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_cluster_round_trip_is_exact_and_compressed(redis_cluster: Any) -> None:
     layout = kv_layout(BLOCK)
     (pool_a, view_a), (pool_b, view_b) = make_pool(32, BLOCK), make_pool(32, BLOCK)
     fill_kv(pool_a, seed=2)
