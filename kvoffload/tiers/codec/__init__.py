@@ -86,13 +86,11 @@ class CodecStats:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
     def as_stats(self) -> dict[str, int]:
-        """For a tier's ``stats()``: ``codec_raw_bytes``, ``codec_stored_bytes``,
-        ``codec_ratio_milli`` (ratio x 1000), ``codec_encode_us``, ``codec_decode_us`` and the
-        block counts."""
+        """For a tier's ``stats()`` (counters): ``codec_raw_bytes``, ``codec_stored_bytes`` (their
+        quotient is the ratio), ``codec_encode_us``, ``codec_decode_us`` and the block counts."""
         return {
             "codec_raw_bytes": self.raw_bytes,
             "codec_stored_bytes": self.stored_bytes,
-            "codec_ratio_milli": round(self.ratio * 1000),
             "codec_encoded_blocks": self.encoded_blocks,
             "codec_decoded_blocks": self.decoded_blocks,
             "codec_encode_us": round(self.encode_s * 1e6),
