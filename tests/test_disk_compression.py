@@ -6,7 +6,9 @@ their own, and the settings checked."""
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,10 +38,10 @@ def kv_pool(num_slots: int, seed: int = 0) -> tuple[torch.Tensor, memoryview]:
     count = num_slots * BLOCK // 2
     values = torch.randn(count, generator=g) * (1 + 7 * (torch.arange(count) % 64 == 5))
     tensor = values.to(torch.bfloat16).view(torch.uint8).view(num_slots, BLOCK).clone()
-    return tensor, memoryview(tensor.numpy())
+    return tensor, memoryview(tensor.numpy())  # type: ignore[arg-type]
 
 
-def tier(path: Path, pool: memoryview, raw_files: int = 16, **settings) -> DiskTier:  # type: ignore[no-untyped-def]
+def tier(path: Path, pool: memoryview, raw_files: int = 16, **settings: Any) -> DiskTier:
     """A disk tier whose bound holds ``raw_files`` uncompressed block files."""
     settings.setdefault("rescan_interval", 0)
     settings.setdefault("compression", "lossless")
@@ -47,7 +49,7 @@ def tier(path: Path, pool: memoryview, raw_files: int = 16, **settings) -> DiskT
     return DiskTier(pool, kv_layout(), DiskTierSettings(path, bound, **settings))
 
 
-def run(t: DiskTier, job_id: int, store: bool, keys: list, slots: list[int]) -> dict:  # type: ignore[type-arg]
+def run(t: DiskTier, job_id: int, store: bool, keys: list[Any], slots: list[int]) -> dict[Any, str]:
     (t.submit_store if store else t.submit_load)(TierJob(job_id, keys, slots))
     (result,) = wait_jobs(t)
     assert result.job_id == job_id
@@ -117,8 +119,8 @@ def _undecodable(path: Path) -> None:
 @pytest.mark.parametrize("damage,cause", [(_flip, "checksum"), (_undecodable, "corrupt")])
 def test_a_damaged_compressed_file_fails_its_load_and_is_dropped(
     tmp_path: Path,
-    damage,
-    cause,  # type: ignore[no-untyped-def]
+    damage: Callable[[Path], None],
+    cause: str,
 ) -> None:
     pool, view = kv_pool(6)
     t = tier(tmp_path, view)

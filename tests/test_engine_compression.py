@@ -34,7 +34,7 @@ def want() -> list:
 
 
 @pytest.mark.parametrize("mode", ["lossless", "auto"])
-def test_disk_lossless_outputs_are_identical(tmp_path: Path, want, mode: str) -> None:  # type: ignore[no-untyped-def]
+def test_disk_lossless_outputs_are_identical(tmp_path: Path, want: list, mode: str) -> None:
     with disk_engine(tmp_path, kv_disk_compression=mode) as engine:
         outputs = [o for r in ROUNDS for o in one_at_a_time(engine, r)]
         stats = engine.stats()
@@ -48,7 +48,7 @@ def test_disk_lossless_outputs_are_identical(tmp_path: Path, want, mode: str) ->
     )
 
 
-def test_damaged_compressed_files_are_recomputed(tmp_path: Path, want) -> None:  # type: ignore[no-untyped-def]
+def test_damaged_compressed_files_are_recomputed(tmp_path: Path, want: list) -> None:
     with disk_engine(tmp_path, kv_disk_compression="lossless") as engine:
         one_at_a_time(engine, ROUNDS[0])
     files = block_files(tmp_path)
@@ -65,7 +65,7 @@ def test_damaged_compressed_files_are_recomputed(tmp_path: Path, want) -> None: 
     assert stats["offload_tier_promoted_blocks"] == 0
 
 
-def test_a_full_disk_with_compression_keeps_serving(tmp_path: Path, want) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_disk_with_compression_keeps_serving(tmp_path: Path, want: list) -> None:
     def no_space(op: str, key: bytes) -> None:
         if op == "write":
             raise OSError(errno.ENOSPC, "No space left on device")
