@@ -48,12 +48,10 @@ def encode_lossless(raw: memoryview | bytes, width: int) -> bytes:
     """The frame of ``raw`` (a whole number of ``width``-byte elements; ``width`` 1 to 8)."""
     if not 1 <= width <= 8 or len(raw) % width:
         raise ValueError(f"{len(raw)} bytes are not a whole number of {width}-byte elements")
-    planes = split(raw, width)
     n = len(raw) // width
     compress = _compressor().compress
     entries, bodies = [], []
-    for p in range(width):
-        plane = planes[p * n : (p + 1) * n]
+    for plane in split(raw, width):
         packed = compress(plane)
         if len(packed) <= n - (n >> 5):
             entries.append(_ENTRY.pack(len(packed) | _COMPRESSED))
@@ -73,7 +71,7 @@ def decode_lossless(stored: memoryview, width: int, out: memoryview) -> None:
     at = FRAME.size + width * _ENTRY.size
     if len(stored) < at:
         raise CorruptBlockError("corrupt", "codec frame cut short")
-    planes = bytearray(len(out))
+    planes: list[bytes | memoryview] = []
     decompress = _decompressor().decompress
     for p in range(width):
         (entry,) = _ENTRY.unpack_from(stored, FRAME.size + p * _ENTRY.size)
@@ -92,7 +90,7 @@ def decode_lossless(stored: memoryview, width: int, out: memoryview) -> None:
                 ) from None
         if len(plane) != n:
             raise CorruptBlockError("corrupt", f"plane {p} is {len(plane)} bytes, expected {n}")
-        planes[p * n : (p + 1) * n] = plane
+        planes.append(plane)
     if at != len(stored):
         raise CorruptBlockError("corrupt", f"{len(stored) - at} bytes after the codec frame")
-    join_into(memoryview(planes), width, out)
+    join_into(planes, width, out)
