@@ -192,7 +192,6 @@ def lossy_cost(
         prefill(model, prefix, cache, table)
         exact_logits = prefill(model, rest, cache.clone(), table, cached=prefix_tokens)
         nprefix = prefix_tokens // BLOCK_TOKENS
-        blocks, layout = [], None
         raw = cache[:nprefix].contiguous().view(torch.uint8).reshape(nprefix, -1)
         c = model.config
         layout = KVLayout(
@@ -208,13 +207,12 @@ def lossy_cost(
         lossy_cache = cache.clone()
         flat = lossy_cache.view(torch.uint8).reshape(lossy_cache.shape[0], -1)
         for b in range(nprefix):
-            frame = fp8.encode(memoryview(raw[b].numpy()))
+            frame = fp8.encode(memoryview(raw[b].numpy().tobytes()))
             if frame is None:
                 raise RuntimeError("fp8 did not encode a block")
             out = bytearray(raw.shape[1])
             fp8.decode(memoryview(frame), memoryview(out))
             flat[b] = torch.frombuffer(out, dtype=torch.uint8)
-        del blocks
         lossy_logits = prefill(model, rest, lossy_cache, table, cached=prefix_tokens)
         p = torch.log_softmax(exact_logits, dim=-1)
         q = torch.log_softmax(lossy_logits, dim=-1)

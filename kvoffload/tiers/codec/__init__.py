@@ -26,6 +26,7 @@ from kvoffload.tiers.codec.lossless import decode_lossless, encode_lossless
 from kvoffload.tiers.contract import KVLayout
 
 __all__ = [
+    "AUTO_MARGIN",
     "AUTO_RATIO_FLOOR",
     "COMPRESSION_CHOICES",
     "BlockCodec",
@@ -37,6 +38,9 @@ __all__ = [
 COMPRESSION_CHOICES = ("none", "lossless", "auto", "fp8")
 #: ``auto`` compresses a capacity-bound tier only when blocks get at least this much smaller.
 AUTO_RATIO_FLOOR = 1.1
+#: ``auto`` encodes for speed only when the I/O time it saves is this many times what the codec
+#: costs (the figures are measured on a machine whose load varies).
+AUTO_MARGIN = 2.0
 #: ``auto`` encodes one block in this many while it stores raw, to keep measuring the codec.
 AUTO_SAMPLE_EVERY = 32
 _WIDTHS = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8}
@@ -174,8 +178,8 @@ class BlockCodec:
 class _AutoChoice:
     """``auto``'s decision, from what the tier measured (any thread; plain attribute updates).
 
-    Encoding pays when the codec's seconds per raw byte (encode + decode) are less than the I/O
-    seconds it saves: ``io_s_per_byte * (1 - 1 / ratio)``; or, for a capacity-bound tier, when
+    Encoding pays when :data:`AUTO_MARGIN` times the codec's seconds per raw byte (encode +
+    decode) are less than the I/O seconds it saves: ``io_s_per_byte * (1 - 1 / ratio)``; or, for a capacity-bound tier, when
     the ratio is at least :data:`AUTO_RATIO_FLOOR`. Until both figures exist, and one block in
     :data:`AUTO_SAMPLE_EVERY` afterwards, a block is encoded to measure the codec.
     """
@@ -213,4 +217,4 @@ class _AutoChoice:
             codec_s += stats.decode_s / (stats.decoded_blocks * self._block_bytes)
         else:
             codec_s *= 2  # decoding is not measured yet: assume it costs what encoding does
-        return codec_s < self._io_s / self._io_bytes * (1 - 1 / ratio)
+        return codec_s * AUTO_MARGIN < self._io_s / self._io_bytes * (1 - 1 / ratio)

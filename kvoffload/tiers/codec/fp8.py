@@ -15,26 +15,39 @@ its size (1.94x at head_dim 64), fp32 KV in about a quarter.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from kvoffload.tiers.blockformat import CorruptBlockError
 from kvoffload.tiers.codec.frame import FP8_ID, FRAME, pack_frame_header
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FP8_DTYPES", "decode_fp8", "encode_fp8"]
 
 #: The KV dtypes fp8 encodes, by ``str(torch dtype)``, and their ids in the frame.
 FP8_DTYPES = {"torch.bfloat16": 1, "torch.float16": 2, "torch.float32": 3}
-_TORCH = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 _E4M3_MAX = 448.0
+
+
+def _torch_dtype(dtype_id: int) -> torch.dtype | None:
+    """The torch dtype of a frame's dtype id (torch is imported here, on first use: importing
+    the tiers must not import it)."""
+    import torch
+
+    return {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}.get(dtype_id)
 
 
 def encode_fp8(raw: memoryview | bytes, dtype: str, head_dim: int) -> bytes:
     """The frame of ``raw``, elements of ``dtype`` (a key of :data:`FP8_DTYPES`) in groups of
     ``head_dim``."""
+    import torch
+
     dtype_id = FP8_DTYPES.get(dtype)
-    if dtype_id is None:
+    source = None if dtype_id is None else _torch_dtype(dtype_id)
+    if dtype_id is None or source is None:
         raise ValueError(f"fp8 encodes {sorted(FP8_DTYPES)} KV, not {dtype}")
-    values = torch.frombuffer(bytearray(raw), dtype=_TORCH[dtype_id]).float()
+    values = torch.frombuffer(bytearray(raw), dtype=source).float()
     groups = values.view(-1, head_dim)
     scales = (groups.abs().amax(dim=1, keepdim=True) / _E4M3_MAX).to(torch.bfloat16)
     scales[scales == 0] = 1.0
@@ -50,7 +63,9 @@ def encode_fp8(raw: memoryview | bytes, dtype: str, head_dim: int) -> bytes:
 
 def decode_fp8(stored: memoryview, dtype_id: int, head_dim: int, out: memoryview) -> None:
     """Decode the frame ``stored`` into ``out`` (``len(out)`` bytes of the frame's dtype)."""
-    dtype = _TORCH.get(dtype_id)
+    import torch
+
+    dtype = _torch_dtype(dtype_id)
     if dtype is None:
         raise CorruptBlockError("corrupt", f"fp8 frame of unknown dtype id {dtype_id}")
     width = dtype.itemsize

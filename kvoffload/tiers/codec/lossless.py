@@ -50,7 +50,8 @@ def encode_lossless(raw: memoryview | bytes, width: int) -> bytes:
         raise ValueError(f"{len(raw)} bytes are not a whole number of {width}-byte elements")
     n = len(raw) // width
     compress = _compressor().compress
-    entries, bodies = [], []
+    entries: list[bytes] = []
+    bodies: list[bytes | memoryview] = []
     for plane in split(raw, width):
         packed = compress(plane)
         if len(packed) <= n - (n >> 5):
