@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis.stateful import run_state_machine_as_test
+from test_tier_stateful import SETTINGS as STATEFUL_SETTINGS
+from test_tier_stateful import DiskTierMachine
 from tier_cases import dir_bytes, key, small_tmpfs, tier_file, wait_jobs
 
 from kvoffload.errors import ConfigError
@@ -26,6 +29,7 @@ CTX = ReqContext("test")
 BLOCK = 64 * 1024
 FILE = file_bytes(BLOCK)
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
+STATEFUL_DISK_BLOCKS = 5
 
 
 def kv_layout(block_bytes: int = BLOCK) -> KVLayout:
@@ -234,3 +238,15 @@ def test_compression_is_off_unless_configured(tmp_path: Path) -> None:
         assert t.stats()["codec_encoded_blocks"] == 0
     finally:
         t.close()
+
+
+class CompressedDiskTierMachine(DiskTierMachine):
+    """The disk tier's contract machine (``test_tier_stateful.py``) on a ``lossless`` tier of
+    the same bound: its blocks compress well, so more blocks fit than raw, and the files
+    (measured) never exceed the bound; the ledger equals them after every drain."""
+
+    compression = "lossless"
+
+
+def test_compressed_disk_tier_contract() -> None:
+    run_state_machine_as_test(CompressedDiskTierMachine, settings=STATEFUL_SETTINGS)
