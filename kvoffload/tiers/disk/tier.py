@@ -19,6 +19,10 @@ See ``docs/disk-tier.md``. In short:
   a file keeps reading it intact after an unlink (POSIX), and one that opens too late gets
   ``ENOENT``: a failed load, a recompute, never wrong bytes.
 
+* **Compressed** (``compression``, :mod:`kvoffload.tiers.codec`): blocks are encoded on the I/O
+  threads and decoded there; files differ in size, so the namespace is one of its own and the
+  ledger counts each file's measured bytes (more blocks in the same bound).
+
 This module is the scheduler-thread side: the in-memory index and the decisions. The modules
 beside it do the rest: ``diskjobs`` (the I/O threads), ``diskfiles`` (one block file),
 ``diskledger`` (the shared byte count), ``diskscan`` (finding files), ``diskdir`` (the directory).

@@ -5,7 +5,9 @@ hash seed) load each other's blocks. ``docs/remote-tier.md`` covers setup and me
 
 Data: one Redis string per block, key ``kvo:<layout fingerprint hex>:<OffloadKey bytes>`` (so two
 layouts never share a block; keys spread over every Cluster slot), value the self-checking
-:mod:`~kvoffload.tiers.blockformat` header (``align=8``) followed by the host slot's bytes.
+:mod:`~kvoffload.tiers.blockformat` header (``align=8``) followed by the host slot's bytes, or by
+their codec frame (``compression``, :mod:`kvoffload.tiers.codec`: encoded and decoded on the I/O
+thread; lossy blocks under their own layout's keys).
 
 Layers: :class:`RedisTier` keeps the tier contract, what it knows of the server's keys
 (:class:`~kvoffload.tiers.redis.answers.RemoteAnswers`) and two threads; the network is the
