@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from redis_servers import RedisServer, standalone_server
-from remote_cases import keys_for, lookup_all, make_pool, make_tier, run_job
+from remote_cases import keys_for, lookup_all, make_pool, make_tier, run_job, wait_until
 from remote_codec_cases import fill_kv, kv_layout
 
 from kvoffload.errors import ConfigError
@@ -215,3 +215,27 @@ def test_compression_is_off_unless_configured(redis_server: RedisServer) -> None
         assert min(_value_lengths(redis_server.client, tier._blocks.prefix, keys)) > BLOCK
     finally:
         tier.close()
+
+
+def test_auto_compresses_once_the_server_evicts() -> None:
+    """``auto`` on a tight ``maxmemory``: once the server evicts, room is what is short, and
+    every block the codec shrinks by 1.1x or more is stored compressed (whatever the link)."""
+    block = 64 * 1024
+    with standalone_server(
+        extra_args=("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    ) as server:
+        tensor, view = make_pool(96, block)
+        fill_kv(tensor, seed=9)
+        tier = make_tier(
+            server.url, view, kv_layout(block), compression="auto", stats_interval_s=0.05
+        )
+        try:
+            keys = keys_for(96, salt=109)
+            for start in range(0, 80, 8):  # 5 MiB raw into a 4 MiB server
+                run_job(tier, True, keys[start : start + 8], list(range(start, start + 8)))
+            wait_until(lambda: tier._blocks.codec._auto.capacity_bound, "auto seeing the evictions")
+            before = tier.stats()["codec_encoded_blocks"]
+            assert run_job(tier, True, keys[80:88], list(range(80, 88))).success
+            assert tier.stats()["codec_encoded_blocks"] == before + 8
+        finally:
+            tier.close()

@@ -452,8 +452,11 @@ class RedisTier(SecondaryTier):
         if self._transport.is_down():
             return
         try:
-            self._server = self._transport.server_figures()
+            self._server = server = self._transport.server_figures()
         except OSError:
-            pass  # the transport marked the server down
+            return  # the transport marked the server down
         except Exception as exc:  # figures are informative: keep the old ones
             log.error("remote tier INFO failed: %s", self.url.scrub(repr(exc)))
+            return
+        if server.get("evicted_keys", 0) > self._server_base.get("evicted_keys", 0):
+            self._blocks.codec.note_capacity_bound()  # the server evicts: room is what is short
