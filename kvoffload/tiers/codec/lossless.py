@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import struct
 import threading
-
-import zstandard
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.tiers.blockformat import CorruptBlockError
 from kvoffload.tiers.codec.frame import FRAME, LOSSLESS_ID, pack_frame_header
 from kvoffload.tiers.codec.planes import join_into, split
 
+if TYPE_CHECKING:
+    import zstandard
+
 __all__ = ["decode_lossless", "encode_lossless"]
 
 _ENTRY = struct.Struct("<I")
 _COMPRESSED = 1 << 31
-_PARAMS = zstandard.ZstdCompressionParameters.from_level(
-    1, min_match=7, search_log=1, hash_log=6, chain_log=6
-)
+#: The tiny match finder's settings (``zstandard`` is imported on first use: a tier without
+#: compression never needs it).
+_PARAMS = {"min_match": 7, "search_log": 1, "hash_log": 6, "chain_log": 6}
 # zstd contexts are not thread-safe: one pair per I/O thread.
 _local = threading.local()
 
@@ -33,15 +35,26 @@ _local = threading.local()
 def _compressor() -> zstandard.ZstdCompressor:
     c = getattr(_local, "c", None)
     if c is None:
-        c = _local.c = zstandard.ZstdCompressor(compression_params=_PARAMS)
+        import zstandard
+
+        params = zstandard.ZstdCompressionParameters.from_level(1, **_PARAMS)
+        c = _local.c = zstandard.ZstdCompressor(compression_params=params)
     return c
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
     d = getattr(_local, "d", None)
     if d is None:
+        import zstandard
+
         d = _local.d = zstandard.ZstdDecompressor()
     return d
+
+
+def _zstd_error() -> type[Any]:
+    import zstandard
+
+    return zstandard.ZstdError
 
 
 def encode_lossless(raw: memoryview | bytes, width: int) -> bytes:
@@ -85,7 +98,7 @@ def decode_lossless(stored: memoryview, width: int, out: memoryview) -> None:
         if entry & _COMPRESSED:
             try:
                 plane = decompress(body, max_output_size=n)
-            except zstandard.ZstdError as exc:
+            except _zstd_error() as exc:
                 raise CorruptBlockError(
                     "corrupt", f"plane {p} does not decompress: {exc}"
                 ) from None
