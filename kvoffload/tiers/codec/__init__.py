@@ -176,7 +176,8 @@ class BlockCodec:
 
 
 class _AutoChoice:
-    """``auto``'s decision, from what the tier measured (any thread; plain attribute updates).
+    """``auto``'s decision, from what the tier measured (any thread; the sample tick is not
+    locked: a sample more or less).
 
     Encoding pays when :data:`AUTO_MARGIN` times the codec's seconds per raw byte (encode +
     decode) are less than the I/O seconds it saves: ``io_s_per_byte * (1 - 1 / ratio)``; or, for a capacity-bound tier, when
@@ -187,14 +188,16 @@ class _AutoChoice:
     def __init__(self, stats: CodecStats, block_bytes: int) -> None:
         self._stats = stats
         self._block_bytes = block_bytes
+        self._lock = threading.Lock()
         self._io_bytes = 0
         self._io_s = 0.0
         self._tick = 0
         self.capacity_bound = False
 
     def note_io(self, nbytes: int, seconds: float) -> None:
-        self._io_bytes += nbytes
-        self._io_s += seconds
+        with self._lock:
+            self._io_bytes += nbytes
+            self._io_s += seconds
 
     def should_encode(self) -> bool:
         self._tick += 1

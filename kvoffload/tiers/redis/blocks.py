@@ -22,7 +22,9 @@ Runs on the tier's I/O thread; the transport spreads each call over connections 
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvoffload.keys import OffloadKey
@@ -41,6 +43,8 @@ from kvoffload.tiers.redis.messages import failure_cause
 from kvoffload.tiers.redis.transport import RedisTransport
 
 __all__ = ["JobOutcome", "RemoteBlocks"]
+
+log = logging.getLogger(__name__)
 
 #: Load failures that mean the value can never be served: it is deleted.
 _DAMAGE = frozenset(("corrupt", "layout", "checksum"))
@@ -91,7 +95,7 @@ class RemoteBlocks:
     def store(self, work: list[tuple[OffloadKey, int]]) -> JobOutcome:
         fp, size, codec = self._fingerprint, self._size, self.codec
         payloads = [self.slot(slot) for _, slot in work]
-        encode = codec.encode if codec.encodes else None
+        encode = _safe_encoder(codec) if codec.encodes else None
         stored_bytes = [size] * len(work)
 
         def value_of(i: int) -> tuple[bytes, memoryview]:
@@ -178,6 +182,23 @@ class RemoteBlocks:
         except CorruptBlockError as exc:
             return exc.cause
         return None
+
+
+def _safe_encoder(codec: BlockCodec) -> Callable[[memoryview], bytes | None]:
+    """``codec.encode``, a failure of which stores the block as it is (logged once per job)."""
+    logged = False
+
+    def encode(payload: memoryview) -> bytes | None:
+        nonlocal logged
+        try:
+            return codec.encode(payload)
+        except Exception:
+            if not logged:
+                logged = True
+                log.exception("remote tier: encoding a block failed; stored raw")
+            return None
+
+    return encode
 
 
 def _load_cause(result: Any, header: BlockHeader | None) -> str | None:
