@@ -36,6 +36,7 @@ from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import file_bytes
+from kvoffload.tiers.disk.ledger import MEASURE
 from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 
 MISS, HIT, HIT_PENDING, RETRY = (
@@ -56,9 +57,14 @@ SETTINGS = settings(
 )
 
 
-def small_disk_tier(path: Path, pool: memoryview, enable_events: bool = False) -> DiskTier:
-    """A disk tier of ``DISK_BLOCKS`` blocks on real files, without the rescan thread."""
-    settings = DiskTierSettings(path, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0)
+def small_disk_tier(
+    path: Path, pool: memoryview, enable_events: bool = False, compression: str = "none"
+) -> DiskTier:
+    """A disk tier of ``DISK_BLOCKS`` raw blocks' bytes on real files, without the rescan
+    thread (``compression``: its codec; compressed, more blocks fit)."""
+    settings = DiskTierSettings(
+        path, LEDGER_BYTES + DISK_BLOCKS * FILE, rescan_interval=0, compression=compression
+    )
     return DiskTier(pool, layout(), settings, enable_events=enable_events)
 
 
@@ -72,11 +78,14 @@ def write_slot(pool: memoryview, slot: int, data: bytes) -> None:
 
 
 class DiskTierMachine(RuleBasedStateMachine):
+    #: The tier's codec (``CompressedDiskTierMachine`` in ``test_disk_compression.py``).
+    compression = "none"
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvo-tier-"))
         self.pool = host_pool(POOL_SLOTS)
-        self.tier = small_disk_tier(self.dir, self.pool)
+        self.tier = small_disk_tier(self.dir, self.pool, compression=self.compression)
         self.ctx = ReqContext("machine")
         self.next_job = 0
         self.free_slots = list(range(POOL_SLOTS))
@@ -135,8 +144,8 @@ class DiskTierMachine(RuleBasedStateMachine):
         if self.tier.lookup(k, self.ctx) is not HIT or self.pins[k] or k in self.damaged:
             return
         path = Path(self.tier._files.path_of(k))
-        if how == "delete":
-            self.tier._ledger.remove(path, FILE)
+        if how == "delete":  # a compressed tier's files are counted by their measured size
+            self.tier._ledger.remove(str(path), MEASURE if self.tier.sized else FILE)
         else:
             raw = bytearray(path.read_bytes())
             raw[-1] ^= 1
@@ -192,7 +201,7 @@ class DiskTierMachine(RuleBasedStateMachine):
     @invariant()
     def bounded(self) -> None:
         stats = self.tier.stats()
-        assert stats["used_blocks"] <= DISK_BLOCKS
+        assert stats["used_blocks"] <= self.tier.capacity_blocks  # DISK_BLOCKS when raw
         assert dir_bytes(self.dir) <= self.tier.capacity_bytes
 
 

@@ -181,6 +181,24 @@ def test_stores_cascade_to_disk_and_promotion_returns_the_bytes(harness: Harness
     assert harness.tier.tier.stats()["loaded_blocks"] == 4
 
 
+def test_a_lossless_disk_tier_promotes_the_exact_bytes(tmp_path: Path) -> None:
+    """``compression: lossless`` in the tier's options: smaller files, the same bytes back."""
+    h = Harness(disk_tier(tmp_path / "kv", compression="lossless"))
+    try:
+        keys = vllm_keys(4)
+        payloads = {k: np.tile(np.arange(64, dtype=np.int8), CHUNK // 64) for k in keys}
+        h.store(keys, payloads)
+        evict_from_cpu(h, start=100)
+        ctx = h.new_request()
+        assert [h.lookup_until_settled(k, ctx) for k in keys] == [LookupResult.HIT] * 4
+        assert h.load(keys, ctx) == [payloads[k].tobytes() for k in keys]
+        stats = h.tier.tier.stats()
+        assert stats["codec_decoded_blocks"] == 4
+        assert stats["codec_stored_bytes"] < stats["codec_raw_bytes"]
+    finally:
+        h.close()
+
+
 def test_corrupt_block_fails_its_promotion_cleanly(harness: Harness, tmp_path: Path) -> None:
     keys = vllm_keys(2)
     payloads = payloads_for(keys, seed=2)
@@ -278,6 +296,7 @@ def test_events_disabled_keeps_no_tier_events(tmp_path: Path) -> None:
         ({"size_gib": -1}, "secondary_tiers.size_gib"),
         ({"size_gib": 1e-9}, "secondary_tiers.size_gib"),
         ({"colour": "red"}, "secondary_tiers.colour"),
+        ({"compression": "gzip"}, "secondary_tiers.compression"),
     ],
 )
 def test_bad_tier_options_are_config_errors(

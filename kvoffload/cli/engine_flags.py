@@ -51,6 +51,12 @@ def _cascade_modes() -> tuple[str, ...]:
 
 
 # What a flag needs is read from the resolved flags; a flag a command leaves out is absent.
+def _compression_modes() -> tuple[str, ...]:
+    from kvoffload.tiers.codec import COMPRESSION_CHOICES
+
+    return COMPRESSION_CHOICES
+
+
 def _has_disk(flags: argparse.Namespace, provided: Collection[str]) -> bool:
     return "disk" in provided or getattr(flags, "kv_disk_path", None) is not None
 
@@ -191,6 +197,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         unset="--eviction-policy",
     ),
     _engine_flag(
+        "kv_disk_compression",
+        "the disk tier's block codec: lossless (exact, fewer bytes), auto (lossless when it "
+        "pays), fp8 (lossy, about half the bytes; its blocks never serve exact tiers)",
+        choices=_compression_modes,
+        needs=DISK,
+    ),
+    _engine_flag(
         "kv_tier_cascade",
         "when host blocks are copied to the disk and remote tiers",
         choices=_cascade_modes,
@@ -235,6 +248,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         unit="SECONDS",
         needs=REMOTE,
         aliases=("--kv-remote-lookup-wait",),
+    ),
+    _engine_flag(
+        "kv_remote_compression",
+        "the remote tier's block codec (as --kv-disk-compression)",
+        choices=_compression_modes,
+        needs=REMOTE,
     ),
     _engine_flag(
         "kv_events_config",

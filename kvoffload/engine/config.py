@@ -21,6 +21,7 @@ from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import HASH_SCHEMES
 from kvoffload.managers.tiering import CASCADE_MODES
 from kvoffload.scheduler.policy import STORE_POLICIES
+from kvoffload.tiers.codec import check_compression
 from kvoffload.tiers.factory import validate_disk_settings, validate_remote_settings
 from kvoffload.tiers.redis.url import redacted_url
 from kvoffload.validation import (
@@ -65,7 +66,9 @@ class EngineConfig:
     (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
     start, ``kv_remote_ttl_s`` (seconds) lets the server expire the blocks, and a block the server
     has not answered a lookup of within ``kv_remote_lookup_wait_s`` seconds is a miss for now (its
-    request computes it rather than waiting on a slow server). A request whose blocks
+    request computes it rather than waiting on a slow server). ``kv_disk_compression`` and
+    ``kv_remote_compression`` (``none``, ``lossless``, ``auto``, ``fp8``) pick each tier's block
+    codec (:mod:`kvoffload.tiers.codec`; ``fp8`` is lossy and opt-in). A request whose blocks
     are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_s``
     (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
     Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
@@ -94,12 +97,14 @@ class EngineConfig:
     kv_disk_size: float = 0.0
     kv_disk_eviction_policy: str | None = None
     kv_disk_o_direct: bool = False
+    kv_disk_compression: str = "none"
     kv_tier_cascade: str = "write_through"
     kv_lookup_retry_s: float = 2.0
     kv_remote_url: str | None = None
     kv_remote_optional: bool = False
     kv_remote_ttl_s: float | None = None
     kv_remote_lookup_wait_s: float = 0.25
+    kv_remote_compression: str = "none"
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -148,6 +153,8 @@ class EngineConfig:
         """The secondary tiers' settings, and the host tier they need."""
         validate_disk_settings(self.kv_disk_path, self.kv_disk_size)
         check_bool("kv_disk_o_direct", self.kv_disk_o_direct)
+        check_compression("kv_disk_compression", self.kv_disk_compression)
+        check_compression("kv_remote_compression", self.kv_remote_compression)
         check_bool("kv_remote_optional", self.kv_remote_optional)
         if self.kv_disk_path is not None and not self.offloading:
             raise ConfigError(

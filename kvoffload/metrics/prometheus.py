@@ -277,6 +277,42 @@ class _StatsCollector(Collector):
         if lookups.samples:
             yield lookups
         yield from _promotion_metrics(tiers)
+        yield from _codec_metrics(tiers)
+
+
+#: A compressed tier's codec counters (``codec_*`` of its stats) -> metric name, help, scale.
+_CODEC_COUNTERS = (
+    ("codec_raw_bytes", "kvoffload_tier_codec_raw_bytes", "Bytes of blocks the codec encoded.", 1),
+    (
+        "codec_stored_bytes",
+        "kvoffload_tier_codec_stored_bytes",
+        "Bytes those blocks were stored as (raw when encoding did not make them smaller).",
+        1,
+    ),
+    ("codec_encode_us", "kvoffload_tier_codec_encode_seconds", "Time spent encoding blocks.", 1e-6),
+    ("codec_decode_us", "kvoffload_tier_codec_decode_seconds", "Time spent decoding blocks.", 1e-6),
+)
+
+
+def _codec_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:
+    """Each tier's codec: bytes before and after, seconds spent (I/O threads), and the ratio."""
+    coded = {tier: s for tier, s in tiers.items() if "codec_raw_bytes" in s}
+    if not coded:
+        return
+    ratio = GaugeMetricFamily(
+        "kvoffload_tier_compression_ratio",
+        "Raw bytes per stored byte of the blocks the tier's codec encoded (1 before any).",
+        labels=["tier"],
+    )
+    for key, name, doc, scale in _CODEC_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, s in coded.items():
+            family.add_metric([tier], s.get(key, 0) * scale)
+        yield family
+    for tier, s in coded.items():
+        stored = s.get("codec_stored_bytes", 0)
+        ratio.add_metric([tier], s.get("codec_raw_bytes", 0) / stored if stored else 1.0)
+    yield ratio
 
 
 def _promotion_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:

@@ -1,14 +1,17 @@
 """The self-checking block format shared by the disk and remote tiers.
 
-A stored block is a header followed by the payload (the host slot's bytes, unchanged)::
+A stored block is a header followed by the payload (the host slot's bytes, unchanged, or encoded
+by the tier's codec)::
 
     offset  size  field
     0       4     magic b"KVOB"
-    4       2     format version (little-endian u16), currently 1
+    4       2     format version (little-endian u16): 1, the payload is the host slot's bytes;
+                  2 (:data:`ENCODED_VERSION`), the payload is a codec frame
+                  (:mod:`kvoffload.tiers.codec`) that decodes to them
     6       2     key length K (u16)
     8       16    layout fingerprint (:meth:`KVLayout.fingerprint`)
     24      8     payload length (u64)
-    32      8     payload checksum: xxh3-64 of the payload (u64)
+    32      8     payload checksum: xxh3-64 of the payload as stored (u64)
     40      8     header checksum: xxh3-64 of bytes [0, 40) + the key (u64)
     48      K     the block's OffloadKey
     48+K    pad   zeros up to a multiple of ``align`` (:data:`HEADER_ALIGN` on disk, so the payload
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     import mmap
 
 __all__ = [
+    "ENCODED_VERSION",
     "FORMAT_VERSION",
     "HEADER_ALIGN",
     "MAGIC",
@@ -47,6 +51,8 @@ __all__ = [
 
 MAGIC = b"KVOB"
 FORMAT_VERSION = 1
+#: The version of a block whose payload is a codec frame (older readers reject it: a recompute).
+ENCODED_VERSION = 2
 #: The header (with its padding) is a multiple of this many bytes.
 HEADER_ALIGN = 4096
 _FIXED = struct.Struct("<4sHH16sQQ")  # magic, version, key length, fingerprint, length, checksum
@@ -74,6 +80,8 @@ class BlockHeader:
     payload_len: int
     checksum: int
     header_len: int
+    #: The payload is a codec frame (format version 2), not the slot's bytes.
+    encoded: bool = False
 
 
 def header_size(key_len: int, align: int = HEADER_ALIGN) -> int:
@@ -94,10 +102,17 @@ def payload_checksum(payload: memoryview | bytes) -> int:
 
 
 def encode_header(
-    fingerprint: bytes, key: bytes, payload_len: int, checksum: int, align: int = HEADER_ALIGN
+    fingerprint: bytes,
+    key: bytes,
+    payload_len: int,
+    checksum: int,
+    align: int = HEADER_ALIGN,
+    encoded: bool = False,
 ) -> bytes:
-    """The header of a block, padded to :func:`header_size` ``(len(key), align)``."""
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), fingerprint, payload_len, checksum)
+    """The header of a block, padded to :func:`header_size` ``(len(key), align)``; ``encoded``:
+    the payload is a codec frame."""
+    version = ENCODED_VERSION if encoded else FORMAT_VERSION
+    fixed = _FIXED.pack(MAGIC, version, len(key), fingerprint, payload_len, checksum)
     check = _CHECK.pack(xxhash.xxh3_64_intdigest(fixed + key))
     raw = fixed + check + key
     return raw + bytes(header_size(len(key), align) - len(raw))
@@ -116,8 +131,10 @@ def parse_header(
     magic, version, key_len, stored_fp, length, checksum = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptBlockError("corrupt", f"bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError("corrupt", f"format version {version}, expected {FORMAT_VERSION}")
+    if version not in (FORMAT_VERSION, ENCODED_VERSION):
+        raise CorruptBlockError(
+            "corrupt", f"format version {version}, expected {FORMAT_VERSION} or {ENCODED_VERSION}"
+        )
     if len(buf) < _KEY_AT + key_len:
         raise CorruptBlockError("corrupt", "header cut short")
     (check,) = _CHECK.unpack_from(buf, _FIXED.size)
@@ -128,7 +145,8 @@ def parse_header(
         raise CorruptBlockError("layout", "the block was written for another KV layout")
     if stored_key != key:
         raise CorruptBlockError("corrupt", "the block holds another key")
-    return BlockHeader(stored_key, length, checksum, header_size(key_len, align))
+    encoded = version == ENCODED_VERSION
+    return BlockHeader(stored_key, length, checksum, header_size(key_len, align), encoded)
 
 
 def verify_payload(header: BlockHeader, payload: memoryview | bytes) -> None:

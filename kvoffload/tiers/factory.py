@@ -35,10 +35,12 @@ class TierSettings(Protocol):
     kv_disk_size: float
     kv_disk_eviction_policy: str | None
     kv_disk_o_direct: bool
+    kv_disk_compression: str
     kv_remote_url: str | None
     kv_remote_optional: bool
     kv_remote_ttl_s: float | None
     kv_remote_lookup_wait_s: float
+    kv_remote_compression: str
     eviction_policy: str
 
 
@@ -89,6 +91,7 @@ def build_secondary_tiers(
             int(settings.kv_disk_size * _GIB),
             eviction_policy=settings.kv_disk_eviction_policy or settings.eviction_policy,
             o_direct=settings.kv_disk_o_direct,
+            compression=settings.kv_disk_compression,
         )
         tiers.append(DiskTier(pool, layout, disk, enable_events=enable_events))
     if settings.kv_remote_url is not None:
@@ -115,6 +118,7 @@ def _build_remote_tier(
         ttl_s=settings.kv_remote_ttl_s,
         lookup_wait_s=settings.kv_remote_lookup_wait_s,
         optional=settings.kv_remote_optional,
+        compression=settings.kv_remote_compression,
     )
     try:
         return RedisTier(pool, layout, config, enable_events=enable_events)

@@ -99,7 +99,11 @@ _COUNTER_STATS = (
 METRIC_PREFIX = "kvoffload:secondary_tier_"
 _TIER_LABEL = "kvoffload_tier"
 _GIB = 2**30
-_DISK_OPTION_OF = {"kv_disk_path": "path", "kv_disk_size": "size_gib"}
+_DISK_OPTION_OF = {
+    "kv_disk_path": "path",
+    "kv_disk_size": "size_gib",
+    "kv_disk_compression": "compression",
+}
 
 
 def layout_of_spec(spec: OffloadingSpec, block_bytes: int) -> KVLayout:
@@ -326,7 +330,9 @@ def build_disk_tier(
 ) -> SecondaryTier:
     """Our :class:`~kvoffload.tiers.disk.tier.DiskTier` from tier options: ``path`` and ``size_gib``
     (required), ``eviction_policy`` ("adaptive"), ``num_threads`` (4), ``o_direct`` (false),
-    ``rescan_interval`` (seconds, 2.0; 0 = never). Errors name ``<setting>.<option>``."""
+    ``rescan_interval`` (seconds, 2.0; 0 = never), ``compression`` ("none"; ``lossless``,
+    ``auto``; ``fp8`` needs a head size, which vLLM's layouts do not carry). Errors name
+    ``<setting>.<option>``."""
     from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
     from kvoffload.tiers.factory import validate_disk_settings
 
@@ -335,7 +341,7 @@ def build_disk_tier(
     size_gib = _take(options, "size_gib", setting, required=True)
     kwargs = {
         name: options.pop(name)
-        for name in ("eviction_policy", "num_threads", "o_direct", "rescan_interval")
+        for name in ("eviction_policy", "num_threads", "o_direct", "rescan_interval", "compression")
         if name in options
     }
     _reject_unknown("the disk tier", options, setting)

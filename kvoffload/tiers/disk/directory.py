@@ -68,10 +68,11 @@ def check_disk_size(directory: Path, size_gib: float) -> None:
         )
 
 
-def prepare_namespace(root: Path, layout: KVLayout) -> Path:
-    """Create (if needed) and check the namespace directory for ``layout`` under ``root``."""
+def prepare_namespace(root: Path, layout: KVLayout, suffix: str = "") -> Path:
+    """Create (if needed) and check the namespace directory for ``layout`` under ``root``
+    (its name: the layout's fingerprint in hex, then ``suffix``)."""
     check_disk_path(root)
-    namespace = root / FORMAT_DIR / layout.fingerprint().hex()
+    namespace = root / FORMAT_DIR / (layout.fingerprint().hex() + suffix)
     try:
         namespace.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -26,11 +26,13 @@ import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.blockformat import (
     HEADER_ALIGN,
+    BlockHeader,
     CorruptBlockError,
     encode_header,
     header_size,
@@ -39,6 +41,9 @@ from kvoffload.tiers.blockformat import (
     verify_payload,
 )
 from kvoffload.tiers.disk.spares import publish
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.codec import BlockCodec
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -93,7 +98,11 @@ class BlockFiles:
         block_bytes: int,
         o_direct: bool = False,
         fault_hook: FaultHook | None = None,
+        codec: BlockCodec | None = None,
     ) -> None:
+        if codec is not None and o_direct:
+            raise ConfigError("kv_disk_compression", "compressed block files need O_DIRECT off")
+        self.codec = codec
         self.namespace = namespace
         self.fingerprint = fingerprint
         self.pool = pool
@@ -107,7 +116,8 @@ class BlockFiles:
         name = key.hex()
         return f"{self._prefix}{name[:2]}/{name}{SUFFIX}"
 
-    def _slot(self, slot: int) -> memoryview:
+    def slot(self, slot: int) -> memoryview:
+        """The bytes of host slot ``slot``."""
         b = self.block_bytes
         return self.pool[slot * b : (slot + 1) * b]
 
@@ -116,9 +126,12 @@ class BlockFiles:
         aligned with O_DIRECT; the caller closes it then)."""
         return mmap.mmap(-1, HEADER_ALIGN) if self.o_direct else bytearray(HEADER_ALIGN)
 
-    def write(self, key: OffloadKey, slot: int, spare: str | None = None) -> bool:
+    def write(
+        self, key: OffloadKey, slot: int, spare: str | None = None, frame: bytes | None = None
+    ) -> bool:
         """Write slot ``slot`` as the block of ``key``; True if this call published the file,
         False if the file already existed (written by someone else: equal bytes by construction).
+        ``frame``: the slot encoded by the codec, written instead (an encoded header).
 
         ``spare``: a file made ahead (:mod:`~kvoffload.tiers.disk.spares`) to write into and
         publish by rename; without one (or if it vanished) a temporary file is created and
@@ -130,8 +143,14 @@ class BlockFiles:
             raise ValueError(f"keys of {len(key)} bytes do not fit a block header")
         if self.fault_hook is not None:
             self.fault_hook("write", key)
-        payload = self._slot(slot)
-        header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
+        payload = self.slot(slot) if frame is None else memoryview(frame)
+        header = encode_header(
+            self.fingerprint,
+            key,
+            len(payload),
+            payload_checksum(payload),
+            encoded=frame is not None,
+        )
         name = key.hex()
         folder = self._prefix + name[:2]
         final = f"{folder}/{name}{SUFFIX}"
@@ -204,18 +223,32 @@ class BlockFiles:
             os.makedirs(folder, exist_ok=True)
             return os.open(tmp, flags, 0o644)
 
+    def scratch_buffer(self) -> bytearray | None:
+        """With a codec, a buffer for one stored payload, to pass to every :meth:`read` of one
+        thread; ``None`` without (payloads are read straight into their slots)."""
+        return None if self.codec is None else bytearray(self.block_bytes)
+
     def read(
-        self, key: OffloadKey, slot: int, head_buf: bytearray | mmap.mmap | None = None
+        self,
+        key: OffloadKey,
+        slot: int,
+        head_buf: bytearray | mmap.mmap | None = None,
+        scratch: bytearray | None = None,
     ) -> None:
         """Read the block of ``key`` into slot ``slot``, verified; ``head_buf`` (from
-        :meth:`header_buffer`, reused across calls) receives the header.
+        :meth:`header_buffer`, reused across calls) receives the header. With a codec the
+        payload is read into ``scratch`` (:meth:`scratch_buffer`), its checksum checked, then
+        decoded (or, stored raw, copied) into the slot, on the calling (I/O) thread.
 
         Raises :class:`CorruptBlockError` (``corrupt``/``layout``/``checksum``),
         ``FileNotFoundError`` (missing) or ``OSError``. On failure the slot holds garbage.
         """
         if self.fault_hook is not None:
             self.fault_hook("read", key)
-        payload = self._slot(slot)
+        slot_view = self.slot(slot)
+        if self.codec is not None and scratch is None:
+            scratch = bytearray(self.block_bytes)
+        payload = slot_view if scratch is None else memoryview(scratch)
         head_len = header_size(len(key))
         buf: bytearray | mmap.mmap
         if head_buf is not None and len(head_buf) == head_len:
@@ -235,13 +268,36 @@ class BlockFiles:
         finally:
             if own and isinstance(buf, mmap.mmap):
                 buf.close()
-        if got - head_len != header.payload_len or header.payload_len != len(payload):
+        if scratch is not None:
+            self._finish_stored(header, payload[: max(0, got - head_len)], slot_view)
+            return
+        if (
+            header.encoded
+            or got - head_len != header.payload_len
+            or header.payload_len != len(payload)
+        ):
             raise CorruptBlockError(
                 "corrupt",
                 f"payload is {got - head_len} bytes, expected {header.payload_len} "
                 f"(slot {len(payload)})",
             )
         verify_payload(header, payload)
+
+    def _finish_stored(self, header: BlockHeader, stored: memoryview, slot: memoryview) -> None:
+        """A payload read beside its slot: verified, then decoded (or copied) into ``slot``."""
+        if len(stored) != header.payload_len or (
+            not header.encoded and header.payload_len != len(slot)
+        ):
+            raise CorruptBlockError(
+                "corrupt", f"payload is {len(stored)} bytes, header says {header.payload_len}"
+            )
+        verify_payload(header, stored)
+        if not header.encoded:
+            slot[:] = stored
+        elif self.codec is None:
+            raise CorruptBlockError("corrupt", "an encoded block in a tier without a codec")
+        else:
+            self.codec.decode(stored, slot)
 
 
 def _tail(iov: list, offset: int) -> bytes:

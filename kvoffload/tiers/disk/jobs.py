@@ -14,15 +14,18 @@ import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.blockformat import CorruptBlockError
 from kvoffload.tiers.contract import TierJob
 from kvoffload.tiers.disk.directory import free_bytes
-from kvoffload.tiers.disk.files import BlockFiles, TemporaryRemovedError, is_no_space
-from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.files import BlockFiles, TemporaryRemovedError, file_bytes, is_no_space
+from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger
 from kvoffload.tiers.disk.spares import SparePool
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.codec import BlockCodec
 
 __all__ = ["DiskJobRunner", "RunningJob"]
 
@@ -30,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: ``(key, host slot)`` pairs of one job.
 Items = list[tuple[OffloadKey, int]]
-#: ``(key, host slot, spare file or None)`` of a store's blocks that fit.
-Writes = list[tuple[OffloadKey, int, str | None]]
+#: ``(key, host slot, spare file or None, encoded frame or None, file bytes)`` of a store's
+#: blocks that fit.
+Writes = list[tuple[OffloadKey, int, str | None, bytes | None, int]]
 _T = TypeVar("_T")
 
 
@@ -48,6 +52,7 @@ class RunningJob:
         "pinned",
         "remaining",
         "reserved",
+        "sizes",
         "start",
     )
 
@@ -60,6 +65,7 @@ class RunningJob:
         self.pinned: list[OffloadKey] = []  # a load's keys pinned in the index
         self.reserved = 0  # a store's net bytes, counted by the tier until the job is reported
         self.filesystem_full = False  # a store's write met ENOSPC / EDQUOT
+        self.sizes: dict[OffloadKey, int] = {}  # a compressed store's file bytes per written key
         self.start = time.perf_counter()
         self.lock = threading.Lock()
 
@@ -81,6 +87,12 @@ class DiskJobRunner:
     With ``spares``, writes go into files made ahead (``diskspares``): the victims' own files,
     recycled by the ledger step while this process is alone on the directory, then empty files
     the pool made while idle; the pool is refilled whenever the runner falls idle.
+
+    With ``codec`` (a compressed tier) files differ in size: a store encodes its blocks first (on
+    its I/O thread, before its turn), reserves each file's own bytes
+    (:meth:`SpaceLedger.reserve_files`; victims counted by their measured size, never recycled),
+    and records each written file's bytes in :attr:`RunningJob.sizes`; loads decode on the I/O
+    threads.
     """
 
     def __init__(
@@ -90,8 +102,10 @@ class DiskJobRunner:
         file_bytes: int,
         num_threads: int,
         spares: SparePool | None = None,
+        codec: BlockCodec | None = None,
     ) -> None:
         self._files = files
+        self._codec = codec
         self._spares = spares
         self._closing = False
         self._ledger = ledger
@@ -112,6 +126,11 @@ class DiskJobRunner:
         #: A load found a block file missing (another process evicted it, or it was removed
         #: by hand): the ledger's reconciliation is due. Set by I/O threads, reset by it.
         self.missing_files = False
+
+    @property
+    def _removed_bytes(self) -> int:
+        """What a removed block file is counted as: the fixed size, or measured (compressed)."""
+        return self._file_bytes if self._codec is None else MEASURE
 
     # ------------------------------------------------------------------ scheduler thread
 
@@ -169,17 +188,25 @@ class DiskJobRunner:
         """A store's first step, in its turn: the victims go and every block's bytes are
         reserved in one ledger step; then the blocks that fit are written over the threads.
         (Earlier stores' steps were queued first, so they are running or done: no deadlock.)"""
-        path_of, spares = self._files.path_of, self._spares
+        path_of, spares, codec = self._files.path_of, self._spares, self._codec
+        frames: list[bytes | None] = [None] * len(items)
+        sizes = [self._file_bytes] * len(items)
+        if codec is not None:  # before the turn: stores encode in parallel
+            frames, sizes = self._encode(items)
         with self._turns:
             while self._turn != ticket:
                 self._turns.wait()
         try:
-            fit, recycled = self._ledger.reserve_blocks(
-                len(items),
-                self._file_bytes,
-                [path_of(k) for k in victims],
-                spares.new_name if spares is not None else None,
-            )
+            if codec is None:
+                fit, recycled = self._ledger.reserve_blocks(
+                    len(items),
+                    self._file_bytes,
+                    [path_of(k) for k in victims],
+                    spares.new_name if spares is not None else None,
+                )
+            else:
+                fit = self._ledger.reserve_files(sizes, [path_of(k) for k in victims])
+                recycled = []
         except Exception as exc:  # never lose a job: its blocks fail (the ledger keeps the victims)
             logger.exception("disk tier: reserving %d blocks failed: %s", len(items), exc)
             self._chunk_done(running, len(items), dict.fromkeys((k for k, _ in items), "io"), 0)
@@ -196,46 +223,75 @@ class DiskJobRunner:
         files = recycled + [
             spares.take() if spares is not None else None for _ in range(fit - len(recycled))
         ]
-        writes = [(key, slot, spare) for (key, slot), spare in zip(items, files, strict=False)]
+        writes = [
+            (key, slot, spare, frame, size)
+            for (key, slot), spare, frame, size in zip(items, files, frames, sizes, strict=False)
+        ]
         first, *rest = self._chunks(writes)
         for chunk in rest:
             self._pool.submit(self._store_blocks, running, chunk)
         self._store_blocks(running, first)
+
+    def _encode(self, items: Items) -> tuple[list[bytes | None], list[int]]:
+        """The frames of a store's blocks (``None``: stored as they are) and their file bytes."""
+        codec, files = self._codec, self._files
+        frames: list[bytes | None] = []
+        sizes: list[int] = []
+        for _, slot in items:
+            frame = None
+            if codec is not None:
+                try:
+                    frame = codec.encode(files.slot(slot))
+                except Exception:  # never lose a block: it is stored as it is
+                    logger.exception("disk tier: encoding a block failed; stored raw")
+            frames.append(frame)
+            sizes.append(self._file_bytes if frame is None else file_bytes(len(frame)))
+        return frames, sizes
 
     def _store_blocks(self, running: RunningJob, items: Writes) -> None:
         """Write blocks whose bytes :meth:`_store_job` reserved; return the unused bytes (failed
         writes, blocks another process published first) in one ledger step."""
         write, block_bytes = self._files.write, self._files.block_bytes
         failed: dict[OffloadKey, str] = {}
+        sizes: dict[OffloadKey, int] = {}
         nbytes = unused = 0
         error: BaseException | None = None  # the first, logged once for the chunk
         no_space = False
-        for key, slot, spare in items:
+        started = time.perf_counter()
+        for key, slot, spare, frame, size in items:
             try:
-                if not write(key, slot, spare):
-                    unused += 1  # another process published it
+                published = (
+                    write(key, slot, spare) if frame is None else write(key, slot, spare, frame)
+                )
+                if not published:
+                    unused += size  # another process published it (the same bytes: same size)
+                sizes[key] = size
                 nbytes += block_bytes
             except TemporaryRemovedError as exc:  # the scan that removed it returned its bytes
                 failed[key], error = "io", error or exc
             except OSError as exc:
-                unused += 1
+                unused += size
                 if is_no_space(exc):
                     failed[key] = "full"
                     no_space = running.filesystem_full = True
                 else:
                     failed[key], error = "io", error or exc
             except Exception as exc:  # never lose a job: report it failed
-                unused += 1
+                unused += size
                 failed[key], error = "io", error or exc
         if error is not None:
             logger.warning("disk tier: storing %d blocks failed: %s", len(failed), error)
-        fb = self._file_bytes
+        settled = sum(item[4] for item in items)
+        if self._codec is not None:
+            self._codec.note_io(settled, time.perf_counter() - started)
         try:  # the chunk's writes are over: no longer in flight, and unused bytes go back
-            self._ledger.release(unused * fb, settled=len(items) * fb)
+            self._ledger.release(unused, settled=settled)
         except Exception:  # the count drifts high (conservative) until a reconciliation
-            logger.exception("disk tier: returning %d bytes to the ledger failed", unused * fb)
+            logger.exception("disk tier: returning %d bytes to the ledger failed", unused)
         if no_space:
             self._fit_filesystem()
+        with running.lock:
+            running.sizes.update(sizes)
         self._chunk_done(running, len(items), failed, nbytes)
 
     def _fit_filesystem(self) -> None:
@@ -260,12 +316,12 @@ class DiskJobRunner:
 
     def _load_blocks(self, running: RunningJob, items: Items) -> None:
         files = self._files
-        read, head_buf = files.read, files.header_buffer()
+        read, head_buf, scratch = files.read, files.header_buffer(), files.scratch_buffer()
         failed: dict[OffloadKey, str] = {}
         nbytes = 0
         for key, slot in items:
             try:
-                read(key, slot, head_buf)
+                read(key, slot, head_buf, scratch)
                 nbytes += files.block_bytes
             except FileNotFoundError:
                 failed[key] = "missing"
@@ -274,7 +330,7 @@ class DiskJobRunner:
                 failed[key] = exc.cause
                 logger.warning("disk tier: dropping bad block file %s: %s", key.hex()[:16], exc)
                 with contextlib.suppress(OSError):
-                    self._ledger.remove(files.path_of(key), self._file_bytes)
+                    self._ledger.remove(files.path_of(key), self._removed_bytes)
             except OSError as exc:
                 failed[key] = "io"
                 logger.warning("disk tier: loading %s failed: %s", key.hex()[:16], exc)

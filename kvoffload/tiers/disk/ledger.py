@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvoffload.errors import ContractError
 
-__all__ = ["MAX_OWNERS", "Census", "SpaceLedger"]
+__all__ = ["MAX_OWNERS", "MEASURE", "Census", "SpaceLedger", "measured_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ _SLOT = struct.Struct("<QQ")
 #: Users tracked by a slot; a user beyond them is "untracked" and holds byte ``1 + MAX_OWNERS``.
 MAX_OWNERS = 128
 _UNTRACKED_BYTE = 1 + MAX_OWNERS
+#: As the bytes of a file to remove: the file's own size, read before it is unlinked (compressed
+#: tiers, whose block files differ in size). A file replaced between the ``stat`` and the
+#: ``unlink`` makes the count drift until the next reconciliation, never past the bound for long.
+MEASURE = -1
+_DISK_BLOCK = 4096
+
+
+def measured_bytes(st_size: int) -> int:
+    """The bytes a file of ``st_size`` bytes is counted as: whole 4 KiB blocks."""
+    return -(-st_size // _DISK_BLOCK) * _DISK_BLOCK
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +194,7 @@ class SpaceLedger:
         freed = 0
         for path, nbytes in owed:
             try:
-                os.unlink(path)
-                freed += nbytes
+                freed += _unlink_counted(path, nbytes)
             except FileNotFoundError:
                 pass  # another process removed (and counted) it
             except OSError as exc:  # it stays on disk, counted: the count stays true
@@ -251,6 +260,30 @@ class SpaceLedger:
                     self._unsettled -= _unlink(path, block_bytes)
                 raise
             return fit, recycled
+
+    def reserve_files(self, sizes: Sequence[int], victims: Sequence[str]) -> int:
+        """Remove ``victims`` (each counted as its own size, :data:`MEASURE`), then take the
+        bytes of the longest prefix of files of ``sizes`` bytes that fits. One locked step, as
+        :meth:`reserve_blocks` (for tiers whose files differ in size; no recycling). Returns how
+        many fit."""
+        with self._thread_lock:
+            self._owed.extend((path, MEASURE) for path in victims)
+        with self._locked():
+            base = self._get()  # raises before anything changed: the victims stay owed
+            used = base + self._unsettled - self._unlink_owed()
+            room, fit, total = self.limit - used, 0, 0
+            for size in sizes:
+                if total + size > room:
+                    break
+                total += size
+                fit += 1
+            self._inflight += total
+            try:
+                self._commit(base, used + total, used)
+            except BaseException:
+                self._inflight -= total
+                raise
+            return fit
 
     def _recycle_owed(self, spare_name: Callable[[], str]) -> list[str]:
         """Rename the owed victims to spares; keep them if alone, else owe their unlinks."""
@@ -331,14 +364,12 @@ class SpaceLedger:
             return True
 
     def remove(self, path: str, nbytes: int) -> int:
-        """Unlink ``path`` and return its bytes if this call removed it; returns the count."""
+        """Unlink ``path`` and return its bytes (``nbytes``, or :data:`MEASURE`) if this call
+        removed it; returns the count."""
         with self._locked():
             base, used = self._begin()
-            try:
-                os.unlink(path)
-                used -= nbytes
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError):
+                used -= _unlink_counted(path, nbytes)
             self._commit(base, used, used)
             return max(0, used)
 
@@ -366,6 +397,15 @@ class SpaceLedger:
             os.close(self._fd)
             os.close(self._users_fd)
             self._fd = self._users_fd = -1
+
+
+def _unlink_counted(path: str, nbytes: int) -> int:
+    """Unlink ``path``; its bytes: ``nbytes``, or its measured size (:data:`MEASURE`).
+    ``FileNotFoundError`` when it is gone."""
+    if nbytes == MEASURE:
+        nbytes = measured_bytes(os.stat(path).st_size)
+    os.unlink(path)
+    return nbytes
 
 
 def _unlink(path: str, nbytes: int) -> int:

@@ -21,10 +21,17 @@ from pathlib import Path
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.disk.files import SUFFIX, TMP_SUFFIX
-from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.ledger import SpaceLedger, measured_bytes
 from kvoffload.tiers.disk.spares import SPARE_DIR, SPARE_SUFFIX
 
-__all__ = ["STALE_TMP_SECONDS", "NamespaceScanner", "Rescanner", "census_files", "count_files"]
+__all__ = [
+    "STALE_TMP_SECONDS",
+    "NamespaceScanner",
+    "Rescanner",
+    "census_files",
+    "count_file_bytes",
+    "count_files",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -126,12 +133,31 @@ def count_files(namespace: Path) -> int:
     return len(inodes)
 
 
-def census_files(namespace: Path, live_owners: frozenset[str]) -> tuple[int, list[str]]:
+def count_file_bytes(namespace: Path) -> int:
+    """The bytes (:func:`~kvoffload.tiers.disk.ledger.measured_bytes`) of the files
+    :func:`count_files` counts."""
+    sizes: dict[int, int] = {}
+    for sub in os.scandir(namespace):
+        if sub.is_dir(follow_symlinks=False):
+            for entry in os.scandir(sub.path):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.name.endswith((SUFFIX, TMP_SUFFIX, SPARE_SUFFIX)):
+                        size = entry.stat(follow_symlinks=False).st_size
+                        if size or not entry.name.endswith(SPARE_SUFFIX):
+                            sizes[entry.inode()] = measured_bytes(size)
+    return sum(sizes.values())
+
+
+def census_files(
+    namespace: Path, live_owners: frozenset[str], measure: bool = False
+) -> tuple[int, list[str]]:
     """``(block files, garbage)`` of ``namespace`` while nothing is in flight (a quiescent
     :class:`~kvoffload.tiers.disk.ledger.Census`): then every temporary file is a killed
     writer's (or a published block's second name), and so is every spare with bytes; empty
     spares whose owner is not in ``live_owners`` belong to users that are gone. Reads
-    directory entries only (one ``stat`` per spare)."""
+    directory entries only (one ``stat`` per spare). ``measure``: the first figure is the
+    block files' bytes (:func:`~kvoffload.tiers.disk.ledger.measured_bytes`, one ``stat`` per
+    file), for tiers whose files differ in size."""
     blocks, garbage = 0, []
     spare_dir = str(namespace / SPARE_DIR)
     for sub in os.scandir(namespace):
@@ -140,7 +166,11 @@ def census_files(namespace: Path, live_owners: frozenset[str]) -> tuple[int, lis
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(SUFFIX):
-                    blocks += 1
+                    if not measure:
+                        blocks += 1
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        blocks += measured_bytes(entry.stat(follow_symlinks=False).st_size)
                 elif entry.name.endswith(TMP_SUFFIX):
                     garbage.append(entry.path)
     with contextlib.suppress(FileNotFoundError):

@@ -19,6 +19,10 @@ See ``docs/disk-tier.md``. In short:
   a file keeps reading it intact after an unlink (POSIX), and one that opens too late gets
   ``ENOENT``: a failed load, a recompute, never wrong bytes.
 
+* **Compressed** (``compression``, :mod:`kvoffload.tiers.codec`): blocks are encoded on the I/O
+  threads and decoded there; files differ in size, so the namespace is one of its own and the
+  ledger counts each file's measured bytes (more blocks in the same bound).
+
 This module is the scheduler-thread side: the in-memory index and the decisions. The modules
 beside it do the rest: ``diskjobs`` (the I/O threads), ``diskfiles`` (one block file),
 ``diskledger`` (the shared byte count), ``diskscan`` (finding files), ``diskdir`` (the directory).
@@ -40,13 +44,20 @@ from kvoffload.eviction import EvictionPolicy, OffloadedBlock, create_eviction_p
 from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
+from kvoffload.tiers.codec import BlockCodec
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.disk.directory import check_o_direct, free_bytes, prepare_namespace
 from kvoffload.tiers.disk.files import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.disk.jobs import DiskJobRunner, Items, RunningJob
-from kvoffload.tiers.disk.ledger import SpaceLedger
+from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger, measured_bytes
 from kvoffload.tiers.disk.reclaim import OldNamespaces
-from kvoffload.tiers.disk.scan import NamespaceScanner, Rescanner, census_files, count_files
+from kvoffload.tiers.disk.scan import (
+    NamespaceScanner,
+    Rescanner,
+    census_files,
+    count_file_bytes,
+    count_files,
+)
 from kvoffload.tiers.disk.spares import SparePool, remove_all
 
 __all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
@@ -56,6 +67,8 @@ logger = logging.getLogger(__name__)
 _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 #: The ledger file's share of the bound.
 LEDGER_BYTES = 4096
+#: The smallest block file: its header page and one page of payload.
+MIN_FILE = 8192
 _DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
 _CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
 #: Empty files kept ready for writes (made while idle; see ``diskspares``).
@@ -83,7 +96,8 @@ class DiskTierSettings:
     included; ``eviction_policy``: a registry name or a policy; ``num_threads``: I/O threads;
     ``o_direct``: bypass the page cache (needs 4 KiB aligned pool and block size and a
     filesystem that supports it); ``rescan_interval``: seconds between looks for other
-    processes' new files (0: never); ``fault_hook``: injects OS errors (tests).
+    processes' new files (0: never); ``fault_hook``: injects OS errors (tests);
+    ``compression``: the tier's codec (``none`` by default).
     """
 
     path: str | os.PathLike[str]
@@ -93,6 +107,10 @@ class DiskTierSettings:
     o_direct: bool = False
     rescan_interval: float = 2.0
     fault_hook: FaultHook | None = None
+    #: ``kv_disk_compression``: ``none``, ``lossless``, ``auto`` or ``fp8`` (lossy; opt-in). A
+    #: compressed tier keeps its files in a namespace of its own (``<fingerprint>.z``), each
+    #: counted by its own size (:mod:`kvoffload.tiers.codec`).
+    compression: str = "none"
 
 
 class DiskTier(EventQueueMixin, SecondaryTier):
@@ -116,6 +134,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
     ) -> None:
         super().__init__(pool, layout)
         self.settings = settings
+        self.codec = codec = BlockCodec(settings.compression, layout, "kv_disk_compression")
+        #: Files differ in size (a compressed tier): each is counted by its own bytes.
+        self.sized = sized = codec.encodes
+        if sized and settings.o_direct:
+            raise ConfigError("kv_disk_compression", "compressed block files need O_DIRECT off")
+        stored_layout = codec.stored_layout(layout)
         self.file_bytes = fb = file_bytes(layout.block_bytes)
         capacity_bytes = settings.capacity_bytes
         if not capacity_bytes >= LEDGER_BYTES + fb:  # also rejects NaN
@@ -125,9 +149,14 @@ class DiskTier(EventQueueMixin, SecondaryTier):
                 f"(+{LEDGER_BYTES} for the ledger)",
             )
         self.capacity_bytes = int(capacity_bytes)
-        self.capacity_blocks = (self.capacity_bytes - LEDGER_BYTES) // fb
+        # A compressed tier's index may hold as many blocks as the smallest files fit.
+        self.capacity_blocks = (self.capacity_bytes - LEDGER_BYTES) // (MIN_FILE if sized else fb)
+        #: Bytes of each indexed block's file (compressed tiers; an estimate for other
+        #: processes' files until one is measured) and their sum.
+        self._sizes: dict[OffloadKey, int] = {}
+        self._stored_bytes = 0
         self.root = Path(settings.path)
-        self.namespace = prepare_namespace(self.root, layout)
+        self.namespace = prepare_namespace(self.root, stored_layout, ".z" if sized else "")
         self._old_namespaces = OldNamespaces(self.root)
         self._old_namespaces.reclaim()
         flat = pool.cast("B") if pool.ndim != 1 else pool
@@ -135,11 +164,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             check_o_direct(self.namespace, flat, layout.block_bytes)
         self._files = BlockFiles(
             self.namespace,
-            layout.fingerprint(),
+            stored_layout.fingerprint(),
             flat,
             layout.block_bytes,
             settings.o_direct,
             settings.fault_hook,
+            codec if sized else None,
         )
         self._ledger = SpaceLedger(self.namespace / "ledger", self.capacity_bytes - LEDGER_BYTES)
         policy = settings.eviction_policy
@@ -156,7 +186,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             self._ledger.owner,
         )
         self._runner = DiskJobRunner(
-            self._files, self._ledger, fb, settings.num_threads, self._spares
+            self._files,
+            self._ledger,
+            fb,
+            settings.num_threads,
+            self._spares,
+            codec if sized else None,
         )
         self._counters: dict[str, int] = collections.defaultdict(int)
         # The ledger's count (every process's files) as the scheduler thread saw it at the last
@@ -166,7 +201,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._closed = False
         # Rescan ticks since the last reconciliation (rescan thread only).
         self._ticks_unreconciled = 0
-        self._scanner = NamespaceScanner(self.namespace, self._ledger, fb)
+        self._scanner = NamespaceScanner(self.namespace, self._ledger, MEASURE if sized else fb)
         self.scan_seconds = self._warm_start()
         self._warn_if_filesystem_smaller()
         self._rescanner = Rescanner(self._scanner, settings.rescan_interval, self._upkeep)
@@ -182,21 +217,66 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         if alone:
             remove_all(self.namespace)  # spare files of processes that are gone
         found = [(key, path) for key, path, _ in self._scanner.walk()]
-        room = self.capacity_blocks - len(self._policy)
-        on_disk = len(found) * fb
-        self._counters["scanned_blocks"] = len(self._index_ready([k for k, _ in found[:room]]))
+        sizes = [self._measure(path) for _, path in found] if self.sized else [fb] * len(found)
+        room = self._room_at_start(sizes)
+        on_disk = sum(sizes)
+        indexed = self._index_ready([k for k, _ in found[:room]])
+        if self.sized:
+            for (key, _), size in zip(found[:room], sizes, strict=False):
+                self._resize(key, size)
+        self._counters["scanned_blocks"] = len(indexed)
         if alone:
             # Files beyond the bound (the directory was used with a larger size) are removed
             # when no other process uses the directory.
-            for _, path in found[room:]:
+            for (_, path), size in zip(found[room:], sizes[room:], strict=True):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                    on_disk -= fb
+                    on_disk -= size
         # Writes in progress elsewhere hold reservations: keep them counted.
         on_disk += self._scanner.fresh_temporaries * fb
         self._dir_used = self._ledger.reconcile(on_disk, alone)
         self._ledger.share()
         return time.perf_counter() - start
+
+    def _room_at_start(self, sizes: list[int]) -> int:
+        """How many of the files found at start (of ``sizes`` bytes) the index takes: as many
+        as the index holds and (compressed) their bytes fit the bound."""
+        room = self.capacity_blocks - len(self._policy)
+        if not self.sized:
+            return room
+        budget = self._ledger.capacity
+        for i, size in enumerate(sizes[:room]):
+            budget -= size
+            if budget < 0:
+                return i
+        return min(room, len(sizes))
+
+    @staticmethod
+    def _measure(path: str) -> int:
+        """A block file's counted bytes (0 if it vanished)."""
+        try:
+            return measured_bytes(os.stat(path).st_size)
+        except FileNotFoundError:
+            return 0
+
+    def _resize(self, key: OffloadKey, size: int) -> None:
+        """Record the bytes of ``key``'s file (compressed tiers)."""
+        self._stored_bytes += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+
+    def _unsize(self, keys: Sequence[OffloadKey]) -> int:
+        """Forget the sizes of ``keys`` (out of the index); returns their bytes."""
+        pop, freed = self._sizes.pop, 0
+        for key in keys:
+            freed += pop(key, 0)
+        self._stored_bytes -= freed
+        return freed
+
+    def _mean_file_bytes(self) -> int:
+        """The bytes a new block's file is expected to take (compressed: the mean so far)."""
+        if not self.sized or not self._sizes:
+            return self.file_bytes
+        return max(MIN_FILE, self._stored_bytes // len(self._sizes))
 
     def _warn_if_filesystem_smaller(self) -> None:
         """Warn once at start when the filesystem cannot hold the bound (the tier then holds
@@ -237,8 +317,9 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         census = self._ledger.census()
         if not census.quiescent:
             return False
-        blocks, garbage = census_files(self.namespace, census.live_owners)
-        if not self._ledger.settle_census(census, blocks * self.file_bytes, garbage):
+        counted, garbage = census_files(self.namespace, census.live_owners, measure=self.sized)
+        on_disk = counted if self.sized else counted * self.file_bytes
+        if not self._ledger.settle_census(census, on_disk, garbage):
             return False
         self._ticks_unreconciled = 0
         self._runner.missing_files = False
@@ -266,6 +347,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
                 block.slot, block.ref_cnt = -1, 0
                 insert(key, block)
                 indexed.append(key)
+        if self.sized:  # other processes' files: sized as the mean until measured
+            estimate = self._mean_file_bytes()
+            for key in indexed:
+                self._resize(key, estimate)
         if indexed and self._events is not None:
             self._events.append(OffloadingEvent(indexed, self.medium, False, self.locality))
         return indexed
@@ -305,7 +390,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             block = OffloadedBlock.__new__(OffloadedBlock)
             block.slot, block.ref_cnt = -1, PENDING
             policy.insert(key, block)
-        running.reserved = (len(todo) - len(victims)) * self.file_bytes
+        if self.sized:
+            running.reserved = len(todo) * self._mean_file_bytes() - self._unsize(victims)
+        else:
+            running.reserved = (len(todo) - len(victims)) * self.file_bytes
         self._dir_submitted += running.reserved
         self._runner.store(running, todo, victims)
 
@@ -313,7 +401,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         """Evict what ``count`` new blocks need: room in the local index and in the shared
         directory (as last seen). Returns the victims (out of the index), or ``None`` when the
         policy cannot free that much (pinned or pending blocks)."""
-        policy, fb = self._policy, self.file_bytes
+        policy, fb = self._policy, self._mean_file_bytes()
         need_local = len(policy) + count - self.capacity_blocks
         need_dir = -(
             -(self._dir_used + self._dir_submitted + count * fb - self._ledger.limit) // fb
@@ -321,6 +409,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         need = max(0, need_local, need_dir)
         if not need:
             return []
+        self.codec.note_capacity_bound()
         evicted = policy.evict(min(need, len(policy)), protected)
         if evicted is None:
             return None
@@ -385,9 +474,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
                 continue  # skipped (already held) or not ours
             if key in failed:
                 policy.remove(key)
+                self._unsize((key,))
             else:
                 block.ref_cnt = 0
                 stored.append(key)
+                if self.sized:
+                    self._resize(key, running.sizes.get(key, self.file_bytes))
         counters["stored_blocks"] += len(stored)
         counters["failed_store_blocks"] += len(failed)
         counters["filesystem_full_stores"] += running.filesystem_full
@@ -412,6 +504,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             if block is not None and cause in _DROP_CAUSES and block.ref_cnt == 0:
                 policy.remove(key)
                 dropped.append(key)
+        self._unsize(dropped)
         if dropped and self._events is not None:
             self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
 
@@ -423,20 +516,26 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self.drain_jobs()
         self.get_finished_jobs()
         keys = list(self._policy)
+        removed = MEASURE if self.sized else self.file_bytes
         for key in keys:
-            self._ledger.remove(self._files.path_of(key), self.file_bytes)
+            self._ledger.remove(self._files.path_of(key), removed)
         self._dir_used, self._dir_submitted = self._ledger.last_seen, 0
         self._policy.clear()
+        self._sizes.clear()
+        self._stored_bytes = 0
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
 
     def stats(self) -> dict[str, int]:
         used = len(self._policy)
+        stored = self._stored_bytes if self.sized else used * self.file_bytes
         out = {
             "capacity_bytes": self.capacity_bytes,
-            "capacity_blocks": min(self.capacity_blocks, self._ledger.limit // self.file_bytes),
+            "capacity_blocks": min(
+                self.capacity_blocks, self._ledger.limit // self._mean_file_bytes()
+            ),
             "used_blocks": used,
-            "used_bytes": used * self.file_bytes + LEDGER_BYTES,
+            "used_bytes": stored + LEDGER_BYTES,
             "dir_used_bytes": self._dir_used + LEDGER_BYTES,
             "scan_ms": int(self.scan_seconds * 1000),
         }
@@ -446,6 +545,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         for cause in _CAUSES:
             out[f"failed_load_{cause}"] = counters[f"failed_load_{cause}"]
             out[f"failed_store_{cause}"] = counters[f"failed_store_{cause}"]
+        out.update(self.codec.stats.as_stats())
         return out
 
     def check_ledger(self) -> None:
@@ -453,9 +553,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         (one block file's bytes per block file and per write in progress). For tests: drains
         this tier's jobs first; other processes on the directory must be idle."""
         self.drain_jobs()
-        count, on_disk = self._ledger.snapshot(
-            lambda: count_files(self.namespace) * self.file_bytes
-        )
+        if self.sized:
+            count, on_disk = self._ledger.snapshot(lambda: count_file_bytes(self.namespace))
+        else:
+            count, on_disk = self._ledger.snapshot(
+                lambda: count_files(self.namespace) * self.file_bytes
+            )
         if count != on_disk:
             raise AssertionError(
                 f"the ledger counts {count} bytes, the namespace's files take {on_disk}"

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.codec import check_compression
 from kvoffload.tiers.contract import KVLayout
 from kvoffload.tiers.redis.url import redacted_url
 
@@ -46,6 +47,10 @@ class RemoteTierConfig:
     #: The caller runs on without the tier when the server cannot be used at start (errors
     #: then leave out the advice to set ``kv_remote_optional``).
     optional: bool = False
+    #: ``kv_remote_compression``: ``none`` (values are the slots' bytes), ``lossless``,
+    #: ``auto`` (lossless when the codec beats the link) or ``fp8`` (lossy, its own keys);
+    #: see :mod:`kvoffload.tiers.codec`.
+    compression: str = "none"
 
     def __repr__(self) -> str:
         """The settings, the URL shown without anything that may be a password."""
@@ -68,6 +73,7 @@ class RemoteTierConfig:
         for name, value in positive.items():
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(name, f"must be a positive number of seconds, got {value!r}")
+        check_compression("kv_remote_compression", self.compression)
         wait = self.answer_wait_s
         if not (isinstance(wait, int | float) and math.isfinite(wait) and wait >= 0):
             raise ConfigError(

@@ -348,6 +348,7 @@ class RedisConnection:
         target: memoryview,
         next_hint: int,
         accept: Callable[[bytes], object] | None = None,
+        spill: Callable[[int], memoryview] | None = None,
     ) -> object:
         """The reply to a ``GET`` of a value expected to be ``head_len`` header bytes followed by
         ``len(target)`` payload bytes: ``(header, xxh3-64 of the payload)`` with the payload in
@@ -356,7 +357,9 @@ class RedisConnection:
         is received, returns ``None`` to receive it, or anything else to skip it and return
         that. Skipped values never reach ``target``. ``next_hint`` is how many bytes the next
         reply's length line and header take (0: none follows), so that they are received with
-        this reply's final CRLF."""
+        this reply's final CRLF. With ``spill``, a value shorter than expected (but not shorter
+        than its header) is received too: its payload of ``n`` bytes into ``spill(n)`` (a
+        buffer of ``n`` bytes) instead of ``target``."""
         size = head_len + len(target)
         line = self._line(len(b"$%d\r\n" % size) + head_len)
         kind = line[:1]
@@ -365,9 +368,11 @@ class RedisConnection:
             if length < 0:
                 return None
             if length != size:
-                self._skip(length)
-                self._crlf(2 + next_hint)
-                return "corrupt"
+                if spill is None or not head_len <= length < size:
+                    self._skip(length)
+                    self._crlf(2 + next_hint)
+                    return "corrupt"
+                target = spill(length - head_len)
             header = self._take(head_len)
             verdict = None if accept is None else accept(header)
             if verdict is not None:

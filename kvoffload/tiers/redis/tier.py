@@ -5,7 +5,9 @@ hash seed) load each other's blocks. ``docs/remote-tier.md`` covers setup and me
 
 Data: one Redis string per block, key ``kvo:<layout fingerprint hex>:<OffloadKey bytes>`` (so two
 layouts never share a block; keys spread over every Cluster slot), value the self-checking
-:mod:`~kvoffload.tiers.blockformat` header (``align=8``) followed by the host slot's bytes.
+:mod:`~kvoffload.tiers.blockformat` header (``align=8``) followed by the host slot's bytes, or by
+their codec frame (``compression``, :mod:`kvoffload.tiers.codec`: encoded and decoded on the I/O
+thread; lossy blocks under their own layout's keys).
 
 Layers: :class:`RedisTier` keeps the tier contract, what it knows of the server's keys
 (:class:`~kvoffload.tiers.redis.answers.RemoteAnswers`) and two threads; the network is the
@@ -57,6 +59,7 @@ from typing import Any
 from kvoffload.errors import ConfigError
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
+from kvoffload.tiers.codec import BlockCodec
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.redis.answers import FOREVER, RemoteAnswers
 from kvoffload.tiers.redis.blocks import JobOutcome, RemoteBlocks
@@ -137,9 +140,12 @@ class RedisTier(SecondaryTier):
         self._server_base: dict[str, int] = {}
         self._io_counters: Counter[str] = Counter()
 
+        codec = BlockCodec(config.compression, layout, "kv_remote_compression")  # checked first
         self._transport = self._connect()
         ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
-        self._blocks = RemoteBlocks(pool, layout, self._transport, ttl_ms, self.url.namespace)
+        self._blocks = RemoteBlocks(
+            pool, layout, self._transport, ttl_ms, self.url.namespace, codec
+        )
         self._threads = [
             threading.Thread(target=self._io_loop, name="kvo-remote-io", daemon=True),
             threading.Thread(target=self._lookup_loop, name="kvo-remote-lookup", daemon=True),
@@ -310,6 +316,7 @@ class RedisTier(SecondaryTier):
         with self._lock:
             out.update(self._io_counters)
         out.update(self._transport.counters())
+        out.update(self._blocks.codec.stats.as_stats())
         return out
 
     def close(self) -> None:
@@ -445,8 +452,11 @@ class RedisTier(SecondaryTier):
         if self._transport.is_down():
             return
         try:
-            self._server = self._transport.server_figures()
+            self._server = server = self._transport.server_figures()
         except OSError:
-            pass  # the transport marked the server down
+            return  # the transport marked the server down
         except Exception as exc:  # figures are informative: keep the old ones
             log.error("remote tier INFO failed: %s", self.url.scrub(repr(exc)))
+            return
+        if server.get("evicted_keys", 0) > self._server_base.get("evicted_keys", 0):
+            self._blocks.codec.note_capacity_bound()  # the server evicts: room is what is short

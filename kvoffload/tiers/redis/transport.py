@@ -98,11 +98,13 @@ class _Get(_Op):
         targets: Sequence[memoryview],
         head_lens: Sequence[int],
         accept: Callable[[int, bytes], object] | None,
+        spill: Callable[[int, int], memoryview] | None = None,
     ) -> None:
         self.keys = keys
         self.targets = targets
         self.head_lens = head_lens
         self.accept = accept
+        self.spill = spill
         sizes = [h + len(t) for h, t in zip(head_lens, targets, strict=True)] or [0]
         self.value_bytes = max(1, max(sizes))
         # An upper bound of any reply's length line + header, received ahead with a CRLF.
@@ -118,7 +120,9 @@ class _Get(_Op):
         hint = 0 if last else self.next_hint
         accept = self.accept
         check = None if accept is None else (lambda header: accept(i, header))
-        return conn.read_value_into(self.head_lens[i], self.targets[i], hint, check)
+        spill = self.spill
+        into = None if spill is None else (lambda n: spill(i, n))
+        return conn.read_value_into(self.head_lens[i], self.targets[i], hint, check, into)
 
 
 class _Set(_Op):
@@ -252,11 +256,13 @@ class RedisTransport:
         targets: Sequence[memoryview],
         head_lens: Sequence[int],
         accept: Callable[[int, bytes], object] | None = None,
+        spill: Callable[[int, int], memoryview] | None = None,
     ) -> list[Any]:
         """``GET`` each key, a value of ``head_lens[i]`` header bytes and ``len(targets[i])``
         payload bytes received into ``targets[i]`` unless ``accept(i, header)`` (called on the
-        receiving thread) refuses it (results: ``read_value_into``'s)."""
-        return self._run(keys, _Get(keys, targets, head_lens, accept))
+        receiving thread) refuses it (results: ``read_value_into``'s). With ``spill``, a shorter
+        value's ``n`` payload bytes go into ``spill(i, n)`` instead."""
+        return self._run(keys, _Get(keys, targets, head_lens, accept, spill))
 
     def set_values(
         self,

@@ -1,0 +1,55 @@
+"""Byte planes: the bytes of fixed-size elements regrouped by their position in the element.
+
+``split(raw, width)`` turns elements ``e0 e1 ...`` of ``width`` bytes into ``width`` planes (all
+first bytes, then all second bytes, ...); ``join_into`` undoes it. In bf16/fp16/fp32 KV the plane
+that holds sign and exponent repeats few values and compresses well, while the mantissa planes
+are close to random: an entropy coder gains far more on the planes than on the interleaved bytes.
+
+Joining is the hot step of a load: for widths 2, 4 and 8 on a little-endian machine it builds
+the elements as integers (the last plane, shifted left a byte per plane, or-ed with the next),
+several times faster than numpy's strided byte copies.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["join_into", "split"]
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_FAST_JOIN = sys.byteorder == "little"
+
+
+def split(raw: memoryview | bytes, width: int) -> list[memoryview]:
+    """The ``width`` byte planes of ``raw`` (whose length is a multiple of ``width``), as views
+    of one new buffer."""
+    data = np.frombuffer(raw, dtype=np.uint8)
+    joined = memoryview(data.reshape(-1, width).T.tobytes())
+    n = len(joined) // width
+    return [joined[p * n : (p + 1) * n] for p in range(width)]
+
+
+def join_into(
+    planes: Sequence[memoryview | bytes | bytearray], width: int, out: memoryview
+) -> None:
+    """Write the elements whose byte planes are ``planes`` (``width`` of them, each
+    ``len(out) // width`` bytes) into ``out``."""
+    dst = np.frombuffer(out, dtype=np.uint8)
+    views = [np.frombuffer(p, dtype=np.uint8) for p in planes]
+    if width == 1:
+        dst[:] = views[0]
+        return
+    kind = _UINT.get(width)
+    if kind is not None and _FAST_JOIN:
+        elements = dst.view(kind)
+        elements[:] = views[-1]
+        for plane in reversed(views[:-1]):
+            elements <<= 8
+            elements |= plane
+        return
+    rows = dst.reshape(-1, width)
+    for p, plane in enumerate(views):
+        rows[:, p] = plane
