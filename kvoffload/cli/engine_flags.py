@@ -18,9 +18,8 @@ from typing import Any
 
 from kvoffload.cli.args import int_in, real_in
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, help_section, resolve_flags
-from kvoffload.engine import EngineConfig
-from kvoffload.engine.admission import SCHEDULING_POLICIES
-from kvoffload.engine.config import OFFLOADING_BACKENDS
+from kvoffload.engine.config import OFFLOADING_BACKENDS, EngineConfig
+from kvoffload.engine.setting_choices import SCHEDULING_POLICIES
 from kvoffload.errors import ConfigError
 
 __all__ = [

@@ -52,17 +52,20 @@ def _run(args: argparse.Namespace) -> int:
     from kvoffload.cli.engine_flags import engine_config_from_args
     from kvoffload.cli.flagspec import resolve_flags
     from kvoffload.cli.listen_socket import bind_listener
-    from kvoffload.serving.server import serve
 
     flags = resolve_flags(args)  # the host tier's default is read from the machine here, once
-    config = engine_config_from_args(flags)  # a refused flag or bad setting: one line, exit 2
-    sock = bind_listener(flags.host, flags.port)  # in use: one line, exit 2, before the model
-    if args.kv_offloading_size is None:
-        print(f"kvoffload serve: host tier {config.kv_offloading_size:g} GiB "
-              f"({HOST_TIER_DEFAULT.text}; --kv-offloading-size sets it, 0 turns it off)",
-              file=sys.stderr, flush=True)
-    logging.basicConfig(level=flags.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    with sock:  # closed here too when the engine cannot start
+    # In use: one line, exit 2, before anything imports torch (the config's device check does).
+    sock = bind_listener(flags.host, flags.port)
+    with sock:  # closed here too when a setting is refused or the engine cannot start
+        config = engine_config_from_args(flags)  # a refused flag or bad setting: one line, exit 2
+        from kvoffload.serving.server import serve
+
+        if args.kv_offloading_size is None:
+            print(f"kvoffload serve: host tier {config.kv_offloading_size:g} GiB "
+                  f"({HOST_TIER_DEFAULT.text}; --kv-offloading-size sets it, 0 turns it off)",
+                  file=sys.stderr, flush=True)
+        logging.basicConfig(level=flags.log_level.upper(),
+                            format="%(levelname)s %(name)s: %(message)s")
         status = serve(config, flags.host, flags.port, flags.served_model_name, flags.log_level,
                        sock=sock, api_key=api_key_from(flags.api_key, API_KEY_ENV),
                        max_request_bytes=flags.max_request_bytes)

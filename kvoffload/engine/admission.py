@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.cache_aware_queue import CacheAwareQueue
+from kvoffload.engine.setting_choices import SCHEDULING_POLICIES
 from kvoffload.engine.waiting_queue import FCFSQueue, HeldProbe, WaitingQueue
 
 __all__ = [
@@ -19,8 +20,6 @@ __all__ = [
     "WaitingQueue",
     "make_waiting_queue",
 ]
-
-SCHEDULING_POLICIES = ("fcfs", "cache_aware")
 
 
 def make_waiting_queue(

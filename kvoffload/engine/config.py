@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvoffload.engine.admission import SCHEDULING_POLICIES
-from kvoffload.engine.loader import DTYPES, resolve_device
+from kvoffload.engine.setting_choices import DTYPES, SCHEDULING_POLICIES
 from kvoffload.errors import ConfigError
 from kvoffload.events import KVEventsConfig
 from kvoffload.eviction import available_eviction_policies
@@ -114,6 +113,8 @@ class EngineConfig:
     events: KVEventsConfig = field(init=False)
 
     def __post_init__(self) -> None:
+        from kvoffload.engine.loader import resolve_device  # torch: not on import (CLI parsers)
+
         check_str("model", self.model)
         resolve_device(check_str("device", self.device))
         if self.dtype is not None:

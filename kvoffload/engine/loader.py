@@ -22,6 +22,7 @@ import torch
 from kvoffload.checkpoint_files import read_json_object, weight_files
 from kvoffload.engine.model import DecoderLayer, DecoderModel
 from kvoffload.engine.model_config import PRESETS, ModelConfig, config_from_hf, preset_config
+from kvoffload.engine.setting_choices import DTYPE_SPELLINGS, DTYPES
 from kvoffload.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from kvoffload.errors import ConfigError
 from kvoffload.identity import checkpoint_fingerprint, preset_fingerprint
@@ -44,15 +45,8 @@ __all__ = [
 PRESET_FORMAT_VERSION = 1
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+    name: getattr(torch, canonical) for name, canonical in DTYPE_SPELLINGS.items()
 }
-#: The dtype names ``load_model`` accepts.
-DTYPES = frozenset(_DTYPES)
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

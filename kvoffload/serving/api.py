@@ -612,7 +612,9 @@ class _ChatFormat(_Format):
              "finish_reason": None}]) for i in range(len(self.job.choices))]
 
     def chunk(self, index: int, piece: TextPiece, assembler: TextAssembler) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
+        # Always a "content", "" while the text is held back or empty (a special token), as vLLM:
+        # clients (`vllm bench serve`) count a chunk whose delta has content and no role as a token.
+        delta = {"content": piece.text}
         choice = {"index": index, "delta": delta, "logprobs": self._logprobs(piece),
                   "finish_reason": piece.finish_reason,
                   "stop_reason": self._stop_reason(piece, assembler)}
