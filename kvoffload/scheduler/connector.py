@@ -110,6 +110,7 @@ class OffloadingConnectorScheduler:
                 "stored_blocks",
                 "failed_stores",
                 "rejected_stores",
+                "shed_store_blocks",
                 "load_bytes",
                 "store_bytes",
             ),
@@ -170,6 +171,9 @@ class OffloadingConnectorScheduler:
         if not wait:
             self._counters["retry_timeouts"] += 1
         hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
+        if hit_end is None and self.manager.await_promotions(state.req_context):
+            # Its promotions landed within the manager's wait: the hit loads in this step.
+            hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if (hit_end is None or not wait) and self._events is not None:
             # Promotions for it (its lookup met blocks on a secondary tier): describe them.
             self._events.remember_request_blocks(state, num_computed_tokens)
@@ -329,6 +333,8 @@ class OffloadingConnectorScheduler:
         failed = job.failed or job.stale
         if job.fenced:
             self._fence.release(job)
+        if job.is_store:
+            self._stores.finished(len(job.keys))
         if not job.stale:
             if job.is_store:
                 self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
@@ -460,8 +466,9 @@ class OffloadingConnectorScheduler:
         ``failed_load_tokens_<tier>`` of those whose load failed and were recomputed;
         ``load_jobs`` / ``store_jobs``: jobs planned; ``loaded_blocks`` / ``stored_blocks``:
         blocks of jobs that completed successfully (loaded into the engine, stored in the
-        tier); ``failed_loads`` / ``failed_stores``: jobs that failed; bytes and seconds as the
-        workers reported them.
+        tier); ``failed_loads`` / ``failed_stores``: jobs that failed; ``shed_store_blocks``:
+        offered blocks shed because ``max_stores_in_flight`` were in flight, and the gauge
+        ``stores_in_flight_blocks``; bytes and seconds as the workers reported them.
         """
         out: dict[str, float] = dict(self._counters)
         for source, n in self._hit_tokens_by_source.items():
@@ -472,6 +479,7 @@ class OffloadingConnectorScheduler:
         out["store_seconds"] = self._transfer_seconds["store"]
         out["live_requests"] = len(self._requests)
         out["jobs_in_flight"] = len(self._jobs)
+        out["stores_in_flight_blocks"] = self._stores.in_flight
         for name, value in self.manager.stats().items():
             out[f"tier_{name}"] = value
         return out
