@@ -7,6 +7,7 @@ one lookup when the manager may wait for it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tier_cases import host_pool, key, layout
@@ -25,7 +26,7 @@ PROBE = ReqContext("probe")
 class RecordingDiskTier(DiskTier):
     """A real disk tier that records the order in which jobs reach it."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.submitted: list[tuple[str, list[bytes]]] = []
 

@@ -119,7 +119,7 @@ class CascadeQueue:
             spec = self._host.pin(keys)
             self._in_flight[i] += len(keys)
             job_id = self._jobs.add(BackgroundJob(i, keys, None, self._finished))
-            self._tiers[i].submit_store(TierJob(job_id, keys, list(spec.block_ids)))  # type: ignore[attr-defined]  # the host's spec
+            self._tiers[i].submit_store(TierJob(job_id, keys, list(spec.block_ids)))
 
     def _finished(self, job: BackgroundJob, failed: Mapping[OffloadKey, str]) -> None:
         self._host.complete_load(job.keys, NO_REQUEST)
@@ -224,11 +224,11 @@ class Cascade(ABC):
         """A request's lookup found ``key`` in the host (its count was just recorded): a cold
         block that reached ``min_reuse`` is queued for its tiers now."""
         tiers = self._cold.get(key)
-        if tiers is not None and self._reuse is not None:
-            if self._reuse.count(key) >= self._min_reuse:
-                del self._cold[key]
-                for tier in tiers:
-                    self._queue.add((key,), tier, NO_REQUEST)
+        reuse = self._reuse
+        if tiers is not None and reuse is not None and reuse.count(key) >= self._min_reuse:
+            del self._cold[key]
+            for tier in tiers:
+                self._queue.add((key,), tier, NO_REQUEST)
 
     def host_evicted(self, keys: Sequence[OffloadKey]) -> None:
         """The host evicted ``keys``: cold ones were never worth a write."""

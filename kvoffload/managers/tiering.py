@@ -126,7 +126,11 @@ class TieringOffloadingManager(OffloadingManager):
             )
         if max_in_flight is None:
             max_in_flight = max(1, host.num_blocks // 2)
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
+        if (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or max_in_flight < 0
+        ):
             raise ConfigError(
                 "kv_tier_write_max_in_flight", f"must be an integer >= 0, got {max_in_flight!r}"
             )
