@@ -162,6 +162,8 @@ class TieringOffloadingManager(OffloadingManager):
         )
         self._promotion_wait_s = float(promotion_wait_s)
         self._awaited = [0, 0]  # await_promotions calls that waited, and those that landed
+        self._wait_step = -1  # the step whose wait budget ends at _wait_deadline
+        self._wait_deadline = 0.0
         self._retry_answers = 0
         #: this step's keys a tier answered RETRY (its server asked): ctx -> [(tier, key)]
         self._asked: dict[ReqContext, list[tuple[int, OffloadKey]]] = {}
@@ -243,8 +245,9 @@ class TieringOffloadingManager(OffloadingManager):
                 promotions.queue(i, ctx, key)
 
     def await_promotions(self, ctx: ReqContext) -> bool:
-        """Submit this step's promotions now and wait, at most ``promotion_wait_s``, for
-        ``ctx``'s to land (applying every finished tier job meanwhile). Returns whether ``ctx``
+        """Submit this step's promotions now and wait for ``ctx``'s to land (applying every
+        finished tier job meanwhile), within ``promotion_wait_s`` for all the step's waits
+        together (so a step of many disk hits stalls no longer than one). Returns whether ``ctx``
         had promotions and all of them finished: its next lookup pass then answers ``HIT`` for
         the landed blocks (pinned for it) and ``MISS`` for failed ones, so the disk hit loads in
         the step it was found. Called by the scheduler after a lookup pass that answered
@@ -257,7 +260,10 @@ class TieringOffloadingManager(OffloadingManager):
         if not pending:
             return False
         self._awaited[0] += 1
-        deadline = time.monotonic() + self._promotion_wait_s
+        if self._wait_step != self._step:  # one budget per step, shared by its lookups
+            self._wait_step = self._step
+            self._wait_deadline = time.monotonic() + self._promotion_wait_s
+        deadline = self._wait_deadline
         delay = _MIN_POLL_S
         while True:
             jobs.apply_finished()
