@@ -171,12 +171,12 @@ class OffloadingConnectorScheduler:
         if not wait:
             self._counters["retry_timeouts"] += 1
         hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
-        if hit_end is None and self.manager.await_promotions(state.req_context):
-            # Its promotions landed within the manager's wait: the hit loads in this step.
-            hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if (hit_end is None or not wait) and self._events is not None:
             # Promotions for it (its lookup met blocks on a secondary tier): describe them.
             self._events.remember_request_blocks(state, num_computed_tokens)
+        if hit_end is None and self.manager.await_promotions(state.req_context):
+            # Its promotions landed within the manager's wait: the hit loads in this step.
+            hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if hit_end is None:
             self._counters["retries"] += 1
             return None, False
