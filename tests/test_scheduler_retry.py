@@ -83,7 +83,7 @@ def test_a_promotion_waited_for_answers_the_full_hit_at_once(tmp_path: Path) -> 
     """With the manager allowed to wait (60 s: always long enough, never timing-dependent), the
     first ask submits the promotion, waits for it and answers the full hit: no ``None``, no
     retry, the load planned in the step the hit was found."""
-    connector, manager, disk = setup(tmp_path, promotion_wait_s=60.0)
+    connector, manager, _ = setup(tmp_path, promotion_wait_s=60.0)
     try:
         assert connector.get_num_new_matched_tokens(request("a"), 0) == (5 * BLOCK, True)
         stats = connector.stats()
