@@ -198,8 +198,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     _engine_flag(
         "kv_store_max_in_flight",
-        "offloaded blocks whose stores to the host may be in flight at once; stores beyond it "
-        "are shed (not offloaded) instead of queued",
+        "once earlier steps' stores to the host still in flight hold this many blocks, new "
+        "stores are shed (not offloaded) instead of queued",
         parse=int_in(0),
         unit="BLOCKS",
         needs=HOST,

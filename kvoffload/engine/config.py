@@ -63,9 +63,9 @@ class EngineConfig:
     to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``), at most
     ``kv_tier_write_max_in_flight`` blocks per tier at a time (``None``: half the host tier; the
     rest wait and are shed if the host evicts them first), and only blocks that
-    ``kv_tier_write_min_reuse`` requests saw. At most ``kv_store_max_in_flight`` blocks' stores
-    to the host are in flight (``None``: half the host tier); an offer beyond it is shed, not
-    queued. A lookup waits up to ``kv_promotion_wait_s`` for its disk or remote hits' promotion,
+    ``kv_tier_write_min_reuse`` requests saw. Once earlier steps' stores to the host still in
+    flight hold ``kv_store_max_in_flight`` blocks (``None``: half the host tier), new offers are
+    shed, not queued. A lookup waits up to ``kv_promotion_wait_s`` for its disk or remote hits' promotion,
     so that they load in the same step. A shared Redis / Valkey
     tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
     (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at

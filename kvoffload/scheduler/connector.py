@@ -248,6 +248,7 @@ class OffloadingConnectorScheduler:
         """Plan this step's stores and hand over every job planned since the last call."""
         requests, policies, plan = self._requests, self._policies, self._stores.plan
         store_jobs = self._store_jobs
+        self._stores.begin_step()
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             state = requests.get(request.request_id)

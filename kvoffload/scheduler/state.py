@@ -103,8 +103,9 @@ class SchedulerOffloadConfig:
     #: alone would give up after one step on a slow engine; asks alone, at once on an idle one).
     max_lookup_retry_s: float = 2.0
     min_lookup_retries: int = 4
-    #: Offloaded blocks whose stores may be in flight (planned, not completed) at once; an offer
-    #: beyond it is shed, tail first (``scheduler/stores.py``). ``None``: no bound.
+    #: The store path is behind once stores planned in earlier steps and not completed hold this
+    #: many offloaded blocks; new offers are then shed, not queued (``scheduler/stores.py``).
+    #: ``None``: no bound.
     max_stores_in_flight: int | None = None
 
     def __post_init__(self) -> None:

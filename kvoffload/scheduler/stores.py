@@ -7,13 +7,13 @@ now), the longest head of it that fits is stored
 offer next time: the stored head is then skipped and protected by the tier, so the rest never
 evicts its own prefix.
 
-**Shedding.** With ``config.max_stores_in_flight`` set, at most that many blocks are being
-stored (planned, not completed) at once: when the store path falls behind, the part of an offer
-beyond the bound is *shed* instead of queued: tail first (a prefix's head serves every longer
-hit, its tail the fewest), blocks the tier already holds always kept (they cost no copy). A
-shed block is simply not offloaded: it is never offered again (the policy moved past it), its
-engine blocks are freed as usual, and no load depends on it (a later lookup misses it).
-Counted in ``shed_store_blocks``.
+**Shedding.** With ``config.max_stores_in_flight`` set, the store path has *fallen behind* when
+the stores planned in earlier steps and not completed yet hold that many blocks: then every new
+offer is *shed* instead of queued (blocks the tier already holds are kept: they cost no copy,
+and the tier protects them). A step's offers are never shed while the path keeps up, however
+large (a long prefill is stored whole). A shed block is simply not offloaded: it is never
+offered again (the policy moved past it), its engine blocks are freed as usual, and no load
+depends on it (a later lookup misses it). Counted in ``shed_store_blocks``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class StorePlanner:
     """Plans a request's stores; counts ``store_jobs`` (planned), ``rejected_stores`` (offers
     refused as a whole) and ``shed_store_blocks`` into ``counters``. Sliding-window sources
     are registered in the reuse ``fence``; each stored block is described to ``events``.
-    ``in_flight``: blocks of planned store jobs not completed yet (:meth:`finished` lowers it)."""
+    ``in_flight``: blocks of planned store jobs not completed yet (:meth:`finished` lowers it),
+    of which ``this_step`` were planned since the last :meth:`begin_step`."""
 
     def __init__(
         self,
@@ -66,10 +67,22 @@ class StorePlanner:
         self._fences = any(g.sliding_window_blocks is not None for g in config.groups)
         self._limit = config.max_stores_in_flight
         self.in_flight = 0
+        self.this_step = 0
+
+    def begin_step(self) -> None:
+        """A new engine step plans its stores: what is in flight now is from earlier steps."""
+        self.this_step = 0
 
     def finished(self, num_blocks: int) -> None:
         """A store job of ``num_blocks`` blocks completed (or failed, or went stale)."""
         self.in_flight -= num_blocks
+        self.this_step = min(self.this_step, self.in_flight)
+
+    @property
+    def behind(self) -> bool:
+        """Whether stores of earlier steps still in flight reach ``max_stores_in_flight``."""
+        limit = self._limit
+        return limit is not None and self.in_flight - self.this_step >= limit
 
     def plan(
         self,
@@ -95,7 +108,7 @@ class StorePlanner:
             # The engine has not reported these blocks yet: try again next step.
             policy.on_store_rejected(req_id, starts)
             return [], 0
-        if self._limit is not None and self.in_flight + len(keys) > self._limit:
+        if self.behind:
             keys, located = self._shed(keys, located, state.req_context)
             if not keys:
                 return [], 0
@@ -134,24 +147,11 @@ class StorePlanner:
     def _shed(
         self, keys: list[OffloadKey], located: list[Location], ctx: ReqContext
     ) -> tuple[list[OffloadKey], list[Location]]:
-        """The part of an offer the bound leaves room for: every key the tier holds (no copy)
-        and the first others in block order; the rest is shed (counted). Runs only when the
-        offer would pass the bound."""
-        room = max(0, (self._limit or 0) - self.in_flight)
-        groups, holds = self._config.groups, self._manager.holds
-        order = sorted(
-            range(len(keys)),
-            key=lambda i: (located[i][1] + 1) * groups[located[i][0]].offloaded_block_size,
-        )
-        kept: list[int] = []
-        for i in order:
-            if holds(keys[i], ctx):
-                kept.append(i)
-            elif room > 0:
-                kept.append(i)
-                room -= 1
+        """The store path is behind: keep only the keys the tier holds (no copy; the tier
+        protects them); the others are shed (counted)."""
+        holds = self._manager.holds
+        kept = [i for i, key in enumerate(keys) if holds(key, ctx)]
         self._counters["shed_store_blocks"] += len(keys) - len(kept)
-        kept.sort()
         return [keys[i] for i in kept], [located[i] for i in kept]
 
     def _prepare_head(
@@ -198,6 +198,7 @@ class StorePlanner:
             self._events.record_request_blocks(state, stored, located)
         job = self._jobs.new(state, stored, is_store=True)
         self.in_flight += len(stored)
+        self.this_step += len(stored)
         if self._fences:
             self._fence.add(job, engine_ids, group_sizes)
         self._counters["store_jobs"] += 1
