@@ -243,6 +243,13 @@ class OffloadingManager(ABC):
         """Background jobs (not worker transfers) still running. Default: 0."""
         return 0
 
+    def await_promotions(self, ctx: ReqContext) -> bool:
+        """``ctx``'s lookup pass answered ``RETRY``: start the step's promotions now and wait,
+        within the manager's own bound, for ``ctx``'s to land. Returns whether they all
+        finished, so that a new lookup pass of ``ctx`` in this step gets final answers (a disk
+        hit then loads in the step it was found). Default: ``False`` (nothing to wait for)."""
+        return False
+
     @abstractmethod
     def reset(self) -> None:
         """Drop every block, pinned or pending too, and emit removals for the readable ones.

@@ -3,16 +3,19 @@ the worker's copies are reported at the first collection after they finish
 (:func:`~engine_cases.delay_completions` with 0), and a disk promotion is waited for before the
 next step (the tier's ``drain_jobs``), as one that lands during the forward pass would be.
 
-A host hit is loaded in the step that admits the request and computed in the next one. A disk hit
-is answered ``RETRY`` in the step that admits it (its promotion is submitted before that step's
-forward pass), loaded in the next and computed in the one after: exactly one step more, and no
-second ``RETRY``."""
+A host hit is loaded in the step that admits the request and computed in the next one. So is a
+disk hit: its lookup pass answers ``RETRY``, the scheduler submits the promotion at once and
+waits for it (``kv_promotion_wait_s``; here long enough for any loaded machine, so the outcome
+never depends on timing), and the second pass loads it in the same step. Without the wait
+(``kv_promotion_wait_s=0``) the disk hit is answered ``RETRY`` in the step that admits it, loaded
+in the next and computed in the one after: exactly one step more, and no second ``RETRY``."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import pytest
 from engine_cases import (
     BLOCK_SIZE,
     delay_completions,
@@ -48,7 +51,14 @@ def _steps_to_first_token(engine: Engine, prompt: list[int], drain_tier: bool) -
     raise AssertionError("no token after 20 steps")
 
 
-def test_a_disk_hit_costs_one_step_more_than_a_host_hit(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("promotion_wait_s", "disk_steps", "retries"),
+    [(60.0, 2, 0), (0.0, 3, 1)],
+    ids=["one-step", "without-the-wait"],
+)
+def test_a_disk_hit_costs_the_steps_of_a_host_hit(
+    tmp_path: Path, promotion_wait_s: float, disk_steps: int, retries: int
+) -> None:
     rng = random.Random(5)
     first, others = _prompt(rng), [_prompt(rng) for _ in range(3)]
     with tiny_engine(
@@ -59,6 +69,7 @@ def test_a_disk_hit_costs_one_step_more_than_a_host_hit(tmp_path: Path) -> None:
         kv_disk_path=str(tmp_path),
         kv_disk_size=0.01,
         kv_lookup_retry_s=600.0,
+        kv_promotion_wait_s=promotion_wait_s,
     ) as engine:
         delay_completions(engine, lambda _job: 0)
         # Computed: no hit of any kind. The first prompt lands in the host tier and on disk.
@@ -77,5 +88,8 @@ def test_a_disk_hit_costs_one_step_more_than_a_host_hit(tmp_path: Path) -> None:
         disk = _steps_to_first_token(engine, first, drain_tier=True)
         after = engine.stats()
         assert after["offload_tier_promoted_blocks"] > before["offload_tier_promoted_blocks"]
-        assert after["offload_retries"] == before["offload_retries"] + 1  # one RETRY, no second
-    assert (cold, host, disk) == (1, 2, 3)
+        assert after["offload_hit_tokens_disk"] > before.get("offload_hit_tokens_disk", 0)
+        assert after["offload_retries"] == before["offload_retries"] + retries
+        landed = after["offload_tier_awaited_promotions_landed"]
+        assert landed - before["offload_tier_awaited_promotions_landed"] == 1 - retries
+    assert (cold, host, disk) == (1, 2, disk_steps)

@@ -34,6 +34,11 @@ def _blocks(engine: Engine, prompt: list[int]) -> list[bytes]:
     return engine.hasher.hash_blocks(prompt)
 
 
+#: A bound on stores in flight no test of this module reaches: these tests are about the tier
+#: refusing stores, which shedding (``test_engine_store_bounds.py``) would pre-empt.
+NO_SHEDDING = 1024
+
+
 def test_a_finished_requests_refused_store_is_kept_until_stored() -> None:
     """The tier (4 blocks) is all pending with A's store (reported 6 steps late) when B, an
     ``on_finish`` request, ends: its offer is refused, kept with its blocks, and stored once A's
@@ -41,7 +46,10 @@ def test_a_finished_requests_refused_store_is_kept_until_stored() -> None:
     rng = random.Random(1)
     a = random_tokens(rng, 4 * BLOCK_SIZE + 1)
     b = random_tokens(rng, 4 * BLOCK_SIZE + 1)
-    with tiny_engine(num_device_blocks=32, kv_offloading_size=host_gib(4)) as engine:
+    # No shedding: the tier's own refusal is what is tested (NO_SHEDDING).
+    with tiny_engine(
+        num_device_blocks=32, kv_offloading_size=host_gib(4), kv_store_max_in_flight=NO_SHEDDING
+    ) as engine:
         delay_completions(engine, lambda job_id: 6 if job_id == 0 else 0)
         outs = engine.generate([a], greedy(1))
         assert backing_manager(engine).stats()["used_blocks"] == 4  # A's 4 blocks, pending
@@ -64,7 +72,10 @@ def test_an_offer_larger_than_the_tier_stores_its_longest_head(store_policy: str
     rng = random.Random(2)
     prompt = random_tokens(rng, 6 * BLOCK_SIZE + 1)
     with tiny_engine(
-        num_device_blocks=32, kv_offloading_size=host_gib(5), store_policy=store_policy
+        num_device_blocks=32,
+        kv_offloading_size=host_gib(5),
+        store_policy=store_policy,
+        kv_store_max_in_flight=NO_SHEDDING,
     ) as engine:
         first = engine.generate([prompt], greedy(2))
         engine.drain()

@@ -1,7 +1,8 @@
 """Scheduler side under random workloads (hypothesis).
 
 Random request arrivals over shared prefixes, lengths, token budgets, small engine pools
-(preemption), small tiers (rejected stores, eviction), per-request store policies and caps,
+(preemption), small tiers (rejected stores, eviction), store shedding (a bound of 0-3 blocks in
+flight, or none), per-request store policies and caps,
 aborts, engine prefix-cache losses (full and partial: hits that start mid-block), tier resets,
 transfer delays per job and worker, and transfer failures. The engine checks the KV oracle, the
 tier's contents, the manager's invariants and block accounting after every step; once
@@ -14,6 +15,7 @@ in ``test_scheduler_window.py`` and would fail most examples here.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +63,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             num_workers=workers,
             store_policy=policy,
         )
+    # Store shedding: no bound, or a small one the delayed transfers keep reaching.
+    shed_bound = draw(st.sampled_from([None, None, 0, 1, 3]))
+    config = dataclasses.replace(config, max_stores_in_flight=shed_bound)
     lengths = draw(st.lists(st.integers(8, 32), min_size=1, max_size=2))
     prefixes = [make_tokens(n, 100 + i) for i, n in enumerate(lengths)]
     params = st.one_of(

@@ -33,13 +33,20 @@ def request(req_id: str) -> FakeRequest:
     return FakeRequest(req_id, PROMPT, 2, None, HASHER, 1, 0)
 
 
-def setup(tmp_path: Path, retry_seconds: float = 60.0, min_retries: int = 4):
+def setup(
+    tmp_path: Path, retry_seconds: float = 60.0, min_retries: int = 4, promotion_wait_s: float = 0
+):
+    """A connector over host + disk whose disk holds the prompt's 5 blocks. The manager does not
+    wait for promotions within a lookup unless ``promotion_wait_s`` says so (these tests are
+    about ``RETRY``; a wait that ends by time would make them depend on the disk's speed)."""
     pool = host_pool(16)
     disk = DiskTier(pool, layout(), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))
     keys = [make_offload_key(h) for h in request("x").block_hashes[:5]]
     disk.submit_store(TierJob(10_000, keys, list(range(5))))
     assert all(r.success for r in wait_jobs(disk))
-    manager = TieringOffloadingManager(CPUOffloadingManager(16), [disk])
+    manager = TieringOffloadingManager(
+        CPUOffloadingManager(16), [disk], promotion_wait_s=promotion_wait_s
+    )
     config = dataclasses.replace(
         single_group(BLOCK), max_lookup_retry_s=retry_seconds, min_lookup_retries=min_retries
     )
@@ -67,6 +74,22 @@ def test_promotion_answers_none_then_the_full_hit(tmp_path: Path) -> None:
         assert stats["retries"] == 2 and stats["retry_timeouts"] == 0
         assert stats["tier_promoted_blocks"] == 5
         assert stats["tier_disk_loaded_blocks"] == 5  # one promotion, not two
+        manager.check_invariants()
+    finally:
+        manager.close()
+
+
+def test_a_promotion_waited_for_answers_the_full_hit_at_once(tmp_path: Path) -> None:
+    """With the manager allowed to wait (60 s: always long enough, never timing-dependent), the
+    first ask submits the promotion, waits for it and answers the full hit: no ``None``, no
+    retry, the load planned in the step the hit was found."""
+    connector, manager, _ = setup(tmp_path, promotion_wait_s=60.0)
+    try:
+        assert connector.get_num_new_matched_tokens(request("a"), 0) == (5 * BLOCK, True)
+        stats = connector.stats()
+        assert stats["retries"] == 0
+        assert stats["tier_promoted_blocks"] == 5
+        assert stats["tier_awaited_promotions_landed"] == 1
         manager.check_invariants()
     finally:
         manager.close()

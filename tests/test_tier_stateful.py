@@ -222,6 +222,8 @@ class TieringMachine(RuleBasedStateMachine):
 
     CASCADE = "write_through"
     EVICT_HEADROOM = 0.125  # on_evict: cascade once fewer than this share of slots is free
+    MAX_IN_FLIGHT = HOST_BLOCKS  # cascade writes in flight: never reached by these scripts
+    MIN_REUSE = 1  # every block is worth a write
 
     def __init__(self) -> None:
         super().__init__()
@@ -230,8 +232,15 @@ class TieringMachine(RuleBasedStateMachine):
         self.host = CPUOffloadingManager(HOST_BLOCKS, "lru", enable_events=True)
         self.disk = small_disk_tier(self.dir, self.pool, enable_events=True)
         self.manager = TieringOffloadingManager(
-            self.host, [self.disk], self.CASCADE, self.EVICT_HEADROOM
+            self.host,
+            [self.disk],
+            self.CASCADE,
+            self.EVICT_HEADROOM,
+            max_in_flight=self.MAX_IN_FLIGHT,
+            min_reuse=self.MIN_REUSE,
         )
+        #: key -> the requests that looked it up or offered it (the manager's reuse signal)
+        self.seen: dict[bytes, set[str]] = {}
         self.ctxs = [_request(f"req-{i}") for i in range(4)]
         self.device_pins: list[tuple[ReqContext, list[bytes]]] = []
         self.stores: list[tuple[ReqContext, list[bytes]]] = []  # prepared device stores
@@ -267,7 +276,7 @@ class TieringMachine(RuleBasedStateMachine):
         """The connector's scan: on past RETRY answers, stop at MISS / HIT_PENDING."""
         ctx = self.ctxs[r]
         for k in keys:
-            answer = self.manager.lookup(k, ctx)
+            answer = self._lookup(k, ctx)
             if answer is HIT:
                 assert self.host.lookup(k, ctx) is HIT
             if answer in (MISS, HIT_PENDING):
@@ -281,6 +290,8 @@ class TieringMachine(RuleBasedStateMachine):
     def device_store(self, r: int, keys: list[bytes], now: bool) -> None:
         """Prepare a device -> host store; complete it at once (``now``) or in a later rule."""
         ctx = self.ctxs[r]
+        for k in keys:
+            self.seen.setdefault(k, set()).add(ctx.req_id)
         out = self.manager.prepare_store(keys, ctx)
         if out is None or not out.keys_to_store:
             return
@@ -300,6 +311,10 @@ class TieringMachine(RuleBasedStateMachine):
         if ok:
             self._stored(ctx, keys)
 
+    def _lookup(self, k: bytes, ctx: ReqContext) -> LookupResult:
+        self.seen.setdefault(k, set()).add(ctx.req_id)
+        return self.manager.lookup(k, ctx)
+
     def _stored(self, ctx: ReqContext, keys: list[bytes]) -> None:
         if ctx.kv_transfer_params.get("kv_store_tiers") != []:
             self.may_cascade.update(keys)
@@ -307,7 +322,7 @@ class TieringMachine(RuleBasedStateMachine):
     @rule(r=st.integers(0, 3), data=st.data())
     def device_load(self, r: int, data: st.DataObject) -> None:
         ctx = self.ctxs[r]
-        readable = [k for k in UNIVERSE if self.manager.lookup(k, ctx) is HIT]
+        readable = [k for k in UNIVERSE if self._lookup(k, ctx) is HIT]
         if readable:
             keys = data.draw(st.lists(st.sampled_from(readable), min_size=1, max_size=3))
             self._device_load(ctx, keys)
@@ -365,11 +380,28 @@ class TieringMachine(RuleBasedStateMachine):
         # A block reaches the disk only if a request that allowed it wrote it into the host.
         on_disk = {k for k in UNIVERSE if self.disk.lookup(k, probe) in (HIT, HIT_PENDING)}
         assert on_disk <= self.may_cascade, f"cascaded against kv_store_tiers: {on_disk}"
+        # Only blocks seen by MIN_REUSE requests are written; never more writes in flight than
+        # the bound.
+        unworthy = {k.hex() for k in on_disk if len(self.seen.get(k, ())) < self.MIN_REUSE}
+        assert not unworthy, f"written through before {self.MIN_REUSE} requests saw them"
+        assert self.manager.stats()["cascade_in_flight_blocks"] <= self.MAX_IN_FLIGHT
 
 
 class OnEvictTieringMachine(TieringMachine):
     CASCADE = "on_evict"
     EVICT_HEADROOM = 0.75  # 3 of 4 slots: most steps cascade, some blocks are lost first
+
+
+class BoundedTieringMachine(TieringMachine):
+    """One cascade block in flight at a time (the rest wait, and are shed when the host evicts
+    them first), and only blocks two requests saw are written."""
+
+    MAX_IN_FLIGHT = 1
+    MIN_REUSE = 2
+
+
+def test_tiering_manager_contract_with_bounded_reused_writes() -> None:
+    run_state_machine_as_test(BoundedTieringMachine, settings=SETTINGS)
 
 
 def test_tiering_manager_contract() -> None:
@@ -456,3 +488,26 @@ def test_tiering_manager_paths() -> None:
 
 def test_tiering_manager_paths_on_evict() -> None:
     play(OnEvictTieringMachine, ON_EVICT_PATHS)
+
+
+BOUNDED_PATHS: Script = [
+    # req-0 stores k0-k2, seen by it alone: not worth a write yet (cold).
+    ([("device_store", 0, [0, 1, 2], True), ("step",)], {"stored_blocks"}),
+    # req-1 looks k0-k2 up: now seen twice, they wait for the one write in flight allowed.
+    ([("lookup_chain", 1, [0, 1, 2]), ("step",)], {"cascaded_blocks", "cascade_backlog_blocks"}),
+    # req-2 stores k3-k6: the host evicts k0 (written), k1, k2 (still waiting: shed); then
+    # k0, k1 again evict the never-reused k3, k4 (cold: skipped).
+    (
+        [
+            ("device_store", 2, [3, 4], True),
+            ("device_store", 2, [5, 6], True),
+            ("device_store", 2, [0, 1], True),
+            ("step",),
+        ],
+        {"shed_cascade_blocks", "disk_shed_store_blocks", "skipped_cascade_blocks"},
+    ),
+]
+
+
+def test_tiering_manager_paths_with_bounded_reused_writes() -> None:
+    play(BoundedTieringMachine, BOUNDED_PATHS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
 
 import pytest
@@ -194,4 +195,50 @@ def test_cpu_handler_wait_times_out_then_completes():
         (result,) = handler.get_finished()
         assert result.success and result.num_bytes == 64 * 8 * 2**17
     finally:
+        handler.shutdown()
+
+
+class GatedCPUCopyHandler(CPUCopyHandler):
+    """The real handler; its copy thread holds the first job it picks up until ``gate`` opens
+    (so that the jobs submitted meanwhile are queued behind it), and ``finished`` records the
+    order in which jobs finish."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.gate = threading.Event()
+        self.picked = threading.Event()
+        self.finished: list[int] = []
+        super().__init__(*args, **kwargs)
+
+    def _plan(self, job) -> None:
+        if not self.picked.is_set():
+            self.picked.set()
+            self.gate.wait(timeout=60)
+        super()._plan(job)
+
+    def _finish(self, job) -> None:
+        self.finished.append(job.job_id)
+        super()._finish(job)
+
+
+def test_cpu_handler_runs_a_load_before_the_stores_queued_ahead_of_it():
+    """One copy thread, busy planning store 1; stores 2 and 3 are queued, then load 4 comes: the
+    load runs as soon as the thread is free, before the stores queued ahead of it and even
+    before store 1's copies (a waiting request needs it; a store only offloads)."""
+    layers = [torch.zeros(8, 4096, dtype=torch.uint8) for _ in range(2)]
+    layout = KVCacheLayout.from_kv_caches(layers, 1)
+    handler = GatedCPUCopyHandler(layout, HostPool(8, layout.slot_bytes), num_threads=1)
+    try:
+        for job_id in (1, 2, 3):
+            handler.transfer_async(
+                job_id, (GPULoadStoreSpec([job_id], [1], [0]), CPULoadStoreSpec([job_id]))
+            )
+            if job_id == 1:
+                assert handler.picked.wait(timeout=60)  # the thread holds store 1
+        handler.transfer_async(4, (CPULoadStoreSpec([5]), GPULoadStoreSpec([5], [1], [0])))
+        handler.gate.set()
+        handler.wait([1, 2, 3, 4], timeout=60)
+        assert handler.finished == [4, 1, 2, 3]
+        assert all(r.success for r in handler.get_finished())
+    finally:
+        handler.gate.set()
         handler.shutdown()

@@ -209,6 +209,40 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         needs=SECONDARY,
     ),
     _engine_flag(
+        "kv_store_max_in_flight",
+        "once earlier steps' stores to the host still in flight hold this many blocks, new "
+        "stores are shed (not offloaded) instead of queued",
+        parse=int_in(0),
+        unit="BLOCKS",
+        needs=HOST,
+        unset="half the host tier",
+    ),
+    _engine_flag(
+        "kv_tier_write_max_in_flight",
+        "blocks being written to each disk or remote tier at once; the rest wait unpinned "
+        "and are shed if the host evicts them first (0 writes nothing)",
+        parse=int_in(0),
+        unit="BLOCKS",
+        needs=SECONDARY,
+        unset="half the host tier",
+    ),
+    _engine_flag(
+        "kv_tier_write_min_reuse",
+        "write a block to the disk and remote tiers only once this many requests saw it "
+        "(1 = every block)",
+        parse=int_in(1),
+        unit="N",
+        needs=SECONDARY,
+    ),
+    _engine_flag(
+        "kv_promotion_wait_s",
+        "how long a lookup may wait for its blocks' promotion from a disk or remote tier, so "
+        "that the hit loads in the same step (0 = answer at once, load a step later)",
+        parse=real_in(0),
+        unit="SECONDS",
+        needs=SECONDARY,
+    ),
+    _engine_flag(
         "kv_lookup_retry_s",
         "how long a request waits for its blocks' promotion from a disk or remote tier before "
         "computing them",

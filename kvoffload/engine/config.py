@@ -60,7 +60,13 @@ class EngineConfig:
     ``block_size * block_size_factor`` tokens. ``store_threshold >= 2`` stores a block only once
     that many requests have wanted it (reuse filter). A disk tier behind the host tier is on when
     ``kv_disk_path`` is set (``kv_disk_size`` GiB on disk; ``docs/disk-tier.md``); blocks cascade
-    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``). A shared Redis / Valkey
+    to it per ``kv_tier_cascade`` (``write_through`` or ``on_evict``), at most
+    ``kv_tier_write_max_in_flight`` blocks per tier at a time (``None``: half the host tier; the
+    rest wait and are shed if the host evicts them first), and only blocks that
+    ``kv_tier_write_min_reuse`` requests saw. Once earlier steps' stores to the host still in
+    flight hold ``kv_store_max_in_flight`` blocks (``None``: half the host tier), new offers are
+    shed, not queued. A lookup waits up to ``kv_promotion_wait_s`` for its disk or remote hits' promotion,
+    so that they load in the same step. A shared Redis / Valkey
     tier (behind the disk tier, if any) is on when ``kv_remote_url`` is set
     (``docs/remote-tier.md``); ``kv_remote_optional`` runs without it when the server is down at
     start, ``kv_remote_ttl_s`` (seconds) lets the server expire the blocks, and a block the server
@@ -98,6 +104,10 @@ class EngineConfig:
     kv_disk_o_direct: bool = False
     kv_disk_compression: str = "none"
     kv_tier_cascade: str = "write_through"
+    kv_store_max_in_flight: int | None = None
+    kv_tier_write_max_in_flight: int | None = None
+    kv_tier_write_min_reuse: int = 1
+    kv_promotion_wait_s: float = 0.02
     kv_lookup_retry_s: float = 2.0
     kv_remote_url: str | None = None
     kv_remote_optional: bool = False
@@ -175,6 +185,11 @@ class EngineConfig:
                 "kv_remote_url", "a remote tier needs the host tier: set kv_offloading_size > 0"
             )
         check_choice("kv_tier_cascade", self.kv_tier_cascade, CASCADE_MODES)
+        for bound in ("kv_store_max_in_flight", "kv_tier_write_max_in_flight"):
+            if getattr(self, bound) is not None:
+                check_int(bound, getattr(self, bound), 0)
+        check_int("kv_tier_write_min_reuse", self.kv_tier_write_min_reuse, 1)
+        check_real("kv_promotion_wait_s", self.kv_promotion_wait_s, 0, 60, unit="seconds")
         check_real("kv_lookup_retry_s", self.kv_lookup_retry_s, 0, unit="seconds")
 
     def __repr__(self) -> str:

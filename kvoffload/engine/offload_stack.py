@@ -75,7 +75,14 @@ def build_offload_stack(
         layout = kv_layout(config, device, worker.bytes_per_offloaded_block)
         tiers = build_secondary_tiers(config, worker.host_pool.memoryview(), layout, enable_events)
         if tiers:
-            tiering = TieringOffloadingManager(host, tiers, config.kv_tier_cascade)
+            tiering = TieringOffloadingManager(
+                host,
+                tiers,
+                config.kv_tier_cascade,
+                max_in_flight=config.kv_tier_write_max_in_flight,
+                min_reuse=config.kv_tier_write_min_reuse,
+                promotion_wait_s=config.kv_promotion_wait_s,
+            )
             # Tier threads write into the host pool: they stop before the worker frees it.
             owned.append(functools.partial(_drain_and_close, tiering))
             manager = tiering
@@ -86,6 +93,11 @@ def build_offload_stack(
         config.block_size_factor,
         store_policy=config.store_policy,
         max_lookup_retry_s=config.kv_lookup_retry_s,
+        max_stores_in_flight=(
+            max(1, worker.num_host_blocks // 2)
+            if config.kv_store_max_in_flight is None
+            else config.kv_store_max_in_flight
+        ),
     )
     describer = OffloadEventDescriber(config.events.int_block_hashes) if enable_events else None
     connector = OffloadingConnectorScheduler(sched_config, manager, describer)

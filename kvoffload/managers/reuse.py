@@ -1,4 +1,5 @@
-"""A manager wrapper that stores a block only once enough distinct requests have wanted it."""
+"""Reuse counts (how many distinct requests have seen a block) and the manager wrapper that
+stores a block only once enough of them have wanted it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,50 @@ from kvoffload.manager_contract import (
     ReqContext,
 )
 
-__all__ = ["FilterReusedOffloadingManager"]
+__all__ = ["FilterReusedOffloadingManager", "ReuseCounts"]
+
+
+class ReuseCounts:
+    """How many distinct requests have seen each key: the reuse signal.
+
+    A request counts once per key however often it is recorded (its keys seen so far live on its
+    ``ReqContext``, keyed by this instance, so several counters sharing a context count
+    independently; :meth:`forget` drops them when the request ends). Counts live in an LRU table
+    of at most ``max_tracked`` keys; a key dropped from it starts again from zero. Costs: a few
+    dict operations per key recorded.
+    """
+
+    def __init__(self, max_tracked: int) -> None:
+        self._max_tracked = max_tracked
+        self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
+
+    def record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """``ctx`` saw ``keys``: each counts once per request."""
+        seen: set[OffloadKey] = ctx.setdefault_state(self, set)
+        counts = self._counts
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            count = counts.get(key)
+            if count is None:
+                if len(counts) >= self._max_tracked:
+                    counts.popitem(last=False)
+                counts[key] = 1
+            else:
+                counts[key] = count + 1
+                counts.move_to_end(key)
+
+    def count(self, key: OffloadKey) -> int:
+        """Distinct requests that have seen ``key`` (0 if untracked)."""
+        return self._counts.get(key, 0)
+
+    def forget(self, ctx: ReqContext) -> None:
+        """``ctx`` ended: drop its per-request record (its counts stay)."""
+        ctx.pop_state(self)
+
+    def __len__(self) -> int:
+        return len(self._counts)
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
@@ -47,8 +91,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._backing = backing
         self.medium = backing.medium
         self._threshold = store_threshold
-        self._max_tracked = max_tracker_size
-        self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._counts = ReuseCounts(max_tracker_size)
         self._filtered = 0
 
     @property
@@ -58,28 +101,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
 
     def request_count(self, key: OffloadKey) -> int:
         """How many distinct requests have seen ``key`` (0 if untracked)."""
-        return self._counts.get(key, 0)
-
-    def _record(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        # Per request and filter (filters sharing a context, one per tier or stacked, count
-        # independently): the keys this request was already counted for.
-        seen: set[OffloadKey] = ctx.setdefault_state(self, set)
-        counts = self._counts
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
-            count = counts.get(key)
-            if count is None:
-                if len(counts) >= self._max_tracked:
-                    counts.popitem(last=False)
-                counts[key] = 1
-            else:
-                counts[key] = count + 1
-                counts.move_to_end(key)
+        return self._counts.count(key)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        self._record((key,), ctx)
+        self._counts.record((key,), ctx)
         return self._backing.lookup(key, ctx)
 
     def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
@@ -97,11 +122,11 @@ class FilterReusedOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        self._record(keys, ctx)
+        self._counts.record(keys, ctx)
         # Held keys pass so that the backing manager protects them; asked with the side-effect
         # free probe (a lookup may start a promotion into the host, or count as a lookup).
-        counts, threshold, holds = self._counts, self._threshold, self._backing.holds
-        passed = [k for k in keys if counts.get(k, 0) >= threshold or holds(k, ctx)]
+        count, threshold, holds = self._counts.count, self._threshold, self._backing.holds
+        passed = [k for k in keys if count(k) >= threshold or holds(k, ctx)]
         self._filtered += len(keys) - len(passed)
         return self._backing.prepare_store(passed, ctx)
 
@@ -114,7 +139,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.take_events()
 
     def request_finished(self, ctx: ReqContext) -> None:
-        ctx.pop_state(self)
+        self._counts.forget(ctx)
         self._backing.request_finished(ctx)
 
     def step_begin(self) -> None:
@@ -125,6 +150,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
 
     def num_background_jobs(self) -> int:
         return self._backing.num_background_jobs()
+
+    def await_promotions(self, ctx: ReqContext) -> bool:
+        return self._backing.await_promotions(ctx)
 
     def reset(self) -> None:
         self._backing.reset()

@@ -61,6 +61,10 @@ class BackgroundJobs:
                 if job is not None:
                     job.on_done(job, result.failed_keys)
 
+    def ids_for(self, ctx: ReqContext) -> list[int]:
+        """The ids of the jobs in flight for request ``ctx`` (its promotions); O(jobs)."""
+        return [job_id for job_id, job in self._jobs.items() if job.ctx is ctx]
+
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._jobs
 

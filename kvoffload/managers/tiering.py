@@ -26,6 +26,13 @@ exchange blocks with host slots only. Behind the unchanged :class:`OffloadingMan
   second copy). A request waiting for host room waits for transfers and for promotions of the
   requests ahead of it (lookups run in queue order). Every wait is bounded by the request's retry
   budget in the scheduler, after which it takes the prefix it has.
+* **One step for a disk hit**: :meth:`await_promotions` (the scheduler calls it when a request's
+  lookup pass answered ``RETRY``) submits the step's promotions at once and waits, at most
+  ``promotion_wait_s``, for the request's to land; its next pass then answers ``HIT`` and the
+  load follows in the same step. Past the bound it answers ``RETRY`` as before.
+* **Stores within bounds**: at most ``max_in_flight`` cascade blocks per tier are being written;
+  the rest wait unpinned and are shed if the host evicts them first; with ``min_reuse`` >= 2 a
+  block is written only once that many requests saw it (:mod:`~kvoffload.managers.cascade`).
 * **Per-request tiers**: ``kv_transfer_params["kv_load_tiers"]`` / ``["kv_store_tiers"]`` list
   the secondary tier names a request may promote from / cascade to (default: all).
 
@@ -42,6 +49,7 @@ and each tier's (``STORAGE`` with its locality), in that order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvoffload.errors import ConfigError
@@ -57,6 +65,7 @@ from kvoffload.manager_contract import (
 from kvoffload.managers.cascade import CASCADE_MODES, CASCADES, Cascade, CascadeQueue
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.promotion import Promotions
+from kvoffload.managers.reuse import ReuseCounts
 from kvoffload.managers.tier_jobs import BackgroundJobs
 from kvoffload.managers.tier_requests import RequestTiers, validate_tier_params
 from kvoffload.tiers.contract import SecondaryTier
@@ -67,6 +76,9 @@ _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
+#: :meth:`TieringOffloadingManager.await_promotions` polls the tiers' results with a backoff
+#: from 0.1 ms to 1 ms (so it adds at most ~1 ms to a wait; as the worker's ``wait_for_any``)
+_MIN_POLL_S, _MAX_POLL_S = 0.0001, 0.001
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -81,8 +93,17 @@ class TieringOffloadingManager(OffloadingManager):
     ``promoted_blocks``, ``failed_promotion_blocks``, ``refused_promotion_blocks`` (no host room),
     ``cascaded_blocks``, ``failed_cascade_blocks``, ``cascade_lost_blocks``, ``retry_answers``,
     ``room_waits`` (``RETRY`` answers waiting for host room), ``promotion_jobs`` and
-    ``promotion_us`` (microseconds from submission to the result, summed); gauges
-    ``promotions_in_flight`` and ``pinned_promoted_blocks``.
+    ``promotion_us`` (microseconds from submission to the result, summed),
+    ``shed_cascade_blocks`` (never written: the tier fell behind), ``skipped_cascade_blocks``
+    (never written: not reused), ``awaited_promotions`` / ``awaited_promotions_landed`` (waits of
+    :meth:`await_promotions` / those whose promotions landed in time); gauges
+    ``promotions_in_flight``, ``pinned_promoted_blocks``, ``cascade_backlog_blocks`` and
+    ``cascade_in_flight_blocks``.
+
+    Bounds: ``max_in_flight`` cascade blocks being written per tier (``None``: half the host's
+    capacity, at least 1; 0 sheds every cascade); ``min_reuse`` distinct requests must have seen
+    a block before it is written through (1: every block); ``promotion_wait_s`` seconds at most
+    that :meth:`await_promotions` waits (0: never; a disk hit then loads a step later).
     """
 
     medium = "CPU"
@@ -93,11 +114,33 @@ class TieringOffloadingManager(OffloadingManager):
         tiers: Sequence[SecondaryTier],
         cascade: str = "write_through",
         evict_headroom: float = 0.125,
+        *,
+        max_in_flight: int | None = None,
+        min_reuse: int = 1,
+        promotion_wait_s: float = 0.02,
     ) -> None:
         strategy = CASCADES.get(cascade)
         if strategy is None:
             raise ConfigError(
                 "kv_tier_cascade", f"unknown mode {cascade!r}; choose from {list(CASCADE_MODES)}"
+            )
+        if max_in_flight is None:
+            max_in_flight = max(1, host.num_blocks // 2)
+        if (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or max_in_flight < 0
+        ):
+            raise ConfigError(
+                "kv_tier_write_max_in_flight", f"must be an integer >= 0, got {max_in_flight!r}"
+            )
+        if isinstance(min_reuse, bool) or not isinstance(min_reuse, int) or min_reuse < 1:
+            raise ConfigError(
+                "kv_tier_write_min_reuse", f"must be an integer >= 1, got {min_reuse!r}"
+            )
+        if not isinstance(promotion_wait_s, (int, float)) or not 0 <= promotion_wait_s <= 60:
+            raise ConfigError(
+                "kv_promotion_wait_s", f"must be seconds in [0, 60], got {promotion_wait_s!r}"
             )
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -110,9 +153,17 @@ class TieringOffloadingManager(OffloadingManager):
         self._jobs = BackgroundJobs(self.tiers)
         self._promotions = Promotions(host, self.tiers, self._jobs, self._host_evicted)
         self._in_flight = self._promotions.in_flight  # read per lookup (never replaced)
-        self._cascade_queue = CascadeQueue(host, self.tiers, self._jobs)
+        self._cascade_queue = CascadeQueue(host, self.tiers, self._jobs, max_in_flight)
+        #: how many requests saw each block: only kept when writes wait for reuse
+        self._reuse = ReuseCounts(max(64_000, 4 * host.num_blocks)) if min_reuse > 1 else None
         #: the cascade strategy (``cascade.name`` is the mode)
-        self.cascade: Cascade = strategy(self._cascade_queue, host, evict_headroom)
+        self.cascade: Cascade = strategy(
+            self._cascade_queue, host, evict_headroom, self._reuse, min_reuse
+        )
+        self._promotion_wait_s = float(promotion_wait_s)
+        self._awaited = [0, 0]  # await_promotions calls that waited, and those that landed
+        self._wait_step = -1  # the step whose wait budget ends at _wait_deadline
+        self._wait_deadline = 0.0
         self._retry_answers = 0
         #: this step's keys a tier answered RETRY (its server asked): ctx -> [(tier, key)]
         self._asked: dict[ReqContext, list[tuple[int, OffloadKey]]] = {}
@@ -129,10 +180,15 @@ class TieringOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ lookups and loads
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        reuse = self._reuse
+        if reuse is not None:
+            reuse.record((key,), ctx)
         # The host's answer read from its block record (one dict lookup: the record also says
         # whether the block is evictable).
         block = self.host.policy.get(key)
         if block is not None and block.ref_cnt >= 0:  # a host HIT
+            if reuse is not None:
+                self.cascade.reused(key)  # a cold block seen again may be worth writing now
             state = self._state(ctx)
             if state.scan_step != self._step:
                 state.begin_scan(self._step)
@@ -188,6 +244,42 @@ class TieringOffloadingManager(OffloadingManager):
                     break
                 promotions.queue(i, ctx, key)
 
+    def await_promotions(self, ctx: ReqContext) -> bool:
+        """Submit this step's promotions now and wait for ``ctx``'s to land (applying every
+        finished tier job meanwhile), within ``promotion_wait_s`` for all the step's waits
+        together (so a step of many disk hits stalls no longer than one). Returns whether ``ctx``
+        had promotions and all of them finished: its next lookup pass then answers ``HIT`` for
+        the landed blocks (pinned for it) and ``MISS`` for failed ones, so the disk hit loads in
+        the step it was found. Called by the scheduler after a lookup pass that answered
+        ``RETRY``; other requests' promotions are submitted too, never waited for."""
+        if self._promotion_wait_s <= 0:
+            return False
+        self._submit_promotions()
+        jobs = self._jobs
+        pending = jobs.ids_for(ctx)
+        if not pending:
+            return False
+        self._awaited[0] += 1
+        if self._wait_step != self._step:  # one budget per step, shared by its lookups
+            self._wait_step = self._step
+            self._wait_deadline = time.monotonic() + self._promotion_wait_s
+        deadline = self._wait_deadline
+        delay = _MIN_POLL_S
+        while True:
+            jobs.apply_finished()
+            if not any(job_id in jobs for job_id in pending):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, _MAX_POLL_S)
+        self._awaited[1] += 1
+        state = ctx.get_state(RequestTiers)
+        if state is not None:
+            state.scan_step = -1  # the next pass is a new scan of this step
+        return True
+
     def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
         """Whether the host holds ``key`` (stores go to the host). Asks no secondary tier, so it
         promotes nothing and counts nothing."""
@@ -223,6 +315,8 @@ class TieringOffloadingManager(OffloadingManager):
             # This step's promotions take host room before its device stores do: a device store
             # refused only goes unoffloaded, a promotion refused is recomputed.
             self._submit_promotions()
+        if self._reuse is not None:
+            self._reuse.record(keys, ctx)
         out = self.host.prepare_store(keys, ctx)
         if out is not None and out.evicted_keys:
             self._host_evicted(out.evicted_keys)
@@ -239,6 +333,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Forget what the host no longer holds: promotion sources, blocks not cascaded yet."""
         self._promotions.forget(evicted)
         self.cascade.host_evicted(evicted)
+        self._cascade_queue.host_evicted(evicted)
 
     # ------------------------------------------------------------------ per step
 
@@ -271,6 +366,12 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.tiers:
             tier.drain_jobs()
         self.step_begin()
+        queue = self._cascade_queue
+        while queue:  # writes beyond the bound waited: each round submits some (bounded)
+            queue.submit()
+            for tier in self.tiers:
+                tier.drain_jobs()
+            self._jobs.apply_finished()
 
     # ------------------------------------------------------------------ the rest
 
@@ -289,6 +390,8 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.tiers:
             tier.request_finished(ctx)
         ctx.pop_state(RequestTiers)
+        if self._reuse is not None:
+            self._reuse.forget(ctx)
 
     def reset(self) -> None:
         """Drop every block of every tier; background jobs finish first (their results are
@@ -320,19 +423,32 @@ class TieringOffloadingManager(OffloadingManager):
             promotion_us=promotions.promotion_us,
             promotions_in_flight=len(promotions.in_flight),
             pinned_promoted_blocks=sum(map(len, promotions.pins.values())),
+            shed_cascade_blocks=queue.shed_cascade_blocks,
+            skipped_cascade_blocks=self.cascade.skipped_cascade_blocks,
+            cascade_backlog_blocks=queue.backlog_blocks,
+            cascade_in_flight_blocks=queue.in_flight_blocks,
+            awaited_promotions=self._awaited[0],
+            awaited_promotions_landed=self._awaited[1],
         )
-        for i, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
-            for stat, value in {**tier.stats(), **promotions.tier_stats(i)}.items():
+        for name, stats in self._secondary_stats().items():
+            for stat, value in stats.items():
                 out[f"{name}_{stat}"] = value
         return out
 
+    def _secondary_stats(self) -> dict[str, dict[str, int]]:
+        """Each secondary tier's stats with its promotions' and cascades' counters."""
+        promotions, queue = self._promotions, self._cascade_queue
+        return {
+            name: {**tier.stats(), **promotions.tier_stats(i), **queue.tier_stats(i)}
+            for i, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True))
+        }
+
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """The host's stats and each secondary tier's, with its promotions' jobs, blocks and
-        microseconds (``promotion_jobs``, ``promotion_blocks``, ``promotion_us``)."""
-        out = {"host": self.host.stats()}
-        for i, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
-            out[name] = {**tier.stats(), **self._promotions.tier_stats(i)}
-        return out
+        microseconds (``promotion_jobs``, ``promotion_blocks``, ``promotion_us``) and its
+        cascades' ``shed_store_blocks``, ``cascade_backlog_blocks``,
+        ``cascade_in_flight_blocks``."""
+        return {"host": self.host.stats(), **self._secondary_stats()}
 
     def close(self) -> None:
         """Finish background jobs and close the tiers."""

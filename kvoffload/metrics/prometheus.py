@@ -201,6 +201,7 @@ class _StatsCollector(Collector):
                     sum_value=stats.get("offload_tier_promotion_us", 0) / 1e6,
                 )
         yield from self._tier_metrics(tiers)
+        yield from _store_bound_metrics(stats, tiers)
 
     def _tier_metrics(self, tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:
         if not tiers:
@@ -313,6 +314,33 @@ def _codec_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]
         stored = s.get("codec_stored_bytes", 0)
         ratio.add_metric([tier], s.get("codec_raw_bytes", 0) / stored if stored else 1.0)
     yield ratio
+
+
+def _store_bound_metrics(
+    stats: Mapping[str, float], tiers: Mapping[str, Mapping[str, float]]
+) -> Iterable[Metric]:
+    """Stores shed because the store path fell behind, per tier (host: device -> host stores
+    beyond ``kv_store_max_in_flight``; a secondary tier: writes waiting past their turn), and
+    write-through skipped for blocks never reused."""
+    if "offload_shed_store_blocks" not in stats:
+        return
+    shed = CounterMetricFamily(
+        "kvoffload_tier_shed_store_blocks",
+        "Blocks not stored into this tier because its store path was behind (shed, not queued).",
+        labels=["tier"],
+    )
+    shed.add_metric(["host"], stats.get("offload_shed_store_blocks", 0))
+    for tier, s in tiers.items():
+        if tier != "host" and "shed_store_blocks" in s:
+            shed.add_metric([tier], s["shed_store_blocks"])
+    yield shed
+    if "offload_tier_skipped_cascade_blocks" in stats:
+        yield _counter(
+            "kvoffload_tier_skipped_write_blocks",
+            "Host blocks never written through to the disk and remote tiers: evicted before "
+            "kv_tier_write_min_reuse requests saw them.",
+            stats["offload_tier_skipped_cascade_blocks"],
+        )
 
 
 def _promotion_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:

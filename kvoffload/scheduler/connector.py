@@ -110,6 +110,7 @@ class OffloadingConnectorScheduler:
                 "stored_blocks",
                 "failed_stores",
                 "rejected_stores",
+                "shed_store_blocks",
                 "load_bytes",
                 "store_bytes",
             ),
@@ -173,6 +174,9 @@ class OffloadingConnectorScheduler:
         if (hit_end is None or not wait) and self._events is not None:
             # Promotions for it (its lookup met blocks on a secondary tier): describe them.
             self._events.remember_request_blocks(state, num_computed_tokens)
+        if hit_end is None and self.manager.await_promotions(state.req_context):
+            # Its promotions landed within the manager's wait: the hit loads in this step.
+            hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if hit_end is None:
             self._counters["retries"] += 1
             return None, False
@@ -244,6 +248,7 @@ class OffloadingConnectorScheduler:
         """Plan this step's stores and hand over every job planned since the last call."""
         requests, policies, plan = self._requests, self._policies, self._stores.plan
         store_jobs = self._store_jobs
+        self._stores.begin_step()
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             state = requests.get(request.request_id)
@@ -329,6 +334,8 @@ class OffloadingConnectorScheduler:
         failed = job.failed or job.stale
         if job.fenced:
             self._fence.release(job)
+        if job.is_store:
+            self._stores.finished(len(job.keys))
         if not job.stale:
             if job.is_store:
                 self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
@@ -460,8 +467,9 @@ class OffloadingConnectorScheduler:
         ``failed_load_tokens_<tier>`` of those whose load failed and were recomputed;
         ``load_jobs`` / ``store_jobs``: jobs planned; ``loaded_blocks`` / ``stored_blocks``:
         blocks of jobs that completed successfully (loaded into the engine, stored in the
-        tier); ``failed_loads`` / ``failed_stores``: jobs that failed; bytes and seconds as the
-        workers reported them.
+        tier); ``failed_loads`` / ``failed_stores``: jobs that failed; ``shed_store_blocks``:
+        offered blocks shed because ``max_stores_in_flight`` were in flight, and the gauge
+        ``stores_in_flight_blocks``; bytes and seconds as the workers reported them.
         """
         out: dict[str, float] = dict(self._counters)
         for source, n in self._hit_tokens_by_source.items():
@@ -472,6 +480,7 @@ class OffloadingConnectorScheduler:
         out["store_seconds"] = self._transfer_seconds["store"]
         out["live_requests"] = len(self._requests)
         out["jobs_in_flight"] = len(self._jobs)
+        out["stores_in_flight_blocks"] = self._stores.in_flight
         for name, value in self.manager.stats().items():
             out[f"tier_{name}"] = value
         return out

@@ -103,8 +103,21 @@ class SchedulerOffloadConfig:
     #: alone would give up after one step on a slow engine; asks alone, at once on an idle one).
     max_lookup_retry_s: float = 2.0
     min_lookup_retries: int = 4
+    #: The store path is behind once stores planned in earlier steps and not completed hold this
+    #: many offloaded blocks; new offers are then shed, not queued (``scheduler/stores.py``).
+    #: ``None``: no bound.
+    max_stores_in_flight: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_stores_in_flight is not None and (
+            isinstance(self.max_stores_in_flight, bool)
+            or not isinstance(self.max_stores_in_flight, int)
+            or self.max_stores_in_flight < 0
+        ):
+            raise ConfigError(
+                "max_stores_in_flight",
+                f"must be an integer >= 0 or None, got {self.max_stores_in_flight!r}",
+            )
         if not self.max_lookup_retry_s >= 0:
             raise ConfigError(
                 "max_lookup_retry_s", f"must be >= 0, got {self.max_lookup_retry_s!r}"
@@ -146,6 +159,8 @@ class SchedulerOffloadConfig:
         num_workers: int = 1,
         store_policy: str = "on_compute",
         max_lookup_retry_s: float = 2.0,
+        *,
+        max_stores_in_flight: int | None = None,
     ) -> SchedulerOffloadConfig:
         """One full-attention group, hashed at the engine block size (the reference engine's case)."""
         return cls(
@@ -154,6 +169,7 @@ class SchedulerOffloadConfig:
             num_workers,
             store_policy,
             max_lookup_retry_s,
+            max_stores_in_flight=max_stores_in_flight,
         )
 
 

@@ -6,6 +6,14 @@ now), the longest head of it that fits is stored
 (:func:`~kvoffload.managers.fitting.reserve_longest_head`) and the policy re-offers the whole
 offer next time: the stored head is then skipped and protected by the tier, so the rest never
 evicts its own prefix.
+
+**Shedding.** With ``config.max_stores_in_flight`` set, the store path has *fallen behind* when
+the stores planned in earlier steps and not completed yet hold that many blocks: then every new
+offer is *shed* instead of queued (blocks the tier already holds are kept: they cost no copy,
+and the tier protects them). A step's offers are never shed while the path keeps up, however
+large (a long prefill is stored whole). A shed block is simply not offloaded: it is never
+offered again (the policy moved past it), its engine blocks are freed as usual, and no load
+depends on it (a later lookup misses it). Counted in ``shed_store_blocks``.
 """
 
 from __future__ import annotations
@@ -35,9 +43,11 @@ Location = tuple[int, int]
 
 
 class StorePlanner:
-    """Plans a request's stores; counts ``store_jobs`` (planned) and ``rejected_stores`` (offers
-    refused as a whole) into ``counters``. Sliding-window sources
-    are registered in the reuse ``fence``; each stored block is described to ``events``."""
+    """Plans a request's stores; counts ``store_jobs`` (planned), ``rejected_stores`` (offers
+    refused as a whole) and ``shed_store_blocks`` into ``counters``. Sliding-window sources
+    are registered in the reuse ``fence``; each stored block is described to ``events``.
+    ``in_flight``: blocks of planned store jobs not completed yet (:meth:`finished` lowers it),
+    of which ``this_step`` were planned since the last :meth:`begin_step`."""
 
     def __init__(
         self,
@@ -55,6 +65,24 @@ class StorePlanner:
         self._events = events
         self._counters = counters
         self._fences = any(g.sliding_window_blocks is not None for g in config.groups)
+        self._limit = config.max_stores_in_flight
+        self.in_flight = 0
+        self.this_step = 0
+
+    def begin_step(self) -> None:
+        """A new engine step plans its stores: what is in flight now is from earlier steps."""
+        self.this_step = 0
+
+    def finished(self, num_blocks: int) -> None:
+        """A store job of ``num_blocks`` blocks completed (or failed, or went stale)."""
+        self.in_flight -= num_blocks
+        self.this_step = min(self.this_step, self.in_flight)
+
+    @property
+    def behind(self) -> bool:
+        """Whether stores of earlier steps still in flight reach ``max_stores_in_flight``."""
+        limit = self._limit
+        return limit is not None and self.in_flight - self.this_step >= limit
 
     def plan(
         self,
@@ -80,6 +108,10 @@ class StorePlanner:
             # The engine has not reported these blocks yet: try again next step.
             policy.on_store_rejected(req_id, starts)
             return [], 0
+        if self.behind:
+            keys, located = self._shed(keys, located, state.req_context)
+            if not keys:
+                return [], 0
         out = self._manager.prepare_store(keys, state.req_context)
         if out is not None:
             outs, missing = [out], 0
@@ -111,6 +143,16 @@ class StorePlanner:
             if offset[g] and len(group_state.block_ids) < needed:
                 return None
         return located
+
+    def _shed(
+        self, keys: list[OffloadKey], located: list[Location], ctx: ReqContext
+    ) -> tuple[list[OffloadKey], list[Location]]:
+        """The store path is behind: keep only the keys the tier holds (no copy; the tier
+        protects them); the others are shed (counted)."""
+        holds = self._manager.holds
+        kept = [i for i, key in enumerate(keys) if holds(key, ctx)]
+        self._counters["shed_store_blocks"] += len(keys) - len(kept)
+        return [keys[i] for i in kept], [located[i] for i in kept]
 
     def _prepare_head(
         self, keys: list[OffloadKey], located: list[Location], ctx: ReqContext
@@ -155,6 +197,8 @@ class StorePlanner:
         if self._events is not None:
             self._events.record_request_blocks(state, stored, located)
         job = self._jobs.new(state, stored, is_store=True)
+        self.in_flight += len(stored)
+        self.this_step += len(stored)
         if self._fences:
             self._fence.add(job, engine_ids, group_sizes)
         self._counters["store_jobs"] += 1

@@ -9,6 +9,9 @@
      "store_threshold": 2,                     # our reuse filter (default 0: off)
      "max_tracker_size": 64000,
      "kvoffload_cascade": "write_through",     # or "on_evict"
+     "kvoffload_tier_write_max_in_flight": 64, # blocks written per tier at once (default: half
+                                               # the host); the rest wait, shed if evicted first
+     "kvoffload_tier_write_min_reuse": 2,      # write through blocks 2 requests saw (default 1)
      "kvoffload_tiers": [{"kind": "disk", "path": "kv-disk", "size_gib": 200},
                          {"kind": "redis", "url": "redis://cache:6379/0"}],
      "kvoffload_lookup_retry_s": 2.0,          # how long a request waits on RETRY (then MISS)
@@ -68,6 +71,8 @@ KVOFFLOAD_SETTINGS = (
     "kvoffload_cascade",
     "kvoffload_lookup_retry_s",
     "kvoffload_stats_file",
+    "kvoffload_tier_write_max_in_flight",
+    "kvoffload_tier_write_min_reuse",
     "kvoffload_tiers",
 )
 
@@ -108,6 +113,12 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
             raise ConfigError(
                 "kvoffload_cascade", f"{self.cascade!r}; choose from {list(CASCADE_MODES)}"
             )
+        self.write_max_in_flight: int | None = None
+        if extra.get("kvoffload_tier_write_max_in_flight") is not None:
+            self.write_max_in_flight = _int_setting(
+                extra, "kvoffload_tier_write_max_in_flight", 0, minimum=0
+            )
+        self.write_min_reuse = _int_setting(extra, "kvoffload_tier_write_min_reuse", 1, minimum=1)
         tiers = extra.get("kvoffload_tiers", [])
         if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
             raise ConfigError("kvoffload_tiers", f"must be a list of objects, got {tiers!r}")
@@ -164,7 +175,13 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
             manager: KVOManager = host
             close = None
             if tiers:
-                tiering = TieringOffloadingManager(host, tiers, self.cascade)
+                tiering = TieringOffloadingManager(
+                    host,
+                    tiers,
+                    self.cascade,
+                    max_in_flight=self.write_max_in_flight,
+                    min_reuse=self.write_min_reuse,
+                )
                 manager, close = tiering, tiering.close
             if self.store_threshold >= 2:
                 manager = FilterReusedOffloadingManager(
