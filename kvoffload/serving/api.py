@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
+from kvoffload.serving.admin import admin_router
 from kvoffload.serving.drain import Drain, DrainGate
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
 from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard
@@ -108,6 +109,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
         body, ids, sampling = await asyncio.to_thread(_prepare_chat, ctx, await raw.body())
         return await _generate(ctx, raw, body, ids, sampling, _ChatFormat(ctx, body, decode))
 
+    app.include_router(admin_router(ctx.loop, ctx.tokenizer, ctx.registries))
     return app
 
 
