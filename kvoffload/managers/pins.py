@@ -122,7 +122,7 @@ class PolicyPinSite:
 class Pin:
     """One operator pin: ``keys`` (a prefix, head first) held in ``tiers`` for ``owner``.
 
-    ``pin_id`` is ``owner/<hex of the last block's key, 16 digits>``: pinning the same prefix
+    ``pin_id`` is ``owner/<hex of the last block's key>``: pinning the same prefix
     for the same owner again renews the pin (its tiers and TTL) instead of adding one.
     """
 
@@ -147,8 +147,9 @@ class Pin:
 
 
 def pin_id_of(owner: str, keys: Sequence[OffloadKey]) -> str:
-    """The id of ``owner``'s pin of the prefix ending with ``keys[-1]``."""
-    return f"{owner}/{keys[-1].hex()[:16]}"
+    """The id of ``owner``'s pin of the prefix ending with ``keys[-1]`` (the whole prefix: its
+    last block's key names it, hashes being chained)."""
+    return f"{owner}/{keys[-1].hex()}"
 
 
 def check_owner(owner: Any) -> str:
