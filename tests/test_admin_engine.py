@@ -229,3 +229,38 @@ def test_bad_input_is_one_clear_error(call: Any, field: str) -> None:
             call(engine)
         assert err.value.field == field
         assert engine.admin.pins()["pins"] == []
+
+
+def _keys_under(client: Any, fingerprint: str) -> int:
+    return len(client.keys(f"kvo:admin-clear:{fingerprint}:*".encode()))
+
+
+def test_clear_by_model_leaves_other_models_blocks(tmp_path: Path, redis_server: Any) -> None:
+    shared = {"kv_remote_url": redis_server.url + "?namespace=admin-clear",
+              "kv_disk_path": str(tmp_path), "kv_disk_size": _disk_gib(100)}
+    with redis_server.client() as client:
+        with _engine(seed=1, **shared) as other:  # other weights: another fingerprint
+            other.warm(SYSTEM)
+            other_model = other.admin.model
+        with _engine(**shared) as engine:
+            engine.warm(SYSTEM)
+            own = engine.admin.model
+            assert own != other_model and other_model is not None and own is not None
+            assert _keys_under(client, own) == _keys_under(client, other_model) == 6
+            assert engine.admin.lookup(SYSTEM)["tiers"]["remote"] == 24
+            # Its own model: this server's blocks go, on the shared server too; the other
+            # model's stay, on disk and on Redis.
+            answer = engine.admin.clear(["disk", "remote"])
+            assert answer["removed_blocks"] == {"disk": 6, "remote": 6}
+            assert _keys_under(client, own) == 0 and _keys_under(client, other_model) == 6
+            assert engine.admin.lookup(SYSTEM)["tiers"] == {
+                "device": 24, "host": 24, "disk": 0, "remote": 0}
+            removed = _removed_from(engine, "STORAGE")
+            assert _system_hashes(engine) <= removed
+            assert (tmp_path / "kvoffload-v2" / other_model).is_dir()
+            # The other model's namespace, by its fingerprint.
+            answer = engine.admin.clear(["disk", "remote"], model=other_model)
+            assert answer["removed_blocks"]["remote"] == 6 and answer["removed_blocks"]["disk"] >= 6
+            assert _keys_under(client, other_model) == 0
+            assert not (tmp_path / "kvoffload-v2" / other_model).exists()
+            assert (tmp_path / "kvoffload-v2" / own).is_dir()
