@@ -397,6 +397,7 @@ def _ask(tier: SecondaryTier, keys: Sequence[OffloadKey]) -> tuple[list[bool], b
     """Which of ``keys`` ``tier`` holds (readable), asking its server if needed; and whether
     every key was answered."""
     ctx = ReqContext("kvoffload-admin-lookup")
+    tier.forget_misses(keys)  # the server's answer of now, not a miss believed a while
     try:
         answers = [tier.lookup(k, ctx) for k in keys]
         for _ in range(_ASK_ROUNDS):
