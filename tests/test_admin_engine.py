@@ -134,7 +134,7 @@ def test_warming_makes_the_first_request_a_full_hit() -> None:
     with _engine() as engine:
         engine.warm(SYSTEM)
         engine.admin.clear(["device"])
-        out = engine.generate([SYSTEM + [5, 6, 7, 8, 9]], SAMPLING)[0]
+        out = engine.generate([[*SYSTEM, 5, 6, 7, 8, 9]], SAMPLING)[0]
         assert out.cached_tokens_offload == 24 and out.cached_tokens_engine == 0
 
 

@@ -4,6 +4,7 @@ lapse by the table's clock, and any sequence of operations keeps the table's inv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import pytest
@@ -197,10 +198,8 @@ def test_any_sequence_keeps_the_invariants(
     for op, start, length, ttl in ops:
         keys = _keys(length, start)
         if op == "pin":
-            try:
+            with contextlib.suppress(NotCached, PinQuotaExceeded):
                 table.pin(f"o{start % 2}", keys, ["host"], length * 4, ttl)
-            except (NotCached, PinQuotaExceeded):
-                pass
         elif op == "unpin":
             table.unpin(owner=f"o{start % 2}")
         elif op == "store":
