@@ -50,7 +50,7 @@ def pinned_run(args: argparse.Namespace, pin: bool) -> dict[str, float]:
              [rng.randrange(5, 500) for _ in range(args.system_tokens)]
              for s in range(args.sessions)]
     histories = [[] for _ in range(args.sessions)]  # type: list[list[int]]
-    kv_bytes = {"tiny": 512, "small": 8192}[args.model] * 4  # float32, per token
+    kv_bytes = {"tiny": 512, "small": 16384}[args.model]  # float32 K and V, per token
     engine = Engine(
         args.model, block_size=16, num_device_blocks=args.device_blocks,
         kv_offloading_size=args.host_blocks * 16 * kv_bytes / 2**30, eviction_policy="lru",
@@ -166,6 +166,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"model {args.model}: {args.sessions} sessions x {args.turns} turns, system prompt "
           f"{args.system_tokens} tokens, host tier {args.host_blocks} blocks of 16 tokens")
+    with Engine(args.model, block_size=16, num_device_blocks=64) as warm_up:  # first-run costs
+        warm_up.generate([list(range(5, 300))], SamplingParams(max_tokens=2))
     for pin in (True, False):
         r = pinned_run(args, pin)
         print(f"  {'pinned  ' if pin else 'no pin  '} system hit {r['system_hit']:.3f}  "
