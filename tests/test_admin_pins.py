@@ -217,3 +217,24 @@ def test_any_sequence_keeps_the_invariants(
         for key in table.pinned_keys("host"):
             block = host.policy.get(key)
             assert block is not None and block.ref_cnt >= 1
+
+
+def test_lru_moves_pinned_blocks_out_of_the_scans_way() -> None:
+    """Pinned blocks at the old end of an LRU order are passed once, then sit at the new end:
+    the next evictions find their victims at the old end at once (O(1) amortized per block,
+    not O(pinned) per eviction). Unpinned, they are ordinary blocks again."""
+    host = CPUOffloadingManager(16, "lru")
+    pinned = _keys(8)
+    _store(host, pinned)  # the oldest eight
+    _store(host, _keys(8, 100))
+    table = _table(host, 8)
+    table.pin("ops", pinned, ["host"], 32)
+    assert set(list(host.policy)[:8]) == set(pinned)
+    _store(host, _keys(2, 200))  # one eviction scan passes the pinned eight
+    order = list(host.policy)
+    assert not set(order[:6]) & set(pinned)  # the unpinned old ones first
+    assert set(order[6:14]) == set(pinned)  # then the pinned, moved past them
+    host.check_invariants()
+    table.unpin(owner="ops")
+    evicted = _store(host, _keys(16, 300))
+    assert set(pinned) <= set(evicted)

@@ -89,9 +89,11 @@ class HostPinSite:
 
     def hold(self, keys: Sequence[OffloadKey]) -> None:
         self.host.pin(keys)
+        self.host.policy.pinned(keys)
 
     def release(self, keys: Sequence[OffloadKey]) -> None:
         self.host.unpin(keys)
+        self.host.policy.unpinned(keys)
 
 
 class PolicyPinSite:
@@ -110,12 +112,14 @@ class PolicyPinSite:
             block: OffloadedBlock | None = self.policy.get(key)
             if block is not None:
                 block.ref_cnt += 1
+        self.policy.pinned(keys)
 
     def release(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
             block: OffloadedBlock | None = self.policy.get(key)
             if block is not None and block.ref_cnt > 0:
                 block.ref_cnt -= 1
+        self.policy.unpinned(keys)
 
 
 @dataclass(slots=True)
