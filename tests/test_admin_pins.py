@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -238,3 +239,21 @@ def test_lru_moves_pinned_blocks_out_of_the_scans_way() -> None:
     table.unpin(owner="ops")
     evicted = _store(host, _keys(16, 300))
     assert set(pinned) <= set(evicted)
+
+
+def test_arc_takes_pinned_blocks_out_of_its_lists() -> None:
+    """ARC's pinned blocks leave T1/T2 (no scan meets them) and come back to the new end of the
+    list they were in once unpinned; lookups find them throughout."""
+    host = CPUOffloadingManager(16, "arc")
+    keys = _keys(6)
+    _store(host, keys)
+    policy: Any = host.policy
+    table = _table(host, 8)
+    table.pin("ops", keys[:4], ["host"], 16)
+    assert not set(keys[:4]) & (policy._t1.keys() | policy._t2.keys())
+    assert all(host.lookup(k, ReqContext("l")).name == "HIT" for k in keys)
+    _store(host, _keys(12, 100))  # 12 more in 16: the 2 unpinned go, the pinned stay
+    host.check_invariants()
+    table.unpin(owner="ops")
+    assert set(list(policy._t1)[-4:]) == set(keys[:4])  # back, at the new end of T1
+    host.check_invariants()
