@@ -257,3 +257,20 @@ def test_arc_takes_pinned_blocks_out_of_its_lists() -> None:
     table.unpin(owner="ops")
     assert set(list(policy._t1)[-4:]) == set(keys[:4])  # back, at the new end of T1
     host.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "adaptive"])
+def test_fifo_policies_take_pinned_blocks_out_of_their_queues(policy: str) -> None:
+    host = CPUOffloadingManager(16, policy)
+    keys = _keys(6)
+    _store(host, keys)
+    p: Any = host.policy
+    table = _table(host, 8)
+    table.pin("ops", keys[:4], ["host"], 16)
+    assert not set(keys[:4]) & (p._small.keys() | p._main.keys())
+    _store(host, _keys(12, 100))
+    assert all(host.policy.get(k) is not None for k in keys[:4])
+    host.check_invariants()
+    table.unpin(owner="ops")
+    assert set(keys[:4]) <= p._small.keys() | p._main.keys()
+    host.check_invariants()
