@@ -444,8 +444,9 @@ class Engine:
     ) -> RequestOutput:
         """Compute ``prompt``'s KV and store it in ``tiers`` (default: all) with a prefill-only
         request (one token), promoting what disk or remote hold into the host on the way; returns
-        once its stores landed. Live requests run along (their outputs are kept for
-        :meth:`step`'s next caller only through :meth:`generate`: warm an idle engine)."""
+        once its stores landed. It steps the engine itself: outputs of other requests that finish
+        meanwhile are not returned to anyone, so warm an engine that serves nothing else (a
+        server warms with a request of its own instead)."""
         ids, sampling, params = self.admin.warm_request(prompt, tiers)
         req_id = self.add_request(ids, sampling, kv_transfer_params=params or None)
         out = None
