@@ -378,6 +378,25 @@ class EngineAdmin:
         return ids, SamplingParams(max_tokens=1), params
 
 
+    def warmed(self, prompt: str | Sequence[int], tiers: Sequence[str] | str | None = None) -> bool:
+        """Whether every full block of ``prompt`` is ready in the host tier and held by each
+        secondary tier of ``tiers`` (default: all) as far as that tier knows without asking its
+        server: what a warm-up waits for, rather than for every transfer of the engine."""
+        names = check_tiers(tiers, self.tiers) if tiers is not None else list(self.tiers)
+        keys = self.prompt(prompt).keys
+        if self.host is not None:
+            get = self.host.policy.get
+            if not all((b := get(k)) is not None and b.ref_cnt >= 0 for k in keys):
+                return False
+        ctx = ReqContext("kvoffload-admin-warmed")
+        try:
+            return all(tier.lookup(k, ctx) is _HIT for name, tier in self.secondary.items()
+                       if name in names for k in keys)
+        finally:
+            for tier in self.secondary.values():
+                tier.request_finished(ctx)
+
+
 def _check_fingerprint(model: Any) -> str:
     if not isinstance(model, str) or len(model) != 32 or any(c not in "0123456789abcdef" for c in model):
         raise ConfigError("model", f"must be a layout fingerprint (32 hex digits), got {model!r}")

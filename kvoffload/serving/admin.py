@@ -92,8 +92,9 @@ def admin_router(
             return None
         raise APIError("give a 'prompt' (text or token ids) or 'messages'", "prompt")
 
-    async def warm(ids: list[int], tiers: Any) -> None:
-        """Run the prefill-only request, then wait until its stores landed."""
+    async def warm(ids: list[int], tiers: Any, wait_for: Any = None) -> None:
+        """Run the prefill-only request, then wait until its blocks are in the tiers (or no
+        transfer of the engine is left that could bring them: a tier too small for them)."""
         token_ids, sampling, params = await on_engine(lambda a: a.warm_request(ids, tiers))
         stream = loop.add(f"admin-warm-{uuid.uuid4().hex}", token_ids, sampling, params or None)
         async for delta in stream:
@@ -102,7 +103,8 @@ def admin_router(
                     raise APIError(delta.error.message, status=503)
                 raise APIError.from_config_error(delta.error, "prompt")
         deadline = time.monotonic() + _STORE_WAIT_S
-        while await on_engine(_stores_in_flight):
+        wanted = tiers if wait_for is None else wait_for
+        while not await on_engine(lambda a: a.warmed(ids, wanted) or not _stores_in_flight(a)):
             if time.monotonic() > deadline:
                 raise APIError(f"the prompt's stores did not land within {_STORE_WAIT_S:.0f} s",
                                status=503)
@@ -129,7 +131,7 @@ def admin_router(
         answer = await on_engine(attempt)
         computed = answer is None
         if answer is None:  # not (all) cached: compute and store it, then pin
-            await warm(ids, _store_tiers(tiers))
+            await warm(ids, _store_tiers(tiers), tiers)
             try:
                 answer = await on_engine(lambda a: a.pin(ids, tiers, owner, ttl))
             except NotCached as exc:
