@@ -156,3 +156,12 @@ def test_bad_input_is_cli_exit_2(server: Process, args: list[str], message: str)
     done = admin(server, *args)
     assert done.returncode == 2, done
     assert message in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_the_cli_imports_no_torch_and_says_when_unreachable() -> None:
+    code = ("import sys\nfrom kvoffload.cli.main import main\n"
+            "try:\n    main(['admin', '--url', 'http://127.0.0.1:9', 'pins'])\n"
+            "except SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["1", "False"]
+    assert "cannot reach http://127.0.0.1:9" in done.stderr

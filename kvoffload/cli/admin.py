@@ -57,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pin = commands.add_parser("pin", help="keep a prompt's blocks from eviction (computed "
                               "first if not cached)")
     prompt_args(pin)
-    pin.add_argument("--tier", action="append", dest="tiers", help=_TIERS_HELP + " (default: host)")
+    pin.add_argument("--tier", action="append", dest="tiers",
+                     help="a tier to pin in (host, disk); repeat for both (default: host)")
     pin.add_argument("--owner", default="operator", help="the pin's owner label (default: %(default)s)")
     pin.add_argument("--ttl", type=float, metavar="S", help="seconds until the pin lapses "
                      "(default: until unpinned)")
