@@ -65,6 +65,9 @@ def admin_router(
             raise APIError(exc.message, status=503) from None
         except PinQuotaExceeded as exc:
             raise APIError(str(exc), "tiers", status=409, code="pin_quota_exceeded") from None
+        except OSError as exc:  # a shared tier's server (a clear of Redis) could not be reached
+            raise APIError(f"a tier's server did not answer: {type(exc).__name__}", status=503,
+                           code="tier_unavailable") from None
 
     async def body_of(raw: Request, command: str) -> dict[str, Any]:
         body = parse_json_object(await raw.body())
