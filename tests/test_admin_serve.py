@@ -165,3 +165,9 @@ def test_the_cli_imports_no_torch_and_says_when_unreachable() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["1", "False"]
     assert "cannot reach http://127.0.0.1:9" in done.stderr
+
+
+def test_the_pin_quota_flag_sets_each_tiers_quota() -> None:
+    with serve("--kv-offloading-size", str(HOST_GIB), "--block-size", str(BLOCK),
+               "--kv-pin-quota", "0.25") as process:
+        assert http_json(f"{process.url}/admin/pins")["quota_blocks"] == {"host": 4}
