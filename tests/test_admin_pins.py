@@ -274,3 +274,23 @@ def test_fifo_policies_take_pinned_blocks_out_of_their_queues(policy: str) -> No
     table.unpin(owner="ops")
     assert set(keys[:4]) <= p._small.keys() | p._main.keys()
     host.check_invariants()
+
+
+def test_tier_admin_over_a_manager_stack_without_an_engine() -> None:
+    """The manager-level API (a reuse filter over a host tier, as an engine builds it): which
+    blocks each tier holds, pins through it, and a clear that keeps the pinned blocks."""
+    from kvoffload.managers.admin import TierAdmin, leading
+    from kvoffload.managers.reuse import FilterReusedOffloadingManager
+
+    host = CPUOffloadingManager(16, "adaptive")
+    admin = TierAdmin(FilterReusedOffloadingManager(host, 1), pin_quota=0.5)
+    keys = _keys(10)
+    _store(host, keys)
+    held, complete = admin.held(keys + _keys(2, 50))
+    assert complete and leading(held["host"]) == 10 and admin.tiers == ["host"]
+    admin.pins.pin("ops", keys[:4], ["host"], 16)
+    assert admin.pins.quotas == {"host": 8}
+    assert admin.drop_evictable(["host"]) == {"host": 6}
+    assert [host.policy.get(k) is not None for k in keys] == [True] * 4 + [False] * 6
+    assert admin.ready_in(keys[:4], ["host"]) and not admin.ready_in(keys, ["host"])
+    host.check_invariants()

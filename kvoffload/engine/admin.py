@@ -42,10 +42,9 @@ from kvoffload.events.messages import (
     external_block_hash,
 )
 from kvoffload.keys import OffloadKey, make_offload_key, offload_key_hash
-from kvoffload.manager_contract import LookupResult, ReqContext
+from kvoffload.managers.admin import TierAdmin, leading
 from kvoffload.managers.cpu import CPUOffloadingManager
-from kvoffload.managers.pins import HostPinSite, Pin, PinSite, PinTable, PolicyPinSite
-from kvoffload.managers.reuse import FilterReusedOffloadingManager
+from kvoffload.managers.pins import Pin, PinTable
 from kvoffload.tiers.contract import SecondaryTier
 
 if TYPE_CHECKING:
@@ -55,10 +54,6 @@ __all__ = ["TIER_NAMES", "AdminPrompt", "EngineAdmin"]
 
 #: Every tier an operator may name, fastest first.
 TIER_NAMES = ("device", "host", "disk", "remote")
-#: Rounds of asking a remote tier during one lookup (each waits at most its answer bound).
-_ASK_ROUNDS = 3
-_HIT = LookupResult.HIT
-_RETRY = LookupResult.RETRY
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,28 +88,15 @@ class EngineAdmin:
         if not 0 <= pin_quota <= 1:
             raise ConfigError("kv_pin_quota", f"must be in [0, 1], got {pin_quota!r}")
         self.engine = engine
-        tiering = engine.tiering
-        manager = engine.manager
-        if isinstance(manager, FilterReusedOffloadingManager):
-            manager = manager.backing
-        self.host: CPUOffloadingManager | None = (
-            tiering.host if tiering is not None
-            else manager if isinstance(manager, CPUOffloadingManager) else None
-        )
-        self.secondary: dict[str, SecondaryTier] = (
-            {t.name: t for t in tiering.tiers} if tiering is not None else {}
-        )
-        self.tiers = ["device", *(["host"] if self.host is not None else []), *self.secondary]
-        sites: dict[str, PinSite] = {}
-        quotas: dict[str, int] = {}
-        if self.host is not None:
-            sites["host"] = HostPinSite(self.host)
-            quotas["host"] = int(self.host.num_blocks * pin_quota)
+        #: the manager-level controls (``None`` without offloading: the device tier only)
+        self.stack = TierAdmin(engine.manager, pin_quota) if engine.manager is not None else None
+        stack = self.stack
+        self.host: CPUOffloadingManager | None = stack.host if stack is not None else None
+        self.secondary: dict[str, SecondaryTier] = stack.secondary if stack is not None else {}
+        self.tiers = ["device", *(stack.tiers if stack is not None else [])]
+        self.pin_table = stack.pins if stack is not None else PinTable({}, {})
+        sites = self.pin_table.sites
         disk = self.secondary.get("disk")
-        if disk is not None and hasattr(disk, "index"):
-            sites["disk"] = PolicyPinSite(disk.index)
-            quotas["disk"] = int(getattr(disk, "capacity_blocks", 0) * pin_quota)
-        self.pin_table = PinTable(sites, quotas)
         #: Blocks removed by clears, per tier (``kvoffload_admin_cleared_blocks_total``).
         self.cleared: Counter[str] = Counter()
         self._pin_file = None
@@ -157,17 +139,10 @@ class EngineAdmin:
             if not pool.is_cached(h):  # type: ignore[arg-type]
                 break
             device += 1
-        held: dict[str, list[bool]] = {}
-        if self.host is not None:
-            get = self.host.policy.get
-            held["host"] = [(b := get(k)) is not None and b.ref_cnt >= 0 for k in p.keys]
-        complete = True
-        for name, tier in self.secondary.items():
-            held[name], answered = _ask(tier, p.keys)
-            complete = complete and answered
+        held, complete = self.stack.held(p.keys) if self.stack is not None else ({}, True)
         tokens = {"device": device * bs}
         for name, hits in held.items():
-            tokens[name] = _leading(hits) * p.block_tokens
+            tokens[name] = leading(hits) * p.block_tokens
         cached = 0  # offloaded blocks held by the device (all its engine blocks) or some tier
         for i in range(len(p.keys)):
             on_device = (i + 1) * factor <= device
@@ -180,7 +155,7 @@ class EngineAdmin:
             "tiers": tokens,
             "cached_tokens": max(cached * p.block_tokens, device * bs),
             "pinned_tokens": {
-                tier: _leading([k in pinned for k in p.keys]) * p.block_tokens
+                tier: leading([k in pinned for k in p.keys]) * p.block_tokens
                 for tier in self.pin_table.sites
                 if (pinned := self.pin_table.pinned_keys(tier)) is not None
             },
@@ -281,19 +256,13 @@ class EngineAdmin:
         engine = self.engine
         if "device" in names:
             removed["device"] = engine.pool.drop_cached()
-        if "host" in names and self.host is not None:
-            tiering = engine.tiering
-            dropped = tiering.drop_host_evictable() if tiering else self.host.drop_evictable()
-            removed["host"] = len(dropped)
+        if self.stack is not None:
+            removed.update(self.stack.drop_evictable(names))
         remote_removed: list[OffloadKey] = []
-        for name, tier in self.secondary.items():
-            if name not in names:
-                continue
-            if hasattr(tier, "drop_evictable"):
-                removed[name] = len(tier.drop_evictable())
-            elif name == "remote":
-                remote_removed = self._drop_remote(tier)
-                removed[name] = len(remote_removed)
+        remote = self.secondary.get("remote")
+        if "remote" in names and remote is not None:
+            remote_removed = self._drop_remote(remote)
+            removed["remote"] = len(remote_removed)
         self.cleared.update(removed)
         engine.publish_events()
         if remote_removed:
@@ -384,47 +353,10 @@ class EngineAdmin:
         server: what a warm-up waits for, rather than for every transfer of the engine."""
         names = check_tiers(tiers, self.tiers) if tiers is not None else list(self.tiers)
         keys = self.prompt(prompt).keys
-        if self.host is not None:
-            get = self.host.policy.get
-            if not all((b := get(k)) is not None and b.ref_cnt >= 0 for k in keys):
-                return False
-        ctx = ReqContext("kvoffload-admin-warmed")
-        try:
-            return all(tier.lookup(k, ctx) is _HIT for name, tier in self.secondary.items()
-                       if name in names for k in keys)
-        finally:
-            for tier in self.secondary.values():
-                tier.request_finished(ctx)
+        return self.stack is None or self.stack.ready_in(keys, names)
 
 
 def _check_fingerprint(model: Any) -> str:
     if not isinstance(model, str) or len(model) != 32 or any(c not in "0123456789abcdef" for c in model):
         raise ConfigError("model", f"must be a layout fingerprint (32 hex digits), got {model!r}")
     return model
-
-
-def _leading(hits: Sequence[bool]) -> int:
-    n = 0
-    for hit in hits:
-        if not hit:
-            break
-        n += 1
-    return n
-
-
-def _ask(tier: SecondaryTier, keys: Sequence[OffloadKey]) -> tuple[list[bool], bool]:
-    """Which of ``keys`` ``tier`` holds (readable), asking its server if needed; and whether
-    every key was answered."""
-    ctx = ReqContext("kvoffload-admin-lookup")
-    tier.forget_misses(keys)  # the server's answer of now, not a miss believed a while
-    try:
-        answers = [tier.lookup(k, ctx) for k in keys]
-        for _ in range(_ASK_ROUNDS):
-            if _RETRY not in answers:
-                break
-            tier.wait_for_answers()
-            answers = [a if a is not _RETRY else tier.lookup(k, ctx)
-                       for k, a in zip(keys, answers, strict=True)]
-    finally:
-        tier.request_finished(ctx)
-    return [a is _HIT for a in answers], _RETRY not in answers
