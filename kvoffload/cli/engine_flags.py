@@ -289,6 +289,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         needs=REMOTE,
     ),
     _engine_flag(
+        "kv_pin_quota",
+        "the share of each tier (host, disk) that operator pins may hold (kvoffload admin pin)",
+        parse=real_in(0, below=1.0),
+        unit="FRACTION",
+        needs=HOST,
+    ),
+    _engine_flag(
         "kv_events_config",
         'KV cache events, as JSON: {"enable_kv_cache_events": true, "publisher": "zmq", ...}',
         unit="JSON",

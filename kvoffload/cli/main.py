@@ -14,6 +14,7 @@ _COMMAND_GROUPS = {
     "events": "kvoffload.cli.events",
     "serve": "kvoffload.cli.serve",
     "route": "kvoffload.cli.route",
+    "admin": "kvoffload.cli.admin",
 }
 
 

@@ -135,6 +135,14 @@ class BlockPool:
         if self.on_evicted is not None:
             self.on_evicted(h)
 
+    def drop_cached(self) -> int:
+        """Uncache every free cached block (an operator's clear; blocks in use stay cached),
+        each announced through :attr:`on_evicted`; returns how many."""
+        dropped = [block for block in self._free.values() if block.block_hash is not None]
+        for block in dropped:
+            self._uncache(block)
+        return len(dropped)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if len(self._free) != self.num_blocks:

@@ -114,6 +114,8 @@ class EngineConfig:
     kv_remote_ttl_s: float | None = None
     kv_remote_lookup_wait_s: float = 0.25
     kv_remote_compression: str = "none"
+    #: The share of each tier's capacity (host, disk) that operator pins may hold (docs/admin.md).
+    kv_pin_quota: float = 0.5
     hash_scheme: str = "sha256_cbor"
     hash_seed: str = "0"
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -140,6 +142,7 @@ class EngineConfig:
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         check_int("scheduling_max_bypass", self.scheduling_max_bypass, 0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_real("kv_pin_quota", self.kv_pin_quota, 0, 1)
         check_real(
             "kv_offloading_size",
             self.kv_offloading_size,

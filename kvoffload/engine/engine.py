@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvoffload.engine.admin import EngineAdmin
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.config import RENAMED_SETTINGS, EngineConfig
 from kvoffload.engine.device_events import DeviceEventRecorder
@@ -145,6 +146,7 @@ class Engine:
         self.metrics = telemetry.metrics
         self.metrics_server = telemetry.metrics_server
         self._stats_logger = telemetry.stats_logger
+        self._admin: EngineAdmin | None = None
 
     def _device_cache_blocks(self) -> int:
         """``num_device_blocks``, or as many blocks as ``kv_cache_memory`` GiB hold."""
@@ -242,6 +244,11 @@ class Engine:
         self._counters["prompt_tokens"] += len(token_ids)
         return req_id
 
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """``prompt``'s token ids as :meth:`add_request` makes them (text encoded; ids checked);
+        an empty prompt raises :class:`ConfigError`."""
+        return self._token_ids(prompt)
+
     def _token_ids(self, prompt: Any) -> list[int]:
         """The prompt's token ids: text is encoded, a sequence must hold ints (not bools)."""
         if isinstance(prompt, str):
@@ -279,6 +286,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (and aborts since the last)."""
+        if self._admin is not None:
+            self._admin.expire()  # pins past their TTL go back to eviction first
         with self._lock:
             finished = self._step()
         if self._stats_logger is not None:
@@ -420,6 +429,55 @@ class Engine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"transfers still in flight after {timeout} s")
             self.step()
+
+    # ------------------------------------------------------------------ operator controls
+
+    @property
+    def admin(self) -> EngineAdmin:
+        """Operator controls: lookup, pin, unpin, clear, pins (:mod:`kvoffload.engine.admin`);
+        made at first use (disk pins of an earlier run are held again then)."""
+        if self._admin is None:
+            self._admin = EngineAdmin(self, self.config.kv_pin_quota)
+        return self._admin
+
+    def warm(
+        self, prompt: str | Sequence[int], tiers: Sequence[str] | str | None = None
+    ) -> RequestOutput:
+        """Compute ``prompt``'s KV and store it in ``tiers`` (default: all) with a prefill-only
+        request (one token), promoting what disk or remote hold into the host on the way; returns
+        once its stores landed. It steps the engine itself: outputs of other requests that finish
+        meanwhile are not returned to anyone, so warm an engine that serves nothing else (a
+        server warms with a request of its own instead)."""
+        ids, sampling, params = self.admin.warm_request(prompt, tiers)
+        req_id = self.add_request(ids, sampling, kv_transfer_params=params or None)
+        out = None
+        while out is None:
+            out = next((o for o in self.step() if o.request_id == req_id), None)
+        self.drain()
+        return out
+
+    def pin(
+        self,
+        prompt: str | Sequence[int],
+        tiers: Sequence[str] | str = ("host",),
+        owner: str = "operator",
+        ttl_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Pin ``prompt``'s blocks in ``tiers`` (:meth:`EngineAdmin.pin`), computing and storing
+        them first (:meth:`warm`) when a tier does not hold them all."""
+        from kvoffload.managers.pins import NotCached
+
+        try:
+            return self.admin.pin(prompt, tiers, owner, ttl_s)
+        except NotCached:
+            self.warm(prompt, tiers if tiers != ("host",) else None)
+        return self.admin.pin(prompt, tiers, owner, ttl_s)
+
+    def publish_events(self) -> None:
+        """Publish the KV events gathered since the last step now (an operator's clear between
+        steps); nothing when events are off."""
+        if self._device_events is not None:
+            self._publish()
 
     # ------------------------------------------------------------------ events
 

@@ -178,7 +178,9 @@ class AdaptivePolicy(S3FIFOPolicy):
     def check_invariants(self) -> None:
         small, main, ghost, old = self._small, self._main, self._ghost, self._old_ghost
         assert not small.keys() & main.keys(), "a block is in both small and main"
-        assert self._blocks.keys() == small.keys() | main.keys(), "get() and the FIFOs disagree"
+        pinned = self._pinned.keys()
+        assert not pinned & (small.keys() | main.keys()), "a pinned block is still in a FIFO"
+        assert self._blocks.keys() == small.keys() | main.keys() | pinned, "get() and the FIFOs"
         held = self._blocks.keys()
         for history in (ghost, old, self._main_ghost):
             assert not history.keys() & held, "held and a ghost"

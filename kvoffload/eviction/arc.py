@@ -50,8 +50,12 @@ class ARCPolicy(HeldBlocksPolicy):
       ``T1`` go to ``B1``, from ``T2`` to ``B2``; victims are returned in the order chosen.
       Atomic: the scans do not mutate; exactly ``n`` victims are committed, or none.
 
-    Costs: O(1) per touched, inserted or finished key; ``evict`` O(n + blocks skipped) with one
-    monotonic scan per list. Not thread-safe.
+    * Operator pins (:meth:`pinned` / :meth:`unpinned`): a pinned block leaves ``T1``/``T2``
+      (uses while pinned are ignored) and comes back to the new end of its list when unpinned.
+
+    Costs: O(1) per touched, inserted, finished, pinned or unpinned key; ``evict`` O(n + blocks
+    skipped) with one monotonic scan per list (pinned blocks are never among the skipped). Not
+    thread-safe.
     """
 
     name = "arc"
@@ -65,6 +69,25 @@ class ARCPolicy(HeldBlocksPolicy):
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.target = 0.0
         self._groups = GroupWatch()
+        #: blocks held by operator pins, out of T1/T2 (so no scan passes them): key -> whether
+        #: it came from T2; back at the new end of its list when unpinned
+        self._pinned: dict[OffloadKey, bool] = {}
+
+    def pinned(self, keys: Sequence[OffloadKey]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
+        for key in keys:
+            if t1.pop(key, None) is not None:
+                pinned[key] = False
+            elif t2.pop(key, None) is not None:
+                pinned[key] = True
+
+    def unpinned(self, keys: Sequence[OffloadKey]) -> None:
+        blocks, pinned = self._blocks, self._pinned
+        for key in keys:
+            from_t2 = pinned.pop(key, None)
+            block = blocks.get(key)
+            if from_t2 is not None and block is not None:
+                (self._t2 if from_t2 else self._t1)[key] = block
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         self._groups.saw((key,))
@@ -185,6 +208,7 @@ class ARCPolicy(HeldBlocksPolicy):
         return victims
 
     def clear(self) -> None:
+        self._pinned.clear()
         for d in (self._blocks, self._t1, self._t2, self._b1, self._b2):
             d.clear()
         self.target = 0.0
@@ -194,7 +218,9 @@ class ARCPolicy(HeldBlocksPolicy):
     def check_invariants(self) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         assert not t1.keys() & t2.keys(), "a block is in both T1 and T2"
-        assert self._blocks.keys() == t1.keys() | t2.keys(), "get() and T1/T2 disagree"
+        pinned = self._pinned.keys()
+        assert not pinned & (t1.keys() | t2.keys()), "a pinned block is still in T1/T2"
+        assert self._blocks.keys() == t1.keys() | t2.keys() | pinned, "get() and T1/T2 disagree"
         for lst in (t1, t2):
             for key, block in lst.items():
                 assert self._blocks[key] is block, f"{key.hex()}: stale block record"

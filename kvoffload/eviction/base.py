@@ -164,6 +164,15 @@ class EvictionPolicy(ABC):
         no longer be held). A policy where order matters arranges them so that, within the
         chain, the tail leaves first and the head last. Default: nothing."""
 
+    def pinned(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027
+        """Operator pins (:mod:`kvoffload.managers.pins`) now hold ``keys`` (held and ready, each
+        referenced: not evictable until :meth:`unpinned`), for long. A policy may take them out
+        of the way of its eviction scan. Default: nothing (the scan passes over them, as over
+        blocks being read)."""
+
+    def unpinned(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027
+        """The last operator pin of ``keys`` is gone (see :meth:`pinned`). Default: nothing."""
+
     def check_invariants(self) -> None:  # noqa: B027 - optional hook
         """Raise ``AssertionError`` if internal structures disagree (tests only)."""
 

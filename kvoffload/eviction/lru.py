@@ -89,6 +89,9 @@ class LRUPolicy(EvictionPolicy):
         self._clock = 0
         self._open = 0
         self._groups = GroupWatch()
+        #: keys held by operator pins: a scan that passes them moves them to the new end, so
+        #: that each is passed once per turn of the order, not by every eviction
+        self._pinned: set[OffloadKey] = set()
 
     def get(self, key: OffloadKey) -> OffloadedBlock | None:  # replaced per instance in __init__
         return self._blocks.get(key)  # type: ignore[return-value]  # a key: never a place
@@ -166,7 +169,14 @@ class LRUPolicy(EvictionPolicy):
                 self._forget_place(key)
         return victims
 
+    def pinned(self, keys: Sequence[OffloadKey]) -> None:
+        self._pinned.update(keys)
+
+    def unpinned(self, keys: Sequence[OffloadKey]) -> None:
+        self._pinned.difference_update(keys)
+
     def clear(self) -> None:
+        self._pinned.clear()
         for d in (self._blocks, self._placed, self._stamps):
             d.clear()
         self._clock = self._open = 0
@@ -204,14 +214,25 @@ class LRUPolicy(EvictionPolicy):
         self, n: int, protected: Container[OffloadKey]
     ) -> list[tuple[OffloadKey, OffloadedBlock]] | None:
         """The ``n`` oldest evictable blocks when no key waits at a request's place (an open,
-        empty place has ``ref_cnt`` ``_PLACE`` and is skipped)."""
+        empty place has ``ref_cnt`` ``_PLACE`` and is skipped). Operator-pinned blocks the scan
+        passed go to the new end afterwards (when no place is open: the order is then recency
+        alone), so a long pin costs each eviction O(1) amortized, not O(pinned)."""
         victims: list[tuple[OffloadKey, OffloadedBlock]] = []
+        pinned, passed = self._pinned, []
+        found = False
         for key, block in self._blocks.items():
             if block.ref_cnt == 0 and key not in protected:
                 victims.append((key, block))  # type: ignore[arg-type]  # ref_cnt 0: a block
                 if len(victims) == n:
-                    return victims
-        return None
+                    found = True
+                    break
+            elif pinned and key in pinned:
+                passed.append(key)
+        if passed and not self._open:
+            move = self._blocks.move_to_end
+            for key in passed:
+                move(key)
+        return victims if found else None
 
     def _scan_places(
         self, n: int, protected: Container[OffloadKey]

@@ -61,6 +61,8 @@ class S3FIFOPolicy(HeldBlocksPolicy):
     otherwise nothing changes. ``insert_n`` inserts a stored run in one loop when no key of it is
     remembered by ``ghost``. Each block is reinserted at most 3 times per
     call, so ``evict`` is O(n + blocks moved or passed over); ``touch``/``insert`` are O(1) per key.
+    Operator pins (:meth:`pinned` / :meth:`unpinned`, O(1) per key) take a block out of both
+    FIFOs (its uses still count in ``freq``) and put it back at the new end of its FIFO.
     """
 
     name = "s3fifo"
@@ -73,6 +75,25 @@ class S3FIFOPolicy(HeldBlocksPolicy):
         self._main: OrderedDict[OffloadKey, OffloadedBlock] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self.small_target: float = max(1, int(capacity * small_ratio))  # a float in adaptive
+        #: blocks held by operator pins, out of both FIFOs (so no scan passes them): key ->
+        #: whether it came from ``main``; back at the new end of its FIFO when unpinned
+        self._pinned: dict[OffloadKey, bool] = {}
+
+    def pinned(self, keys: Sequence[OffloadKey]) -> None:
+        small, main, pinned = self._small, self._main, self._pinned
+        for key in keys:
+            if small.pop(key, None) is not None:
+                pinned[key] = False
+            elif main.pop(key, None) is not None:
+                pinned[key] = True
+
+    def unpinned(self, keys: Sequence[OffloadKey]) -> None:
+        blocks, pinned = self._blocks, self._pinned
+        for key in keys:
+            from_main = pinned.pop(key, None)
+            block = blocks.get(key)
+            if from_main is not None and block is not None:
+                (self._main if from_main else self._small)[key] = block
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         block.freq = 0
@@ -262,6 +283,7 @@ class S3FIFOPolicy(HeldBlocksPolicy):
                 main[key] = block
 
     def clear(self) -> None:
+        self._pinned.clear()
         for d in (self._blocks, self._small, self._main, self._ghost):
             d.clear()
         self.generation += 1
@@ -269,7 +291,9 @@ class S3FIFOPolicy(HeldBlocksPolicy):
     def check_invariants(self) -> None:
         small, main, ghost = self._small, self._main, self._ghost
         assert not small.keys() & main.keys(), "a block is in both small and main"
-        assert self._blocks.keys() == small.keys() | main.keys(), "get() and the FIFOs disagree"
+        pinned = self._pinned.keys()
+        assert not pinned & (small.keys() | main.keys()), "a pinned block is still in a FIFO"
+        assert self._blocks.keys() == small.keys() | main.keys() | pinned, "get() and the FIFOs"
         assert not ghost.keys() & self._blocks.keys(), "a held block is also a ghost"
         assert len(ghost) <= self.capacity, "ghost FIFO over capacity"
         for fifo in (small, main):

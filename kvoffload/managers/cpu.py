@@ -157,6 +157,11 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         self._policy.touch(keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.unpin(keys)
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        """Release one pin per key taken by :meth:`pin` or :meth:`prepare_load` (what
+        :meth:`complete_load` does); a key not pinned raises before any pin is released."""
         blocks = list(map(self._get, keys))
         released = 0
         for i, block in enumerate(blocks):
@@ -288,6 +293,21 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
         uses = take_request_state(ctx, self, RequestUses, gen) if self._records else None
         if self._commit is not None:
             self._commit(uses if uses is not None and self._reads else _NO_USES, ctx)
+
+    def drop_evictable(self) -> list[OffloadKey]:
+        """Remove every evictable block now (ready and unpinned: pinned, pending and loading
+        blocks stay), as evictions are removed: one removal event, ``evicted_blocks`` counted.
+        Returns the keys removed. O(blocks held): an operator's clear, not a hot path."""
+        victims = self._policy.evict(self._num_evictable, ()) if self._num_evictable else []
+        if not victims:
+            return []
+        self._num_evictable -= len(victims)
+        self._free += [block for _, block in victims]
+        self._evicted += len(victims)
+        keys = [key for key, _ in victims]
+        if self._events is not None:
+            self._events.append(OffloadingEvent(keys, self.medium, True))
+        return keys
 
     def reset(self) -> None:
         get = self._get

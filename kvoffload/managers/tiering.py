@@ -329,6 +329,14 @@ class TieringOffloadingManager(OffloadingManager):
         if success and self.tiers:
             self.cascade.stored(keys, self._state(ctx).store_tiers, ctx)
 
+    def drop_host_evictable(self) -> list[OffloadKey]:
+        """Remove every evictable host block now (an operator's clear; pinned ones stay), each
+        forgotten as an evicted one; returns their keys."""
+        dropped = self.host.drop_evictable()
+        if dropped:
+            self._host_evicted(dropped)
+        return dropped
+
     def _host_evicted(self, evicted: Sequence[OffloadKey]) -> None:
         """Forget what the host no longer holds: promotion sources, blocks not cascaded yet."""
         self._promotions.forget(evicted)

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
 from kvoffload.errors import KVOffloadError
+from kvoffload.routing.admin import admin_router
 from kvoffload.routing.connections import error_text
 from kvoffload.routing.prefix_index import TIERS
 from kvoffload.routing.router import Backend, Router, Ticket
@@ -129,6 +130,7 @@ def build_app(
     async def chat(raw: Request) -> Response:
         return await _route(router, raw, "/v1/chat/completions")
 
+    app.include_router(admin_router(router))
     return app
 
 

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from kvoffload.engine import SamplingParams
 from kvoffload.errors import ConfigError
+from kvoffload.serving.admin import admin_router
 from kvoffload.serving.drain import Drain, DrainGate
 from kvoffload.serving.errors import APIError, error_body, install_error_handlers
 from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey, RequestGuard
@@ -127,6 +128,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
         job = await asyncio.to_thread(_prepare_chat, ctx, await raw.body())
         return await _generate(ctx, raw, job, _ChatFormat(ctx, job, decode))
 
+    app.include_router(admin_router(ctx.loop, ctx.tokenizer, ctx.registries))
     return app
 
 

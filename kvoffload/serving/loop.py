@@ -16,12 +16,14 @@ something (:class:`StepCostModel`); the router reads the fit from ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +179,27 @@ class _Stop:
         return []
 
 
-_Command = _Add | _Abort | _Stop
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn`` on the engine thread between steps; its result or error goes to ``future``."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+    def apply(self, loop: EngineLoop) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn())
+            except Exception as exc:  # the caller's to answer; the engine goes on
+                self.future.set_exception(exc)
+
+    def refuse(self, error: Unavailable) -> list[tuple[RequestStream, Delta]]:
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(error)
+        return []
+
+
+_Command = _Add | _Abort | _Stop | _Call
 
 
 class EngineLoop:
@@ -243,6 +265,17 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn()`` on the engine thread between two steps (operator controls); the future
+        holds its result or its exception, or :class:`Unavailable` once the loop ended."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._closing:
+            if self.state in _ENDED:
+                future.set_exception(self._unavailable())
+            else:
+                self._commands.put(_Call(fn, future))
+        return future
 
     def stop(self, drain: bool = True, timeout_s: float = 60.0) -> bool:
         """Stop taking requests; finish (``drain``) or abort the live ones; let stores land;

@@ -169,6 +169,11 @@ class SecondaryTier(ABC):
         engine step. Never waits on a dead or slow server beyond that bound. Default: no-op
         (tiers whose lookups answer at once)."""
 
+    def forget_misses(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027
+        """Forget the misses of ``keys`` the tier believes for a while (so that the next
+        :meth:`lookup` asks again: an operator's lookup wants the answer of now). Default: no-op
+        (tiers whose lookups answer from what they hold)."""
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027
         """Mark ``keys`` (prefix order) as just used. Unknown keys are ignored. Default: no-op."""
 

@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["OLD_FORMAT_DIRS", "OldNamespaces"]
+__all__ = ["OLD_FORMAT_DIRS", "OldNamespaces", "remove_unused_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,12 @@ class OldNamespaces:
             )
         self.in_use = in_use
         self.removed_files += removed
+
+
+def remove_unused_namespace(namespace: Path) -> int | None:
+    """Delete ``namespace`` (a model's directory under the format directory) if no process uses
+    it; the files removed, or ``None`` when a live process uses it (an operator's clear)."""
+    return _remove_unused(namespace)
 
 
 def _remove_unused(namespace: Path) -> int | None:

@@ -511,6 +511,31 @@ class DiskTier(EventQueueMixin, SecondaryTier):
     def drain_jobs(self) -> None:
         self._runner.drain()
 
+    @property
+    def index(self) -> EvictionPolicy:
+        """The tier's index of ref-counted block records (operator pins hold references)."""
+        return self._policy
+
+    def drop_evictable(self) -> list[OffloadKey]:
+        """Remove every ready, unreferenced block (an operator's clear: pinned blocks and blocks
+        being written or read stay) and its file, as evictions; returns their keys."""
+        policy = self._policy
+        count = 0
+        for key in policy:
+            block = policy.get(key)
+            count += block is not None and block.ref_cnt == 0
+        evicted = policy.evict(count, ()) if count else None
+        if not evicted:
+            return []
+        victims = [key for key, _ in evicted]
+        for key in victims:
+            self._ledger.remove(self._files.path_of(key), self.file_bytes)
+        self._dir_used = self._ledger.last_seen
+        self._counters["evicted_blocks"] += len(victims)
+        if self._events is not None:
+            self._events.append(OffloadingEvent(victims, self.medium, True, self.locality))
+        return victims
+
     def reset(self) -> None:
         """Drop every block of this tier's index and delete its files (pinned loads finish first)."""
         self.drain_jobs()

@@ -54,6 +54,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import Any
 
 from kvoffload.errors import ConfigError
@@ -221,6 +222,11 @@ class RedisTier(SecondaryTier):
         if not answered:
             counters["answer_wait_timeouts"] += 1
         self._apply_inbox()
+
+    def forget_misses(self, keys: Sequence[OffloadKey]) -> None:
+        misses = self._answers.misses
+        for key in keys:
+            misses.pop(key, None)
 
     def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
         """Whether the tier knows it holds ``key`` (a hit not expired) or is writing it; never
