@@ -47,6 +47,8 @@ def _engine(**kwargs: Any) -> Engine:
         "eviction_policy": "lru",
         "kv_events_config": EVENTS,
         "kv_lookup_retry_s": 600.0,
+        # Every offer stored: the pressure these tests build must not be shed away.
+        "kv_store_max_in_flight": 1000,
     }
     options.update(kwargs)
     engine = tiny_engine(**options)
