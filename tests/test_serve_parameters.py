@@ -94,6 +94,15 @@ def test_logit_bias_forces_and_forbids_a_token(client: openai.OpenAI) -> None:
     assert banned[0] != greedy[0]
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661", "9" * 5000, "-1", "x"])
+def test_logit_bias_keys_that_are_not_token_ids_get_a_400(server: Process, key: str) -> None:
+    # "\u00b2" passes str.isdigit() but int() rejects it; 5000 digits pass isdigit() but exceed
+    # int()'s digit limit: both once answered 500. "\u0661" (an Arabic-Indic 1) is not an id.
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {key: 1}}
+    status, answer = post_raw(f"{server.url}/v1/completions", json.dumps(body).encode())
+    assert (status, answer["error"]["param"]) == (400, "logit_bias"), answer
+
+
 def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(client: openai.OpenAI) -> None:
     eos_now = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=8,
                                         logit_bias={str(EOS): 100})
