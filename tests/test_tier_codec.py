@@ -137,6 +137,15 @@ def test_fp8_needs_a_float_kv_dtype() -> None:
         BlockCodec("zip", _layout())
 
 
+def test_fp8_needs_whole_head_vectors() -> None:
+    # vLLM's layouts carry no head size (head_dim 0): fp8 cannot group a block into head
+    # vectors, so it is refused at start rather than failing (and logging) on every store.
+    for layout in (_layout(head_dim=0), _layout(block_bytes=4096 + 2, head_dim=16)):
+        with pytest.raises(ConfigError, match="head"):
+            BlockCodec("fp8", layout, "kv_disk_compression")
+    assert BlockCodec("lossless", _layout(head_dim=0)).encodes  # exact codecs need no head size
+
+
 def test_auto_encodes_a_sample_then_follows_the_measured_figures() -> None:
     layout = _layout(block_bytes=1 << 16)
     raw = memoryview(_kv(layout.block_bytes, torch.bfloat16))

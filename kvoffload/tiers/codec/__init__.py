@@ -110,6 +110,14 @@ class BlockCodec:
         check_compression(field, mode)
         if mode == "fp8" and layout.dtype not in FP8_DTYPES:
             raise ConfigError(field, f"fp8 encodes {sorted(FP8_DTYPES)} KV, not {layout.dtype}")
+        vector = layout.head_dim * _WIDTHS.get(layout.dtype, 1)
+        if mode == "fp8" and (layout.head_dim <= 0 or layout.block_bytes % vector):
+            raise ConfigError(
+                field,
+                f"fp8 scales each head vector: it needs blocks of whole head vectors, not "
+                f"{layout.block_bytes} bytes with head_dim {layout.head_dim} (vLLM's layouts "
+                "carry no head size)",
+            )
         self.mode = mode
         self.lossy = mode == "fp8"
         self.layout = layout
