@@ -31,6 +31,16 @@ def _draw(logits: torch.Tensor, params: SamplingParams, steps: int) -> list[int]
     return [sample(logits[None], [params], [gen])[0] for _ in range(steps)]
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_a_temperature_below_vllms_epsilon_is_greedy(temperature: float) -> None:
+    # Dividing by a tiny temperature overflows float32 to inf (softmax: NaN): the draw was the
+    # last id, whatever the logits. vLLM takes temperature < 1e-5 as greedy.
+    logits = torch.randn(6, 512, generator=torch.Generator().manual_seed(3)) * 8
+    p = SamplingParams(temperature=temperature, seed=1)
+    assert p.greedy
+    assert sample(logits, [p] * 6, [make_generator(p)] * 6) == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-5).greedy
+
 def test_seeded_sampling_is_reproducible() -> None:
     logits = _logits(1, 64, seed=1)[0]
     params = SamplingParams(temperature=1.0, seed=42)

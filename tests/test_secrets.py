@@ -25,6 +25,7 @@ from redis_servers import RedisServer, RedisUnavailableError, standalone_server
 
 from kvoffload.engine import Engine, EngineConfig, SamplingParams
 from kvoffload.errors import ConfigError
+from kvoffload.serving.ready import ready_line
 from kvoffload.tiers.redis.tier import RemoteTierConfig
 from kvoffload.tiers.redis.url import parse_redis_url
 
@@ -96,6 +97,9 @@ def test_a_running_engine_never_shows_it(secret, caplog: pytest.LogCaptureFixtur
             shown = [repr(engine.config), str(engine.config), repr(tier), repr(tier.config)]
             shown += [repr(v) for v in vars(tier).values()] if hasattr(tier, "__dict__") else []
             shown += [metrics, engine.stats(), engine.tier_stats()]
+            ready = ready_line(engine, "http://127.0.0.1:1", "tiny", {})  # serve's ready line
+            shown.append(ready)
+    assert f"remote redis://:***@127.0.0.1:{secret[0].port}/0" in ready
     assert engine.stats()["offload_tier_remote_stored_blocks"] > 0  # the tier did work
     assert "kvoffload_" in metrics
     assert any("remote tier usage" in r.getMessage() for r in caplog.records)  # stats lines

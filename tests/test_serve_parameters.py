@@ -94,6 +94,26 @@ def test_logit_bias_forces_and_forbids_a_token(client: openai.OpenAI) -> None:
     assert banned[0] != greedy[0]
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661", "9" * 5000, "-1", "x"])
+def test_logit_bias_keys_that_are_not_token_ids_get_a_400(server: Process, key: str) -> None:
+    # "\u00b2" passes str.isdigit() but int() rejects it; 5000 digits pass isdigit() but exceed
+    # int()'s digit limit: both once answered 500. "\u0661" (an Arabic-Indic 1) is not an id.
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {key: 1}}
+    status, answer = post_raw(f"{server.url}/v1/completions", json.dumps(body).encode())
+    assert (status, answer["error"]["param"]) == (400, "logit_bias"), answer
+
+
+@pytest.mark.parametrize(("name", "value"), [("stop_token_ids", list(range(500)) * 3),
+                                              ("stop", [f"s{i}" for i in range(65)])])
+def test_stop_lists_are_bounded(server: Process, name: str, value: list[Any]) -> None:
+    # The engine and the text assembler scan these every step: a 4 MiB body could otherwise
+    # name a million stop ids and slow every step of every request.
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, name: value}
+    status, answer = post_raw(f"{server.url}/v1/completions", json.dumps(body).encode())
+    assert (status, answer["error"]["param"]) == (400, name), answer
+    body[name] = value[:64]
+    assert post_raw(f"{server.url}/v1/completions", json.dumps(body).encode())[0] == 200
+
 def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(client: openai.OpenAI) -> None:
     eos_now = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=8,
                                         logit_bias={str(EOS): 100})

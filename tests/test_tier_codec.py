@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.blockformat import CorruptBlockError
 from kvoffload.tiers.codec import BlockCodec
+from kvoffload.tiers.codec.frame import unpack_frame_header
 from kvoffload.tiers.codec.lossless import encode_lossless
 from kvoffload.tiers.contract import KVLayout
 
@@ -135,6 +136,27 @@ def test_fp8_needs_a_float_kv_dtype() -> None:
         BlockCodec("fp8", dataclasses.replace(_layout(), dtype="torch.int8"))
     with pytest.raises(ConfigError, match="compression"):
         BlockCodec("zip", _layout())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "torch.bfloat16", "float16", "torch.float16"])
+def test_lossless_splits_planes_whatever_the_dtype_spelling(dtype: str) -> None:
+    # vLLM's layouts name the dtype without "torch." ("bfloat16"): its blocks were compressed
+    # as bytes of width 1 (no byte planes: a ratio of about 1.3 instead of 1.5).
+    layout = _layout(dtype=dtype, block_bytes=1 << 14)
+    raw = memoryview(_kv(layout.block_bytes, torch.bfloat16))
+    frame = BlockCodec("lossless", layout).encode(raw)
+    assert frame is not None and unpack_frame_header(frame)[1] == 2  # the element width
+    out = bytearray(layout.block_bytes)
+    BlockCodec("lossless", layout).decode(memoryview(frame), memoryview(out))
+    assert out == raw
+
+def test_fp8_needs_whole_head_vectors() -> None:
+    # vLLM's layouts carry no head size (head_dim 0): fp8 cannot group a block into head
+    # vectors, so it is refused at start rather than failing (and logging) on every store.
+    for layout in (_layout(head_dim=0), _layout(block_bytes=4096 + 2, head_dim=16)):
+        with pytest.raises(ConfigError, match="head"):
+            BlockCodec("fp8", layout, "kv_disk_compression")
+    assert BlockCodec("lossless", _layout(head_dim=0)).encodes  # exact codecs need no head size
 
 
 def test_auto_encodes_a_sample_then_follows_the_measured_figures() -> None:

@@ -297,6 +297,7 @@ def test_events_disabled_keeps_no_tier_events(tmp_path: Path) -> None:
         ({"size_gib": 1e-9}, "secondary_tiers.size_gib"),
         ({"colour": "red"}, "secondary_tiers.colour"),
         ({"compression": "gzip"}, "secondary_tiers.compression"),
+        ({"compression": "fp8"}, "secondary_tiers.compression"),  # no head size in vLLM's layout
     ],
 )
 def test_bad_tier_options_are_config_errors(

@@ -18,16 +18,20 @@ import torch
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["SamplingParams", "make_generator", "sample"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "make_generator", "sample"]
 
 _MAX_SEED = 2**64 - 1
+#: A temperature below this is greedy, as vLLM's ``_SAMPLING_EPS``.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request generates.
 
-    ``temperature == 0`` is greedy (argmax; ``top_p``, ``top_k`` and ``seed`` are then unused).
+    ``temperature`` below :data:`GREEDY_BELOW` (vLLM's ``_SAMPLING_EPS``; 0 included) is greedy
+    (argmax; ``top_p``, ``top_k`` and ``seed`` are then unused): dividing the logits by a tinier
+    one overflows float32.
     ``top_k == 0`` and ``top_p == 1`` disable those filters. Generation stops after ``max_tokens``
     tokens, at EOS unless ``ignore_eos``, or at any of ``stop_token_ids`` (the stop token is
     part of the output). ``logprobs``: return, per generated token, the log-probabilities of
@@ -112,7 +116,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:

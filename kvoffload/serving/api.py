@@ -278,7 +278,10 @@ def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> tuple[tup
     vocab = ctx.loop.engine.model_config.vocab_size
     out = []
     for key, value in bias.items():
-        token = int(key) if key.strip().isdigit() else -1
+        digits = key.strip()
+        # ASCII decimal only (str.isdigit() also passes "\u00b2", which int() rejects) and short
+        # enough for int() (its digit limit): anything else is not a token id.
+        token = int(digits) if digits.isascii() and digits.isdigit() and len(digits) < 20 else -1
         if not 0 <= token < vocab:
             raise APIError(f"logit_bias keys must be token ids in [0, {vocab}), got {key[:40]!r}",
                            "logit_bias")

@@ -6,7 +6,9 @@ field of the wrong type or out of range fails validation, which the server answe
 honoured or, when set to anything but its neutral value, refused with a 400 naming it
 (:data:`REFUSED`; docs/serving.md has the table). Fields neither defines are ignored, as OpenAI
 and vLLM do (their names are logged). Client-sized inputs are bounded: ``n`` <= :data:`MAX_N`,
-``logit_bias`` <= :data:`MAX_LOGIT_BIAS` entries (the server bounds the prompts and choices).
+``logit_bias`` <= :data:`MAX_LOGIT_BIAS` entries, ``stop`` <= :data:`MAX_STOP` strings,
+``stop_token_ids`` <= :data:`MAX_STOP_TOKEN_IDS` ids (the engine and the text assembler scan
+them every step; the server bounds the prompts and choices).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 __all__ = [
     "MAX_LOGIT_BIAS",
     "MAX_N",
+    "MAX_STOP",
+    "MAX_STOP_TOKEN_IDS",
     "REFUSED",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -30,6 +34,10 @@ __all__ = [
 MAX_N = 16
 #: The most tokens one ``logit_bias`` may name.
 MAX_LOGIT_BIAS = 1024
+#: The most stop strings one request may give.
+MAX_STOP = 64
+#: The most stop token ids one request may give.
+MAX_STOP_TOKEN_IDS = 1024
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -55,8 +63,8 @@ class _SamplingFields(BaseModel):
     min_p: Annotated[Number, Field(ge=0, le=1)] = 0.0
     seed: Annotated[StrictInt, Field(ge=0, lt=2**64)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: TokenIds | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: StrictBool = False
     ignore_eos: StrictBool = False
     stream: StrictBool = False

@@ -46,6 +46,13 @@ AUTO_SAMPLE_EVERY = 32
 _WIDTHS = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8}
 
 
+def _element_width(dtype: str) -> int:
+    """Bytes per KV element of ``dtype`` (``str(torch dtype)``, or vLLM's spelling without
+    ``torch.``); 1 (no byte planes) for a dtype not known here."""
+    dtype = str(dtype)
+    return _WIDTHS.get(dtype if dtype.startswith("torch.") else f"torch.{dtype}", 1)
+
+
 def check_compression(field: str, value: object) -> str:
     """``value`` if it is one of :data:`COMPRESSION_CHOICES`, else :class:`ConfigError`."""
     if not isinstance(value, str) or value not in COMPRESSION_CHOICES:
@@ -110,10 +117,18 @@ class BlockCodec:
         check_compression(field, mode)
         if mode == "fp8" and layout.dtype not in FP8_DTYPES:
             raise ConfigError(field, f"fp8 encodes {sorted(FP8_DTYPES)} KV, not {layout.dtype}")
+        vector = layout.head_dim * _element_width(layout.dtype)
+        if mode == "fp8" and (layout.head_dim <= 0 or layout.block_bytes % vector):
+            raise ConfigError(
+                field,
+                f"fp8 scales each head vector: it needs blocks of whole head vectors, not "
+                f"{layout.block_bytes} bytes with head_dim {layout.head_dim} (vLLM's layouts "
+                "carry no head size)",
+            )
         self.mode = mode
         self.lossy = mode == "fp8"
         self.layout = layout
-        self._width = _WIDTHS.get(layout.dtype, 1)
+        self._width = _element_width(layout.dtype)
         self.stats = CodecStats()
         self._auto = _AutoChoice(self.stats, layout.block_bytes)
 
