@@ -86,6 +86,7 @@ def build_offload_stack(
         config.block_size_factor,
         store_policy=config.store_policy,
         max_lookup_retry_s=config.kv_lookup_retry_s,
+        load_policy=config.load_policy,
     )
     describer = OffloadEventDescriber(config.events.int_block_hashes) if enable_events else None
     connector = OffloadingConnectorScheduler(sched_config, manager, describer)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.manager_contract import ReqContext
+from kvoffload.scheduler.costs import check_load_policy
 from kvoffload.validation import accepts_renamed
 
 __all__ = [
@@ -103,8 +104,12 @@ class SchedulerOffloadConfig:
     #: alone would give up after one step on a slow engine; asks alone, at once on an idle one).
     max_lookup_retry_s: float = 2.0
     min_lookup_retries: int = 4
+    #: Which hits are loaded (:data:`~kvoffload.scheduler.costs.LOAD_POLICIES`): ``auto`` the
+    #: prefix that is cheaper to load than to compute, ``always`` all, ``never`` none.
+    load_policy: str = "auto"
 
     def __post_init__(self) -> None:
+        check_load_policy(self.load_policy)
         if not self.max_lookup_retry_s >= 0:
             raise ConfigError(
                 "max_lookup_retry_s", f"must be >= 0, got {self.max_lookup_retry_s!r}"
@@ -146,6 +151,7 @@ class SchedulerOffloadConfig:
         num_workers: int = 1,
         store_policy: str = "on_compute",
         max_lookup_retry_s: float = 2.0,
+        load_policy: str = "auto",
     ) -> SchedulerOffloadConfig:
         """One full-attention group, hashed at the engine block size (the reference engine's case)."""
         return cls(
@@ -154,6 +160,7 @@ class SchedulerOffloadConfig:
             num_workers,
             store_policy,
             max_lookup_retry_s,
+            load_policy=load_policy,
         )
 
 
