@@ -22,7 +22,7 @@ CONVERSATION_TRACE = (
 
 COMMON = [
     "bench", "throughput", "--model", "tiny", "--block-size", "4", "--max-num-seqs", "4",
-    "--kv-offloading-size", "0.001", "--no-progress",
+    "--kv-offloading-size", "0.001", "--load-policy", "always", "--no-progress",
 ]  # fmt: skip
 THROUGHPUT = re.compile(
     r"^Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, [\d.]+ output tokens/s$", re.M

@@ -233,16 +233,26 @@ class LoadCosts:
         )
 
     def snapshot(self, block_tokens: int) -> dict[str, float]:
-        """The estimates as stats: ``cost_token_s``, ``cost_step_s``, ``cost_load_host_s`` (per
-        key) and ``cost_promotion_<tier>_s`` (per key)."""
-        out = {
-            "cost_token_s": self.token_s,
-            "cost_step_s": self.step_s,
-            "cost_load_host_s": self.host_block_s(block_tokens),
-        }
+        """The estimates as stats (gauges): ``cost_token_s`` (computing one token),
+        ``cost_step_s`` (one step) and ``cost_load_<tier>_s`` (loading one key from ``tier``
+        into the device: a secondary tier's promotion plus the host load)."""
+        host = self.host_block_s(block_tokens)
+        out = {"cost_token_s": self.token_s, "cost_step_s": self.step_s, "cost_load_host_s": host}
         for tier in self.tiers:
-            out[f"cost_promotion_{tier}_s"] = self.promotion_block_s(tier, block_tokens)
+            out[f"cost_load_{tier}_s"] = self.promotion_block_s(tier, block_tokens) + host
         return out
+
+    def measured(self) -> dict[str, bool]:
+        """Which estimates are measured rather than priors: ``compute``, ``host`` and each tier."""
+        out = {"compute": self.compute.fit()[1] > 0, "host": self._host.estimate is not None}
+        for tier, per_block in self._promotions.items():
+            out[tier] = per_block.estimate is not None
+        return out
+
+    def pin(self, values: Mapping[str, float] | None) -> None:
+        """Fix the estimates to ``values`` (the constructor's ``pinned``), or measure again
+        (``None``)."""
+        self._pinned = dict(values) if values is not None else None
 
 
 class PayingPrefix:
@@ -250,8 +260,7 @@ class PayingPrefix:
 
     Feed each block of the hit in order (:meth:`host` or :meth:`promoted`); :attr:`best` is then
     the number of leading blocks worth loading and :attr:`best_promoted` how many of those were
-    promoted blocks. :meth:`may_pay_more` says whether a longer prefix can still pay more (an
-    incremental caller that cannot look ahead stops where it cannot)."""
+    promoted blocks."""
 
     __slots__ = (
         "best",
@@ -296,7 +305,3 @@ class PayingPrefix:
         gain = self.blocks * self.compute_block_s - load
         if gain > self.best_gain:
             self.best, self.best_gain, self.best_promoted = self.blocks, gain, self.promoted
-
-    def pays(self, block_s: float) -> bool:
-        """Whether a block costing ``block_s`` to load is cheaper than computing it."""
-        return block_s < self.compute_block_s
