@@ -290,14 +290,18 @@ def test_load_costs_priors_then_measurements() -> None:
     assert costs.step_s == 0.0
     assert math.isclose(costs.host_block_s(block), PRIOR_LOAD_FRACTION["host"] * PRIOR_TOKEN_S * block)
     for tokens in (10, 100, 1000):
-        costs.observe_step(tokens, 0.01 + tokens * 1e-4, 0.02 + tokens * 1e-4)
+        costs.observe_step(tokens, 0.01 + tokens * 1e-4)
     assert math.isclose(costs.token_s, 1e-4, rel_tol=1e-6)
+    assert math.isclose(costs.step_s, 0.01, rel_tol=1e-6)
     costs.observe_load(0.002, 4)
-    costs.observe_promotion("disk", 0.03, 6)
+    costs.fold_promotions({"host": {}, "disk": {"promotion_us": 10_000, "promotion_blocks": 2}})
+    costs.fold_promotions({"disk": {"promotion_us": 40_000, "promotion_blocks": 8}})  # +30 ms, +6
     costs.observe_promotion("elsewhere", 1.0, 1)  # a tier it does not know: ignored
     assert costs.measured() == {"compute": True, "host": True, "disk": True}
     assert math.isclose(costs.host_block_s(block), 5e-4)
-    assert math.isclose(costs.promoted_block_s(block), 5e-3 + 5e-4)
+    disk = PerBlock(costs.alpha)
+    disk.add(0.01, 2)
+    assert math.isclose(costs.promoted_block_s(block), disk.add(0.03, 6) + 5e-4)
     costs.pin({"token_s": 1.0})
     assert costs.token_s == 1.0
     assert math.isclose(costs.host_block_s(block), 5e-4)  # not pinned: still measured

@@ -303,15 +303,13 @@ class Engine:
             meta = connector.build_connector_meta(plan.connector_output)
             worker.handle_preemptions(meta.jobs_to_flush)
             worker.start_load_kv(meta)
-        forward_start = time.perf_counter()
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else {}
-        forward_s = time.perf_counter() - forward_start
         if worker is not None:
             worker.wait_for_save()
         now = time.perf_counter()
         if connector is not None and plan.scheduled:
-            # What recomputing costs, for the load decision (load_policy "auto").
-            connector.costs.observe_step(plan.num_tokens, forward_s, now - started)
+            # What computing costs, for the load decision (load_policy "auto").
+            connector.costs.observe_step(plan.num_tokens, now - started)
         for req, n in plan.scheduled:
             req.num_computed_tokens += n
             new_cached = self.scheduler.cache_computed_blocks(req)

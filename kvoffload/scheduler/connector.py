@@ -135,7 +135,6 @@ class OffloadingConnectorScheduler:
         if costs is None:
             costs = LoadCosts(name for name in manager.tier_stats() if name != "host")
         self.costs = costs
-        self._promotion_totals: dict[str, tuple[float, float]] = {}
         self._steps_to_poll = 0
         self._hits = HitSearch(config, manager, costs)
         self._loads = LoadPlanner(
@@ -347,21 +346,12 @@ class OffloadingConnectorScheduler:
 
     def _poll_promotion_costs(self) -> None:
         """Every :data:`PROMOTION_POLL_STEPS` steps, fold each secondary tier's promotions since
-        the last poll (seconds and blocks) into the cost estimates."""
+        the last poll into the cost estimates."""
         if self._steps_to_poll > 0:
             self._steps_to_poll -= 1
             return
         self._steps_to_poll = PROMOTION_POLL_STEPS - 1
-        totals = self._promotion_totals
-        for tier, s in self.manager.tier_stats().items():
-            blocks = s.get("promotion_blocks")
-            if blocks is None:
-                continue
-            seconds = s.get("promotion_us", 0) / 1e6
-            last_s, last_blocks = totals.get(tier, (0.0, 0.0))
-            if blocks > last_blocks:
-                self.costs.observe_promotion(tier, seconds - last_s, blocks - last_blocks)
-            totals[tier] = (seconds, float(blocks))
+        self.costs.fold_promotions(self.manager.tier_stats())
 
     def _complete(self, job: PlannedJob, update: ConnectorUpdate) -> None:
         """Every worker reported ``job``: tell the manager, then its request."""

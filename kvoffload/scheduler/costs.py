@@ -14,8 +14,10 @@ A hit is worth loading only if loading it is faster than computing it. The estim
 * **Computing** (seconds per token, at the current batch size): the engine's forward steps,
   fitted as ``seconds ~ base + tokens x per_token`` (:class:`StepCostModel`, the fit ``kvoffload
   serve`` exports); a token recomputed in this step adds ``per_token`` (the fit's slope) to it.
-* **One step** (what an asynchronous load costs its request at least: it is loaded during a step
-  and computes from the next): an exponentially weighted mean of the engine's step durations.
+* **One step** (what an asynchronous load costs at least: its request is loaded during a step
+  and computes from the next, so it needs one step more): the fit's base, the fixed cost of a
+  step beyond the tokens computed in it (the rest of a step is other requests' tokens, computed
+  either way; a saturated engine fills the step the request leaves).
 
 Priors until measured: :data:`PRIOR_TOKEN_S` per token, a host load of
 :data:`PRIOR_LOAD_FRACTION` of computing the block, a promotion of that fraction per tier, and
@@ -147,7 +149,7 @@ class LoadCosts:
         self._host = PerBlock(alpha)
         self._promotions = {tier: PerBlock(alpha) for tier in self.tiers}
         self.compute = StepCostModel()
-        self._step_s: float | None = None
+        self._promotion_totals: dict[str, tuple[float, float]] = {}
         self._pinned = dict(pinned) if pinned is not None else None
 
     # ------------------------------------------------------------------ observations
@@ -163,13 +165,25 @@ class LoadCosts:
         if per_block is not None and blocks > 0:
             per_block.add(seconds, blocks)
 
-    def observe_step(self, tokens: int, forward_s: float, step_s: float) -> None:
-        """An engine step computed ``tokens`` in ``forward_s`` and took ``step_s`` in all."""
-        if tokens <= 0:
-            return
-        self.compute.observe(tokens, forward_s)
-        old = self._step_s
-        self._step_s = step_s if old is None else old + self.alpha * (step_s - old)
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """An engine step computed ``tokens`` (0: only decodes, or nothing it could count) in
+        ``seconds``, scheduling included."""
+        self.compute.observe(tokens, seconds)
+
+    def fold_promotions(self, tier_stats: Mapping[str, Mapping[str, float]]) -> None:
+        """Fold in each secondary tier's promotions since the last call, from its running
+        totals (``promotion_us``, ``promotion_blocks``:
+        :meth:`~kvoffload.manager_contract.OffloadingManager.tier_stats`)."""
+        totals = self._promotion_totals
+        for tier, stats in tier_stats.items():
+            blocks = stats.get("promotion_blocks")
+            if blocks is None:
+                continue
+            seconds = stats.get("promotion_us", 0) / 1e6
+            last_s, last_blocks = totals.get(tier, (0.0, 0.0))
+            if blocks > last_blocks:
+                self.observe_promotion(tier, seconds - last_s, blocks - last_blocks)
+            totals[tier] = (seconds, float(blocks))
 
     # ------------------------------------------------------------------ estimates
 
@@ -183,10 +197,11 @@ class LoadCosts:
 
     @property
     def step_s(self) -> float:
-        """Seconds of one engine step: the least an asynchronous load delays its request."""
+        """What one more engine step costs: its fixed part (the fit's base; the rest of a step
+        is the tokens computed in it, which are computed either way)."""
         if self._pinned is not None:
             return self._pinned.get("step_s", 0.0)
-        return self._step_s or 0.0
+        return self.compute.fit()[0]
 
     def host_block_s(self, block_tokens: int) -> float:
         """Seconds to load one key host -> device (``block_tokens`` prices the prior)."""
