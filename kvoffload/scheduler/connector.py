@@ -23,6 +23,10 @@ Design choices where vLLM has known problems:
   the engine asks again next step, until ``max_lookup_retry_s`` and
   ``min_lookup_retries`` asks have both passed for the request; then it takes the prefix it has
   (``retry_timeouts``).
+* **Only loads that pay** (``load_policy``, :mod:`~kvoffload.scheduler.costs`): under ``auto``
+  the answer is the prefix of the hit whose load is cheaper than computing it, by measured costs
+  (the decision is folded into the lookup loop, :class:`~kvoffload.scheduler.lookup.HitSearch`);
+  a request whose paying prefix is ready does not wait for promotions behind it.
 * **Failures degrade** (vLLM #52838). A failed load is reported in ``ConnectorUpdate.failed_loads``
   and the engine recomputes; a failed store frees what it prepared. Nothing asserts on a result.
 * **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
