@@ -279,6 +279,9 @@ def test_auto_answers_miss_for_a_hit_too_short_to_pay(auto_harness: ConnectorHar
     assert hit == 4 * BLOCK_TOKENS and h.loaded_blocks == 4
     for j, block_kv in enumerate(kv[:4]):
         assert block_kv == kv_of(base[: (j + 1) * BLOCK_TOKENS]).tobytes()
+    # The scheduler's own steps were timed against the blocks they offered to store.
+    assert h.manager.costs.measured()["compute"]
+    assert h.manager.load_stats()["cost_token_s"] == STEP_50MS["token_s"]  # pinned, reported
 
 
 def test_auto_recomputes_a_hit_slower_to_load_than_to_compute(
