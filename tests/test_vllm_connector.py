@@ -94,7 +94,7 @@ class ConnectorHarness:
             device_config=DeviceConfig(device="cpu"),
             kv_transfer_config=transfer,
         )
-        vllm_config.model_config = SimpleNamespace(  # the fields the connector reads
+        vllm_config.model_config = SimpleNamespace(  # type: ignore[assignment]  # the fields it reads
             model="kvo-test-model",
             dtype=torch.float16,
             max_model_len=4096,
