@@ -350,3 +350,25 @@ def test_paying_prefix_is_the_best_leading_prefix(
     want_gain = want * compute - max(sum(costs[:want]), step) if want else 0.0
     assert math.isclose(got_gain, want_gain, rel_tol=1e-9, abs_tol=1e-9)
     assert pay.best_promoted == sum(kinds[: pay.best])
+
+
+def test_one_more_step_is_charged_only_while_nothing_waits() -> None:
+    costs = LoadCosts()
+    for tokens in (10, 100, 1000):
+        costs.observe_step(tokens, 0.05 + tokens * 1e-4)
+    assert math.isclose(costs.step_s, 0.05, rel_tol=1e-6)
+    assert costs.decision(4).compute_block_s < costs.step_s  # a one-block hit: computed
+    costs.step_charged = False  # requests wait: they take the step a loading request leaves
+    assert costs.step_s == 0.0
+    pay = costs.decision(4)
+    pay.host()
+    assert pay.best == 1
+    rng = random.Random(9)
+    with _host_engine("auto") as engine:  # max_num_seqs 1: the second request waits
+        engine.add_request(_prompt(rng), greedy(max_tokens=3))
+        engine.add_request(_prompt(rng), greedy(max_tokens=3))
+        engine.step()
+        assert engine.connector.costs.step_charged is False  # type: ignore[union-attr]
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.connector.costs.step_charged is True  # type: ignore[union-attr]

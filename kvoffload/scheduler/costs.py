@@ -17,7 +17,8 @@ A hit is worth loading only if loading it is faster than computing it. The estim
 * **One step** (what an asynchronous load costs at least: its request is loaded during a step
   and computes from the next, so it needs one step more): the fit's base, the fixed cost of a
   step beyond the tokens computed in it (the rest of a step is other requests' tokens, computed
-  either way; a saturated engine fills the step the request leaves).
+  either way). Charged only while no other request waits (:attr:`LoadCosts.step_charged`): a
+  saturated engine fills the step a loading request leaves, so its load costs no throughput.
 
 Priors until measured: :data:`PRIOR_TOKEN_S` per token, a host load of
 :data:`PRIOR_LOAD_FRACTION` of computing the block, a promotion of that fraction per tier, and
@@ -149,6 +150,9 @@ class LoadCosts:
         self._host = PerBlock(alpha)
         self._promotions = {tier: PerBlock(alpha) for tier in self.tiers}
         self.compute = StepCostModel()
+        #: Whether one more step costs its base: not while other requests wait for the room
+        #: (they fill the step a loading request leaves); the engine updates it every step.
+        self.step_charged = True
         self._promotion_totals: dict[str, tuple[float, float]] = {}
         self._pinned = dict(pinned) if pinned is not None else None
 
@@ -201,7 +205,7 @@ class LoadCosts:
         is the tokens computed in it, which are computed either way)."""
         if self._pinned is not None:
             return self._pinned.get("step_s", 0.0)
-        return self.compute.fit()[0]
+        return self.compute.fit()[0] if self.step_charged else 0.0
 
     def host_block_s(self, block_tokens: int) -> float:
         """Seconds to load one key host -> device (``block_tokens`` prices the prior)."""

@@ -22,7 +22,9 @@ policy, our tiering manager with our tiers, our reuse filter) and translates per
   (:class:`~kvoffload.scheduler.costs.LoadCosts`), measured in this process: computing, from
   the scheduler's own steps (``on_schedule_end`` to ``on_schedule_end`` while busy) against the
   tokens of the blocks offered to ``prepare_store`` in them (each computed full block is offered
-  once; decode tokens, in no full block, fall into the fit's fixed part); promotions, from the
+  once; decode tokens, in no full block, fall into the fit's fixed part; one more step is not
+  charged: vLLM's waiting queue is out of sight, and a loading request's step goes to the
+  requests behind it); promotions, from the
   tiers' promotion times (``tier_stats``, every 16 steps). The host -> device load is vLLM's
   worker's copy, timed in the worker process only: it is priced at its prior, a fraction
   (``PRIOR_LOAD_FRACTION["host"]``) of computing the block;
@@ -113,6 +115,9 @@ class KVOffloadManager(OffloadingManager):
         self.load_policy = check_load_policy(load_policy, "kvoffload_load_policy")
         if costs is None:
             costs = LoadCosts(name for name in manager.tier_stats() if name != "host")
+            # vLLM's waiting queue is out of our sight: take it as full (a loading request's
+            # step goes to the others), so one more step is not charged.
+            costs.step_charged = False
         self.costs = costs
         self.block_tokens = block_tokens
         self._chooser = LoadChooser(costs, block_tokens)
