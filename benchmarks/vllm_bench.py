@@ -45,6 +45,9 @@ from kvoffload.integrations.vllm.tiny_model import SIZES, write_tiny_llama
 BLOCK = 128  # tokens per block of vLLM's CPU backend
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm.spec"}
 CONFIGS = ("none", "host", "host-small", "host-small+disk", "vllm-tiering+disk")
+#: Not run by default: ``host`` loading every hit (``kvoffload_load_policy`` ``always``, the
+#: behaviour before the load policy), against ``host`` under ``--load-policy``.
+EXTRA_CONFIGS = ("host-always",)
 VLLM_TIERING = {
     "spec_name": "CPUTieringOffloadingSpec",
     "spec_module_path": "kvoffload.integrations.vllm.cpu_tiering",
@@ -60,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-to-device", type=float, default=4.0, help="prefixes / device cache")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--load-policy", choices=("auto", "always", "never"), default="auto",
+                   help="kvoffload_load_policy of our spec's configs")  # fmt: skip
     p.add_argument("--model-size", choices=sorted(SIZES), default="wide")
     p.add_argument("--vllm", default=str(Path(sys.executable).with_name("vllm")))
     p.add_argument("--json", type=Path, help="write every run's figures here")
@@ -79,7 +84,9 @@ def transfer_config(name: str, args: argparse.Namespace, tmp: Path) -> dict[str,
     if name == "none":
         return None
     prefix_total = args.num_prefixes * prefix_blocks(args)
-    host_blocks = 2 * prefix_total if name == "host" else max(1, prefix_total // 4)
+    host_blocks = 2 * prefix_total if name.startswith("host-always") or name == "host" else max(
+        1, prefix_total // 4
+    )
     extra: dict[str, Any] = {"cpu_bytes_to_use": host_blocks * block_bytes(args)}
     disk = str(Path(tempfile.mkdtemp(prefix="disk-", dir=tmp)))
     if name == "vllm-tiering+disk":
@@ -88,6 +95,7 @@ def transfer_config(name: str, args: argparse.Namespace, tmp: Path) -> dict[str,
             "path": disk, "size_gib": 1}])  # fmt: skip
     else:
         extra.update(SPEC, kvoffload_stats_file=str(tmp / f"stats-{time.monotonic_ns()}.json"))
+        extra["kvoffload_load_policy"] = "always" if name == "host-always" else args.load_policy
         if name.endswith("+disk"):
             extra["kvoffload_tiers"] = [{"kind": "disk", "path": disk, "size_gib": 1}]
     return {
@@ -216,7 +224,8 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
         loads = [r["load1"] for r in by[c]]
         print(f"  {c:16s} tokens/s {spread(tps):28s} load1 {spread(loads)}")
     pairs = [("host", "none"), ("host-small", "none"), ("host-small+disk", "host-small"),
-             ("vllm-tiering+disk", "host-small"), ("host-small+disk", "vllm-tiering+disk")]
+             ("vllm-tiering+disk", "host-small"), ("host-small+disk", "vllm-tiering+disk"),
+             ("host-always", "none"), ("host", "host-always")]
     for a, b in pairs:
         if a in by and b in by:
             ratios = [
@@ -239,7 +248,9 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
               f"compute step p50 {spread(step)} ms; promotion {promo:.1f} ms mean over "
               f"{jobs} jobs; room waits {sum(s.get('room_waits', 0) for s in st)}; budget "
               f"misses {sum(s.get('retry_budget_misses', 0) for s in st)}; loaded blocks "
-              f"{sum(s.get('loaded_blocks', 0) for s in st)}; events "
+              f"{sum(s.get('loaded_blocks', 0) for s in st)}; recomputed by choice "
+              f"{sum(v for s in st for k, v in s.items() if k.startswith('recomputed_by_'))} "
+              f"tokens; events "
               f"{sum(r['event_batches'] for r in by[c])} batches, "
               f"{sum(r['event_decode_errors'] for r in by[c])} undecodable")  # fmt: skip
     for c in configs:
@@ -253,9 +264,9 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
 def main() -> None:
     args = parse_args()
     configs = [c for c in args.configs.split(",") if c]
-    unknown = set(configs) - set(CONFIGS)
+    unknown = set(configs) - set(CONFIGS) - set(EXTRA_CONFIGS)
     if unknown:
-        raise SystemExit(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
+        raise SystemExit(f"unknown configs {sorted(unknown)}; choose from {CONFIGS + EXTRA_CONFIGS}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvo-bench-vllm-") as tmp_name:

@@ -44,8 +44,14 @@ def host_gib(num_blocks: int, block_size: int = BLOCK_SIZE, factor: int = 1) -> 
 
 
 def tiny_engine(**kwargs: Any) -> Engine:
-    """A ``tiny`` engine with :data:`BLOCK_SIZE`-token blocks; ``kwargs`` override anything."""
-    options: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_device_blocks": 512}
+    """A ``tiny`` engine with :data:`BLOCK_SIZE`-token blocks; ``kwargs`` override anything.
+    Offloading engines load every hit (``load_policy="always"``: the tests of load mechanics
+    need their loads whatever the measured costs say; ``test_load_policy.py`` tests ``auto``)."""
+    options: dict[str, Any] = {
+        "block_size": BLOCK_SIZE,
+        "num_device_blocks": 512,
+        "load_policy": "always",
+    }
     options.update(kwargs)
     return Engine("tiny", **options)
 

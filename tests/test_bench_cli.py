@@ -24,6 +24,8 @@ COMMON = [
     "bench", "throughput", "--model", "tiny", "--block-size", "4", "--max-num-seqs", "4",
     "--kv-offloading-size", "0.001", "--no-progress",
 ]  # fmt: skip
+#: The tests of what loads bring load every hit (the tiny model computes faster than a step).
+LOAD_ALL = ["--load-policy", "always"]
 THROUGHPUT = re.compile(
     r"^Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, [\d.]+ output tokens/s$", re.M
 )
@@ -80,7 +82,7 @@ def test_compare_on_every_dataset(
         pytest.skip(f"{CONVERSATION_TRACE} is not here")
     args, num_requests = _dataset_args(dataset, tmp_path)
     out_json = tmp_path / "out.json"
-    assert main([*COMMON, *args, "--compare", "--output-json", str(out_json)]) == 0
+    assert main([*COMMON, *LOAD_ALL, *args, "--compare", "--output-json", str(out_json)]) == 0
     stdout, stderr = capsys.readouterr()
     assert "Traceback" not in stderr
     assert [f"== {label} ==" for label in LABELS] == re.findall(
@@ -505,7 +507,7 @@ def test_two_instances_share_prefixes_through_redis(
     Generous lookup waits, so the hits do not depend on how fast the server answers."""
     args, num_requests = _dataset_args("prefix_repetition", tmp_path)
     out_json = tmp_path / "out.json"
-    argv = [*COMMON, *args, "--instances", "2", "--repeats", "2", "--output-json", str(out_json),
+    argv = [*COMMON, *LOAD_ALL, *args, "--instances", "2", "--repeats", "2", "--output-json", str(out_json),
             "--kv-remote-lookup-wait-s", "60", "--kv-lookup-retry-s", "60"]  # fmt: skip
     assert main(argv) == 0
     stdout, stderr = capsys.readouterr()

@@ -54,6 +54,7 @@ def test_continuation_from_offloaded_kv_matches_transformers(checkpoint: tuple[A
             block_size=BLOCK_SIZE,
             num_device_blocks=12,
             kv_offloading_size=64 * HF_BLOCK_BYTES / 2**30,
+            load_policy="always",
         )
     with engine:
         assert (

@@ -89,7 +89,9 @@ def run(model: str, tier: dict[str, Any] | None, cwd: Path | None = None, **extr
     Redis engines run in a fresh process; the others here."""
     engine: dict[str, Any] = {"block_size": 4, "num_device_blocks": 64, **extra}
     if tier is not None:
-        engine.update(kv_offloading_size=0.01, kv_lookup_retry_s=GENEROUS_WAIT_S, **tier)
+        engine.update(
+            kv_offloading_size=0.01, kv_lookup_retry_s=GENEROUS_WAIT_S, load_policy="always", **tier
+        )
     spec = {"model": model, "engine": engine, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
     if tier is None or "kv_disk_path" in tier:
         with warnings.catch_warnings():
@@ -191,7 +193,7 @@ def test_blocks_of_the_old_format_are_never_served(
 def run_here_for(tier: dict[str, Any], request: pytest.FixtureRequest) -> dict:
     """An engine of the tiny preset in this process (so that the old release can be patched in)."""
     engine = {"block_size": 4, "num_device_blocks": 64, "kv_offloading_size": 0.01}
-    engine.update(kv_lookup_retry_s=GENEROUS_WAIT_S, **tier)
+    engine.update(kv_lookup_retry_s=GENEROUS_WAIT_S, load_policy="always", **tier)
     return run_here({"model": "tiny", "engine": engine, "prompts": PROMPTS, "max_tokens": 3})
 
 

@@ -51,6 +51,7 @@ def engine_settings(url: str, **extra: Any) -> dict[str, Any]:
         "kv_remote_url": url,
         "kv_remote_lookup_wait_s": GENEROUS_WAIT_S,
         "kv_lookup_retry_s": GENEROUS_WAIT_S,
+        "load_policy": "always",  # these tests are about what the tier serves
         **extra,
     }
 

@@ -86,7 +86,7 @@ def _bench_serve(url: str, output: Path, *flags: str) -> None:
 
 def test_a_run_against_a_real_server(tmp_path) -> None:
     output = tmp_path / "result.json"
-    with serve("--kv-offloading-size", "0.01") as server:
+    with serve("--kv-offloading-size", "0.01", "--load-policy", "always") as server:
         sources = _sources(server.url)
         queries = metric(server.url, "kvoffload_prefix_cache_queries_total")
         _bench_serve(server.url, output, "--num-prompts", "8", "--prefix-repetition-prefix-len",
@@ -193,7 +193,7 @@ def _sources(url: str) -> dict[str, float]:
 
 def test_a_warmup_pass_is_sent_first_and_left_out_of_the_figures(tmp_path) -> None:
     output = tmp_path / "result.json"
-    with serve("--kv-offloading-size", "0.01") as server:
+    with serve("--kv-offloading-size", "0.01", "--load-policy", "always") as server:
         _bench_serve(server.url, output, "--num-prompts", "6", "--prefix-repetition-prefix-len",
                      "64", "--prefix-repetition-suffix-len", "8",
                      "--prefix-repetition-num-prefixes", "3", "--prefix-repetition-output-len",
@@ -213,7 +213,7 @@ def test_a_kept_alive_connection_closed_by_the_server_fails_no_request() -> None
     by the proxy) is no failed request: the request goes again on a new connection. Before,
     every request after the first failed with a disconnect."""
     requests = [BenchRequest(list(range(1, 40)), 3) for _ in range(4)]
-    with serve("--kv-offloading-size", "0.01", events=False) as server, \
+    with serve("--kv-offloading-size", "0.01", "--load-policy", "always", events=False) as server, \
             stale_keepalive(server) as proxy:
         results, _ = asyncio.run(run_requests(proxy.url, "tiny", requests, [0.0] * 4, 1))
     assert [r.error for r in results] == [""] * 4

@@ -94,7 +94,7 @@ class ConnectorHarness:
             device_config=DeviceConfig(device="cpu"),
             kv_transfer_config=transfer,
         )
-        vllm_config.model_config = SimpleNamespace(  # the fields the connector reads
+        vllm_config.model_config = SimpleNamespace(  # type: ignore[assignment]  # the fields it reads
             model="kvo-test-model",
             dtype=torch.float16,
             max_model_len=4096,
@@ -216,7 +216,15 @@ def kv_of(prefix: list[int]) -> np.ndarray:
 
 @pytest.fixture
 def harness() -> Iterator[ConnectorHarness]:
-    h = ConnectorHarness({"eviction_policy": "prefix"})
+    # Every hit loaded: these tests are about what a load brings (``auto``: at the end).
+    h = ConnectorHarness({"eviction_policy": "prefix", "kvoffload_load_policy": "always"})
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def auto_harness() -> Iterator[ConnectorHarness]:
+    h = ConnectorHarness({"eviction_policy": "prefix"}, num_cpu_chunks=32)
     yield h
     h.close()
 
@@ -245,3 +253,67 @@ def test_requests_under_pressure_never_load_wrong_kv(harness: ConnectorHarness) 
         for j, block_kv in enumerate(kv):  # every block, loaded or computed, is the right KV
             assert block_kv == kv_of(prompt[: (j + 1) * BLOCK_TOKENS]).tobytes(), (i, j)
     assert harness.loaded_blocks > 0
+
+
+# -- load_policy "auto": vLLM is answered MISS past the prefix that pays -------------------------
+
+#: Computing costs 1 ms a token (16 ms a block); loading nearly nothing; one more step 50 ms:
+#: a hit of 3 blocks (48 ms) is computed, one of 4 blocks (64 ms) is loaded.
+STEP_50MS = {"token_s": 1e-3, "step_s": 0.05, "host": 1e-7}
+
+
+def _prompt(seed: int, blocks: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 30_000, blocks * BLOCK_TOKENS)]
+
+
+def test_auto_answers_miss_for_a_hit_too_short_to_pay(auto_harness: ConnectorHarness) -> None:
+    h = auto_harness
+    h.manager.costs.pin(STEP_50MS)
+    base = _prompt(1, 6)
+    h.serve(base)
+    hit, kv = h.serve(base[: 3 * BLOCK_TOKENS] + _prompt(2, 2))  # 3 shared blocks: computed
+    assert hit == 0 and h.loaded_blocks == 0
+    assert h.manager.load_stats()["recomputed_by_choice_tokens_host"] == 3 * BLOCK_TOKENS
+    assert kv[0] == kv_of(base[:BLOCK_TOKENS]).tobytes()
+    hit, kv = h.serve(base[: 4 * BLOCK_TOKENS] + _prompt(3, 2))  # 4 shared blocks: loaded
+    assert hit == 4 * BLOCK_TOKENS and h.loaded_blocks == 4
+    for j, block_kv in enumerate(kv[:4]):
+        assert block_kv == kv_of(base[: (j + 1) * BLOCK_TOKENS]).tobytes()
+    # The scheduler's own steps were timed against the blocks they offered to store.
+    assert h.manager.costs.measured()["compute"]
+    assert h.manager.load_stats()["cost_token_s"] == STEP_50MS["token_s"]  # pinned, reported
+
+
+def test_auto_recomputes_a_hit_slower_to_load_than_to_compute(
+    auto_harness: ConnectorHarness,
+) -> None:
+    h = auto_harness
+    h.manager.costs.pin({"token_s": 1e-3, "step_s": 0.0, "host": 1.0})
+    base = _prompt(4, 5)
+    h.serve(base)
+    hit, _ = h.serve(base[: 4 * BLOCK_TOKENS] + _prompt(5, 1))
+    assert hit == 0 and h.loaded_blocks == 0
+    h.manager.costs.pin({"token_s": 1e-3, "step_s": 0.0, "host": 1e-7})
+    hit, _ = h.serve(base[: 4 * BLOCK_TOKENS] + _prompt(6, 1))
+    assert hit == 4 * BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("policy,want_hit", [("always", 3 * BLOCK_TOKENS), ("never", 0)])
+def test_always_and_never_ignore_the_costs(policy: str, want_hit: int) -> None:
+    h = ConnectorHarness({"eviction_policy": "prefix", "kvoffload_load_policy": policy})
+    try:
+        h.manager.costs.pin(STEP_50MS)  # auto would compute this 3-block hit
+        base = _prompt(7, 4)
+        h.serve(base)
+        hit, _ = h.serve(base[: 3 * BLOCK_TOKENS] + _prompt(8, 1))
+        assert hit == want_hit
+        assert h.manager.inner.stats()["stored_blocks"] > 0  # stores happen either way
+    finally:
+        h.close()
+
+
+def test_an_unknown_load_policy_is_a_config_error() -> None:
+    from kvoffload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kvoffload_load_policy"):
+        ConnectorHarness({"kvoffload_load_policy": "sometimes"})

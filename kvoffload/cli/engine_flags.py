@@ -43,6 +43,12 @@ def _store_policies() -> list[str]:
     return sorted(STORE_POLICIES)
 
 
+def _load_policies() -> tuple[str, ...]:
+    from kvoffload.scheduler.costs import LOAD_POLICIES
+
+    return LOAD_POLICIES
+
+
 def _cascade_modes() -> tuple[str, ...]:
     from kvoffload.managers.tiering import CASCADE_MODES
 
@@ -164,6 +170,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "eviction_policy", "the host tier's eviction policy", choices=_policies, needs=HOST
     ),
     _engine_flag("store_policy", "when blocks are stored", choices=_store_policies, needs=HOST),
+    _engine_flag(
+        "load_policy",
+        "which offloaded hits are loaded: auto (the prefix cheaper to load than to compute, by "
+        "measured costs), always, never (stores still happen)",
+        choices=_load_policies,
+        needs=HOST,
+    ),
     _engine_flag(
         "store_threshold",
         "store a block once this many requests wanted it (0 or 1 = always)",

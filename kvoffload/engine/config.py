@@ -19,6 +19,7 @@ from kvoffload.events import KVEventsConfig
 from kvoffload.eviction import available_eviction_policies
 from kvoffload.keys import HASH_SCHEMES
 from kvoffload.managers.tiering import CASCADE_MODES
+from kvoffload.scheduler.costs import LOAD_POLICIES
 from kvoffload.scheduler.policy import STORE_POLICIES
 from kvoffload.tiers.codec import check_compression
 from kvoffload.tiers.factory import validate_disk_settings, validate_remote_settings
@@ -75,7 +76,9 @@ class EngineConfig:
     ``kv_remote_compression`` (``none``, ``lossless``, ``auto``, ``fp8``) pick each tier's block
     codec (:mod:`kvoffload.tiers.codec`; ``fp8`` is lossy and opt-in). A request whose blocks
     are being promoted from a secondary tier waits for them up to ``kv_lookup_retry_s``
-    (and at least a few steps), then computes what it lacks. ``metrics_port`` serves
+    (and at least a few steps), then computes what it lacks. ``load_policy``: which offloaded
+    hits are loaded, ``auto`` (the prefix that is cheaper to load than to compute, by measured
+    costs: ``docs/scheduler.md``), ``always`` or ``never`` (stores still happen). ``metrics_port`` serves
     Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port) while
     the engine is open; ``log_stats_interval_s`` > 0 logs a stats line every that many seconds.
     """
@@ -98,6 +101,7 @@ class EngineConfig:
     eviction_policy: str = "adaptive"
     store_policy: str = "on_compute"
     store_threshold: int = 0
+    load_policy: str = "auto"
     kv_disk_path: str | None = None
     kv_disk_size: float = 0.0
     kv_disk_eviction_policy: str | None = None
@@ -153,6 +157,7 @@ class EngineConfig:
         check_choice("kv_offloading_backend", self.kv_offloading_backend, OFFLOADING_BACKENDS)
         check_choice("eviction_policy", self.eviction_policy, available_eviction_policies())
         check_choice("store_policy", self.store_policy, STORE_POLICIES)
+        check_choice("load_policy", self.load_policy, LOAD_POLICIES)
         check_int("store_threshold", self.store_threshold, 0)
         self._check_tiers()
         check_choice("hash_scheme", self.hash_scheme, HASH_SCHEMES)

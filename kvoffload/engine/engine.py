@@ -295,6 +295,7 @@ class Engine:
         return finished
 
     def _step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         worker, connector = self.worker, self.connector
         if worker is not None and connector is not None:
             results = worker.get_finished()
@@ -315,6 +316,12 @@ class Engine:
         if worker is not None:
             worker.wait_for_save()
         now = time.perf_counter()
+        if connector is not None:
+            # What computing costs, for the load decision (load_policy "auto"); a step that
+            # left requests waiting would give a loading request's room to them.
+            if plan.scheduled:
+                connector.costs.observe_step(plan.num_tokens, now - started)
+            connector.costs.step_charged = not self.scheduler.waiting
         for req, n in plan.scheduled:
             req.num_computed_tokens += n
             new_cached = self.scheduler.cache_computed_blocks(req)

@@ -98,6 +98,7 @@ def build_offload_stack(
             if config.kv_store_max_in_flight is None
             else config.kv_store_max_in_flight
         ),
+        load_policy=config.load_policy,
     )
     describer = OffloadEventDescriber(config.events.int_block_hashes) if enable_events else None
     connector = OffloadingConnectorScheduler(sched_config, manager, describer)

@@ -116,6 +116,8 @@ _TIER_COUNTERS = (
 )
 _FAILED_LOAD_CAUSE = "failed_load_"
 _FAILED_LOAD_TOKENS = "offload_failed_load_tokens_"
+_BY_CHOICE = "offload_recomputed_by_choice_tokens_"
+_COST_LOAD = "offload_cost_load_"
 #: Causes of TierJobResult.failed_keys that fail a load; exported at 0 until they happen.
 _LOAD_FAILURE_CAUSES = ("missing", "checksum", "layout", "corrupt", "io", "timeout")
 
@@ -192,6 +194,7 @@ class _StatsCollector(Collector):
             for tier in tiers or ("host",):
                 recomputed.add_metric([tier], stats.get(f"{_FAILED_LOAD_TOKENS}{tier}", 0))
             yield recomputed
+            yield from _load_decision_metrics(stats, tiers)
             if "offload_tier_promotion_jobs" in stats:
                 yield SummaryMetricFamily(
                     "kvoffload_tier_promotion_seconds",
@@ -341,6 +344,46 @@ def _store_bound_metrics(
             "kv_tier_write_min_reuse requests saw them.",
             stats["offload_tier_skipped_cascade_blocks"],
         )
+
+
+def _load_decision_metrics(
+    stats: Mapping[str, float], tiers: Mapping[str, Mapping[str, float]]
+) -> Iterable[Metric]:
+    """``load_policy``'s choices and the estimates behind them (:mod:`kvoffload.scheduler.costs`)."""
+    by_choice = CounterMetricFamily(
+        "kvoffload_offload_recomputed_by_choice_tokens",
+        "Hit tokens recomputed because loading them would have been slower (load_policy auto), "
+        "by the tier they would have come from.",
+        labels=["tier"],
+    )
+    seen = set(tiers or ("host",))
+    for tier in tiers or ("host",):
+        by_choice.add_metric([tier], stats.get(f"{_BY_CHOICE}{tier}", 0))
+    for key, value in stats.items():  # a tier the manager does not list (promoted: "secondary")
+        if key.startswith(_BY_CHOICE) and key[len(_BY_CHOICE) :] not in seen:
+            by_choice.add_metric([key[len(_BY_CHOICE) :]], value)
+    yield by_choice
+    yield _gauge(
+        "kvoffload_offload_cost_token_seconds",
+        "Estimated seconds to compute one more token in an engine step (measured; a prior until "
+        "then).",
+        stats.get("offload_cost_token_s", 0.0),
+    )
+    yield _gauge(
+        "kvoffload_offload_cost_step_seconds",
+        "Estimated seconds of one engine step: the least an asynchronous load delays its request.",
+        stats.get("offload_cost_step_s", 0.0),
+    )
+    load = GaugeMetricFamily(
+        "kvoffload_offload_cost_load_block_seconds",
+        "Estimated seconds to load one offloaded block (per KV-cache group) from the tier into "
+        "the device (a secondary tier: its promotion plus the host load).",
+        labels=["tier"],
+    )
+    for key, value in stats.items():
+        if key.startswith(_COST_LOAD) and key.endswith("_s"):
+            load.add_metric([key[len(_COST_LOAD) : -2]], value)
+    yield load
 
 
 def _promotion_metrics(tiers: Mapping[str, Mapping[str, float]]) -> Iterable[Metric]:

@@ -52,9 +52,13 @@ _GAUGE_SUFFIXES = (
 )
 
 
+#: The load decision's cost estimates (``offload_cost_*_s``: :mod:`kvoffload.scheduler.costs`).
+_GAUGE_PREFIXES = ("offload_cost_",)
+
+
 def is_gauge(key: str) -> bool:
     """Whether ``key`` of :meth:`Engine.stats` is a current value rather than a counter."""
-    return key in _GAUGE_KEYS or key.endswith(_GAUGE_SUFFIXES)
+    return key in _GAUGE_KEYS or key.endswith(_GAUGE_SUFFIXES) or key.startswith(_GAUGE_PREFIXES)
 
 
 def stats_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload.scheduler.costs import PRIOR_LOAD_FRACTION, PRIOR_TOKEN_S, PerBlock
+
 __all__ = ["PRIOR_LOAD_FRACTION", "PRIOR_TOKEN_S", "SECONDARY_TIERS", "BackendCosts", "PerBlock",
            "parse_metrics", "share_compute_cost"]
 
-PRIOR_TOKEN_S = 5e-4
-PRIOR_LOAD_FRACTION = {"host": 0.05, "disk": 0.3, "remote": 0.5}
 
 # Series read from a scrape, summed over labels unless keyed with a tier.
 _SERIES = {
@@ -81,23 +81,6 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
-
-
-@dataclass
-class PerBlock:
-    """Seconds per block over the intervals seen, each interval's seconds and blocks added to
-    sums that decay by ``1 - alpha`` per interval with blocks."""
-
-    alpha: float
-    seconds: float = 0.0
-    blocks: float = 0.0
-
-    def add(self, seconds: float, blocks: float) -> float:
-        """Fold in one interval (``blocks`` > 0); returns the estimate."""
-        keep = 1.0 - self.alpha
-        self.seconds = self.seconds * keep + max(seconds, 0.0)
-        self.blocks = self.blocks * keep + blocks
-        return self.seconds / self.blocks
 
 
 @dataclass

@@ -23,6 +23,10 @@ Design choices where vLLM has known problems:
   the engine asks again next step, until ``max_lookup_retry_s`` and
   ``min_lookup_retries`` asks have both passed for the request; then it takes the prefix it has
   (``retry_timeouts``).
+* **Only loads that pay** (``load_policy``, :mod:`~kvoffload.scheduler.costs`): under ``auto``
+  the answer is the prefix of the hit whose load is cheaper than computing it, by measured costs
+  (the decision is folded into the lookup loop, :class:`~kvoffload.scheduler.lookup.HitSearch`);
+  a request whose paying prefix is ready does not wait for promotions behind it.
 * **Failures degrade** (vLLM #52838). A failed load is reported in ``ConnectorUpdate.failed_loads``
   and the engine recomputes; a failed store frees what it prepared. Nothing asserts on a result.
 * **Blocks in use by a transfer are never reused**: ``request_finished`` asks the engine to keep
@@ -44,6 +48,7 @@ from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import BlockRemoved, BlockStored
 from kvoffload.keys import make_offload_key
 from kvoffload.manager_contract import OffloadingManager, ReqContext
+from kvoffload.scheduler.costs import LoadCosts
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.fence import ReuseFence
 from kvoffload.scheduler.interface import ConnectorUpdate, ScheduledRequest, SchedulerOutput
@@ -61,6 +66,10 @@ __all__ = ["KV_TRANSFER_PARAMS", "OffloadingConnectorScheduler", "parse_kv_trans
 
 logger = logging.getLogger(__name__)
 
+#: Steps between two reads of the secondary tiers' promotion times (``tier_stats`` asks every
+#: tier for its counters: not per step).
+PROMOTION_POLL_STEPS = 16
+
 #: The context of :meth:`OffloadingConnectorScheduler.num_held_blocks`'s probes (of no request).
 _PROBE = ReqContext("")
 
@@ -70,6 +79,11 @@ class OffloadingConnectorScheduler:
 
     ``events``: when given (and the manager collects events), :meth:`take_events` returns
     self-describing ``BlockStored``/``BlockRemoved`` events for the tier.
+
+    ``costs``: the estimates ``load_policy="auto"`` weighs (:mod:`~kvoffload.scheduler.costs`);
+    made here when not given. The connector feeds it the load jobs' copy times and, every
+    :data:`PROMOTION_POLL_STEPS` steps, the secondary tiers' promotion times; the engine feeds it
+    its steps (:meth:`LoadCosts.observe_step`).
     """
 
     def __init__(
@@ -77,6 +91,7 @@ class OffloadingConnectorScheduler:
         config: SchedulerOffloadConfig,
         manager: OffloadingManager,
         events: OffloadEventDescriber | None = None,
+        costs: LoadCosts | None = None,
     ) -> None:
         if config.store_policy not in STORE_POLICIES:
             raise ConfigError(
@@ -91,6 +106,7 @@ class OffloadingConnectorScheduler:
         }
         self._requests: dict[str, RequestKVState] = {}
         self._jobs = JobTable(config.num_workers)
+        self._num_workers = config.num_workers
         # Accumulated until the next build_connector_meta:
         self._load_jobs: list[TransferJob] = []
         self._store_jobs: list[TransferJob] = []
@@ -121,7 +137,11 @@ class OffloadingConnectorScheduler:
         self._hit_tokens_by_source: dict[str, int] = {}
         self._failed_load_tokens_by_source: dict[str, int] = {}
         self._fence = ReuseFence(config.groups)
-        self._hits = HitSearch(config, manager)
+        if costs is None:
+            costs = LoadCosts(name for name in manager.tier_stats() if name != "host")
+        self.costs = costs
+        self._steps_to_poll = 0
+        self._hits = HitSearch(config, manager, costs)
         self._loads = LoadPlanner(
             config, manager, self._jobs, self._counters, self._hit_tokens_by_source
         )
@@ -305,6 +325,8 @@ class OffloadingConnectorScheduler:
             update.failed_loads.extend(self._failed_before_submit)
             self._failed_before_submit = []
         jobs, counters = self._jobs, self._counters
+        if self.costs.tiers:
+            self._poll_promotion_costs()
         if self._dropped_jobs:
             for job_id in self._dropped_jobs:
                 self._complete(jobs.pop(job_id), update)
@@ -320,6 +342,8 @@ class OffloadingConnectorScheduler:
             else:
                 counters["load_bytes"] += result.num_bytes
                 self._transfer_seconds["load"] += result.seconds
+                if result.success:
+                    self.costs.observe_load(result.seconds, len(job.keys) / self._num_workers)
             if not result.success:
                 job.failed = True
             job.pending -= 1
@@ -328,6 +352,15 @@ class OffloadingConnectorScheduler:
             del jobs[result.job_id]
             self._complete(job, update)
         return update
+
+    def _poll_promotion_costs(self) -> None:
+        """Every :data:`PROMOTION_POLL_STEPS` steps, fold each secondary tier's promotions since
+        the last poll into the cost estimates."""
+        if self._steps_to_poll > 0:
+            self._steps_to_poll -= 1
+            return
+        self._steps_to_poll = PROMOTION_POLL_STEPS - 1
+        self.costs.fold_promotions(self.manager.tier_stats())
 
     def _complete(self, job: PlannedJob, update: ConnectorUpdate) -> None:
         """Every worker reported ``job``: tell the manager, then its request."""
@@ -476,6 +509,9 @@ class OffloadingConnectorScheduler:
             out[f"hit_tokens_{source}"] = n
         for source, n in self._failed_load_tokens_by_source.items():
             out[f"failed_load_tokens_{source}"] = n
+        for source, n in self._hits.recomputed_by_choice.items():
+            out[f"recomputed_by_choice_tokens_{source}"] = n
+        out.update(self.costs.snapshot(self.config.groups[0].offloaded_block_size))
         out["load_seconds"] = self._transfer_seconds["load"]
         out["store_seconds"] = self._transfer_seconds["store"]
         out["live_requests"] = len(self._requests)

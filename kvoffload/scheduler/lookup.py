@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from kvoffload.manager_contract import LookupResult, OffloadingManager
+from kvoffload.scheduler.costs import LoadCosts, PayingPrefix
 from kvoffload.scheduler.state import RequestKVState, SchedulerOffloadConfig
 
 __all__ = ["HitSearch", "may_wait"]
@@ -36,22 +37,35 @@ def may_wait(state: RequestKVState, config: SchedulerOffloadConfig) -> bool:
 
 
 class HitSearch:
-    """Looks a request's blocks up in the manager, group by group (see the module docstring)."""
+    """Looks a request's blocks up in the manager, group by group (see the module docstring),
+    and takes the part of a hit that pays (``config.load_policy``, :mod:`~kvoffload.scheduler.costs`).
 
-    def __init__(self, config: SchedulerOffloadConfig, manager: OffloadingManager) -> None:
+    ``recomputed_by_choice``: tokens of hits left to recompute because loading them would have
+    been slower (``auto``; ``never`` asks the tier nothing, so counts nothing), by tier
+    (``host``, or the tier of blocks being promoted: :attr:`LoadCosts.promoted_source`)."""
+
+    def __init__(
+        self, config: SchedulerOffloadConfig, manager: OffloadingManager, costs: LoadCosts
+    ) -> None:
         self._config = config
         self._manager = manager
+        self._costs = costs
         self._full_groups = [
             g for g, c in enumerate(config.groups) if c.sliding_window_blocks is None
         ]
         self._window_groups = [
             g for g, c in enumerate(config.groups) if c.sliding_window_blocks is not None
         ]
+        self.recomputed_by_choice: dict[str, int] = {}
 
     def hit_end(self, state: RequestKVState, num_computed: int, wait: bool = True) -> int | None:
         """The token index up to which the request can be served from engine + tier, or ``None``
         when a block of the full-attention prefix answered ``RETRY`` and ``wait`` is set (the
-        scan goes on past it, so the tier sees every block it may prepare at once)."""
+        scan goes on past it, so the tier sees every block it may prepare at once). With
+        ``load_policy="auto"`` the full-attention prefix is cut where loading stops paying; a
+        cut before the first ``RETRY`` block answers at once instead of waiting."""
+        if self._config.load_policy == "never":
+            return num_computed
         bound = state.request.num_tokens - 1
         if state.max_load_tokens is not None:
             bound = min(bound, num_computed + state.max_load_tokens)
@@ -67,28 +81,61 @@ class HitSearch:
     def _full_groups_end(
         self, state: RequestKVState, num_computed: int, end: int, wait: bool
     ) -> int | None:
-        """``end`` lowered to the leading run of ``HIT`` blocks of every full-attention group."""
+        """``end`` lowered to the leading run of ``HIT`` blocks of every full-attention group
+        (the first one's cut to the prefix that pays, under ``auto``)."""
         lookup, ctx, groups = self._manager.lookup, state.req_context, self._config.groups
         align = self._config.load_alignment
+        pay: PayingPrefix | None = None
         for g in self._full_groups:
             obs = groups[g].offloaded_block_size
             keys = state.group_states[g].offload_keys
-            i = num_computed // obs
+            first = i = num_computed // obs
             last = min(end // obs, len(keys))
-            retry = False
-            while i < last:
-                answer = lookup(keys[i], ctx)
-                if answer is not _HIT:
-                    if answer is not _RETRY or not wait:
+            retry_at = -1
+            if pay is None and self._config.load_policy == "auto":
+                pay = self._costs.decision(obs, len(groups))
+                while i < last:
+                    answer = lookup(keys[i], ctx)
+                    if answer is _HIT:
+                        pay.host()
+                    elif answer is _RETRY and wait:
+                        if retry_at < 0:
+                            retry_at = i
+                        pay.promoted_block()
+                    else:
                         break
-                    retry = True
-                i += 1
-            if retry:
+                    i += 1
+                cut = first + pay.best
+                if retry_at >= cut:  # the prefix that pays is ready: no need to wait
+                    retry_at = -1
+                if cut < i and retry_at < 0:
+                    self._count_recomputed(pay, obs, (i - cut) * obs)
+                i = min(i, cut)
+            else:
+                while i < last:
+                    answer = lookup(keys[i], ctx)
+                    if answer is not _HIT:
+                        if answer is not _RETRY or not wait:
+                            break
+                        if retry_at < 0:
+                            retry_at = i
+                    i += 1
+            if retry_at >= 0:
                 return None
             end = min(end, i * obs) // align * align
             if end <= num_computed:
                 return num_computed
         return end
+
+    def _count_recomputed(self, pay: PayingPrefix, obs: int, tokens: int) -> None:
+        """Count ``tokens`` of a hit left to recompute, split host / promoted by blocks."""
+        promoted = (pay.promoted - pay.best_promoted) * obs
+        by_tier = self.recomputed_by_choice
+        if promoted:
+            source = self._costs.promoted_source
+            by_tier[source] = by_tier.get(source, 0) + promoted
+        if tokens > promoted:
+            by_tier["host"] = by_tier.get("host", 0) + tokens - promoted
 
     def _window_groups_end(self, state: RequestKVState, num_computed: int, end: int) -> int:
         """``end`` lowered until every sliding-window group has its last window's blocks."""

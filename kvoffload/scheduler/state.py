@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.manager_contract import ReqContext
+from kvoffload.scheduler.costs import check_load_policy
 from kvoffload.validation import accepts_renamed
 
 __all__ = [
@@ -107,8 +108,12 @@ class SchedulerOffloadConfig:
     #: many offloaded blocks; new offers are then shed, not queued (``scheduler/stores.py``).
     #: ``None``: no bound.
     max_stores_in_flight: int | None = None
+    #: Which hits are loaded (:data:`~kvoffload.scheduler.costs.LOAD_POLICIES`): ``auto`` the
+    #: prefix that is cheaper to load than to compute, ``always`` all, ``never`` none.
+    load_policy: str = "auto"
 
     def __post_init__(self) -> None:
+        check_load_policy(self.load_policy)
         if self.max_stores_in_flight is not None and (
             isinstance(self.max_stores_in_flight, bool)
             or not isinstance(self.max_stores_in_flight, int)
@@ -161,6 +166,7 @@ class SchedulerOffloadConfig:
         max_lookup_retry_s: float = 2.0,
         *,
         max_stores_in_flight: int | None = None,
+        load_policy: str = "auto",
     ) -> SchedulerOffloadConfig:
         """One full-attention group, hashed at the engine block size (the reference engine's case)."""
         return cls(
@@ -170,6 +176,7 @@ class SchedulerOffloadConfig:
             store_policy,
             max_lookup_retry_s,
             max_stores_in_flight=max_stores_in_flight,
+            load_policy=load_policy,
         )
 
 

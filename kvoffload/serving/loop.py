@@ -29,6 +29,7 @@ from typing import Any
 
 from kvoffload.engine import Engine, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError, ContractError, KVOffloadError
+from kvoffload.scheduler.costs import StepCostModel
 
 __all__ = ["Delta", "EngineLoop", "LoopState", "RequestStream", "StepCostModel", "Unavailable"]
 
@@ -80,48 +81,6 @@ class RequestStream:
         if delta.finished is not None or delta.error is not None:
             self.done = True
         return delta
-
-
-class StepCostModel:
-    """``seconds ~ base_s + per_token_s * tokens`` per engine step, by exponentially weighted
-    least squares (``decay`` per step). Where the fit is not positive (one token count seen so
-    far, or noise tipping the base below zero or the slope to it), the line through the origin
-    that fits best: ``per_token_s = sum(tokens * seconds) / sum(tokens^2)``, dominated by the
-    large (prefill) steps, never the mean step time over the mean token count (a few-token
-    decode step would charge its whole fixed cost to each token: a prefill predicted 10x too
-    slow)."""
-
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self.steps = 0
-        self.seconds = 0.0
-        self.tokens = 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._w = self._w * d + 1
-        self._x = self._x * d + tokens
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + tokens * tokens
-        self._xy = self._xy * d + tokens * seconds
-        self.steps += 1
-        self.seconds += seconds
-        self.tokens += tokens
-
-    def fit(self) -> tuple[float, float]:
-        """``(base_s, per_token_s)``, both >= 0 (``(0, 0)`` before any step)."""
-        if self._x <= 0:
-            return 0.0, 0.0
-        through_origin = 0.0, max(self._xy / self._xx, 0.0)
-        denom = self._w * self._xx - self._x * self._x
-        if denom <= 1e-9 * self._w * self._xx:
-            return through_origin
-        slope = (self._w * self._xy - self._x * self._y) / denom
-        base = (self._y - slope * self._x) / self._w
-        if slope <= 0 or base < 0:
-            return through_origin
-        return base, slope
 
 
 class LoopState(enum.Enum):

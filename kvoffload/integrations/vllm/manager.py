@@ -15,6 +15,19 @@ policy, our tiering manager with our tiers, our reuse filter) and translates per
 * a retry budget: vLLM re-asks a lookup that answered ``RETRY``/``HIT_PENDING`` every step, with
   no end; once a request has waited ``lookup_retry_s`` for a key, it is answered ``MISS`` (it
   takes the prefix it has and recomputes the rest), as our own scheduler's budget does;
+* ``load_policy``: ``auto`` answers ``MISS`` past the prefix of a hit that is cheaper to load
+  than to compute (:mod:`~kvoffload.integrations.vllm.load_choice`, which looks ahead on the
+  request's keys), ``never`` answers ``MISS`` to every lookup without asking the tiers (stores
+  still happen), ``always`` passes every answer through. The costs it weighs
+  (:class:`~kvoffload.scheduler.costs.LoadCosts`), measured in this process: computing, from
+  the scheduler's own steps (``on_schedule_end`` to ``on_schedule_end`` while busy) against the
+  tokens of the blocks offered to ``prepare_store`` in them (each computed full block is offered
+  once; decode tokens, in no full block, fall into the fit's fixed part; one more step is not
+  charged: vLLM's waiting queue is out of sight, and a loading request's step goes to the
+  requests behind it); promotions, from the
+  tiers' promotion times (``tier_stats``, every 16 steps). The host -> device load is vLLM's
+  worker's copy, timed in the worker process only: it is priced at its prior, a fraction
+  (``PRIOR_LOAD_FRACTION["host"]``) of computing the block;
 * events: medium ``"CPU"``/``"STORAGE"`` and locality to vLLM's ``Medium``/``Locality``;
 * stats: every counter and gauge of our ``stats()`` as one gauge ``kvoffload:manager`` labelled
   by ``stat``, with how long lookups that answered ``RETRY``/``HIT_PENDING`` kept the request
@@ -29,6 +42,7 @@ no-op ``lock``).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -53,9 +67,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.compat import ConfigInfoMapping, our_key, our_keys, vllm_keys
 from kvoffload.integrations.vllm.context import kvoffload_context
+from kvoffload.integrations.vllm.load_choice import LoadChooser
 from kvoffload.integrations.vllm.waits import LookupWaits
 from kvoffload.manager_contract import LookupResult as KVOLookupResult
 from kvoffload.manager_contract import OffloadingManager as KVOManager
+from kvoffload.scheduler.costs import LoadCosts, check_load_policy
 
 __all__ = ["STATS_METRIC", "KVOffloadManager"]
 
@@ -79,6 +95,9 @@ class KVOffloadManager(OffloadingManager):
         config_info: ConfigInfoMapping | None = None,
         stats_file: str | None = None,
         lookup_retry_s: float = 2.0,
+        load_policy: str = "auto",
+        block_tokens: int = 16,
+        costs: LoadCosts | None = None,
     ) -> None:
         self.inner = manager
         self.medium = Medium.CPU
@@ -93,6 +112,19 @@ class KVOffloadManager(OffloadingManager):
         self.budget_misses = 0  # lookups answered MISS because the request waited too long
         self.waits = LookupWaits()
         self._stats_file = stats_file
+        self.load_policy = check_load_policy(load_policy, "kvoffload_load_policy")
+        if costs is None:
+            costs = LoadCosts(name for name in manager.tier_stats() if name != "host")
+            # vLLM's waiting queue is out of our sight: take it as full (a loading request's
+            # step goes to the others), so one more step is not charged.
+            costs.step_charged = False
+        self.costs = costs
+        self.block_tokens = block_tokens
+        self._chooser = LoadChooser(costs, block_tokens)
+        self._step = 0
+        self._step_started: float | None = None  # when the last busy step ended
+        self._offered_keys = 0  # keys offered to prepare_store this step
+        self._steps_to_poll = 0
 
     def _begin_step(self) -> None:
         if not self._step_begun:
@@ -104,7 +136,16 @@ class KVOffloadManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._begin_step()
         self._busy = True
-        result = self.inner.lookup(our_key(key), kvoffload_context(req_context))
+        if self.load_policy == "never":
+            return LookupResult.MISS
+        ctx = kvoffload_context(req_context)
+        if self.load_policy == "auto":
+            inner_lookup = self.inner.lookup
+            result = self._chooser.lookup(
+                key, ctx, self._step, lambda k: inner_lookup(our_key(k), ctx)  # type: ignore[arg-type]
+            )
+        else:
+            result = self.inner.lookup(our_key(key), ctx)
         waited = self.waits.answered(key, result in _FINAL, req_context)
         if waited > self._retry_budget_s:
             # vLLM re-asks every step without end; past our budget the request takes the
@@ -132,6 +173,7 @@ class KVOffloadManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         self._begin_step()
         self._computed = True
+        self._offered_keys += len(keys)
         out = self.inner.prepare_store(our_keys(keys), kvoffload_context(req_context))
         if out is None:
             return None
@@ -161,9 +203,25 @@ class KVOffloadManager(OffloadingManager):
         self._step_begun = False
         self.waits.step_ended(self._computed)
         busy = self._busy or self._computed
+        self._measure_step(busy)
         if self._was_busy and not busy:
             self.write_stats_file()  # the engine went idle (vLLM may never call shutdown)
         self._was_busy, self._busy, self._computed = busy, False, False
+
+    def _measure_step(self, busy: bool) -> None:
+        """Time the step that just ended (from the end of the last busy one) against the tokens
+        of the blocks it offered to store; every 16 steps, fold in the tiers' promotions."""
+        now = time.perf_counter()
+        if self._step_started is not None:
+            self.costs.observe_step(self._offered_keys * self.block_tokens, now - self._step_started)
+        self._step_started = now if busy else None
+        self._offered_keys = 0
+        self._step += 1
+        if self.costs.tiers:
+            if self._steps_to_poll <= 0:
+                self._steps_to_poll = 16
+                self.costs.fold_promotions(self.inner.tier_stats())
+            self._steps_to_poll -= 1
 
     def has_pending_work(self) -> bool:
         return self.inner.num_background_jobs() > 0
@@ -186,17 +244,32 @@ class KVOffloadManager(OffloadingManager):
         for name, value in self.inner.stats().items():
             stats.set_gauge(STATS_METRIC, value, (name,))
         stats.set_gauge(STATS_METRIC, self.budget_misses, ("retry_budget_misses",))
+        for name, cost in self.load_stats().items():
+            stats.set_gauge(STATS_METRIC, cost, (name,))
         for what, figures in self.waits.summary().items():
             for figure, amount in figures.items():
                 stats.set_gauge(STATS_METRIC, amount, (f"{what}_{figure}",))
         return stats
+
+    def load_stats(self) -> dict[str, float]:
+        """``recomputed_by_choice_tokens_<tier>`` and the cost estimates (``cost_*``)."""
+        out: dict[str, float] = {
+            f"recomputed_by_choice_tokens_{tier}": n
+            for tier, n in self._chooser.recomputed_by_choice.items()
+        }
+        out.update(self.costs.snapshot(self.block_tokens))
+        return out
 
     def write_stats_file(self) -> None:
         """Write our stats and the lookup-wait summary as JSON to ``stats_file`` (if set): at
         shutdown and whenever the engine goes idle."""
         if self._stats_file is None:
             return
-        stats = {**self.inner.stats(), "retry_budget_misses": self.budget_misses}
+        stats = {
+            **self.inner.stats(),
+            "retry_budget_misses": self.budget_misses,
+            **self.load_stats(),
+        }
         report = {"stats": stats, **self.waits.summary()}
         with open(self._stats_file, "w") as f:
             json.dump(report, f, indent=1)

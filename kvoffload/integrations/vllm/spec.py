@@ -15,6 +15,7 @@
      "kvoffload_tiers": [{"kind": "disk", "path": "kv-disk", "size_gib": 200},
                          {"kind": "redis", "url": "redis://cache:6379/0"}],
      "kvoffload_lookup_retry_s": 2.0,          # how long a request waits on RETRY (then MISS)
+     "kvoffload_load_policy": "auto",          # or "always", "never" (docs/vllm.md)
      "kvoffload_stats_file": "kvoffload-stats.json"}  # optional: stats when idle
 
 Another ``kvoffload_*`` key is an error naming it (a misspelling is never ignored). The model's
@@ -62,6 +63,7 @@ from kvoffload.integrations.vllm.worker import CPUPlatformWorker
 from kvoffload.manager_contract import OffloadingManager as KVOManager
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
+from kvoffload.scheduler.costs import check_load_policy
 from kvoffload.tiers.contract import SecondaryTier
 
 __all__ = ["KVOFFLOAD_SETTINGS", "KVOffloadSpec"]
@@ -69,6 +71,7 @@ __all__ = ["KVOFFLOAD_SETTINGS", "KVOffloadSpec"]
 #: The ``kvoffload_*`` keys of ``kv_connector_extra_config``; any other is a (misspelt) error.
 KVOFFLOAD_SETTINGS = (
     "kvoffload_cascade",
+    "kvoffload_load_policy",
     "kvoffload_lookup_retry_s",
     "kvoffload_stats_file",
     "kvoffload_tier_write_max_in_flight",
@@ -137,6 +140,9 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
         if isinstance(retry_s, bool) or not isinstance(retry_s, int | float) or retry_s < 0:
             raise ConfigError("kvoffload_lookup_retry_s", f"must be seconds >= 0, got {retry_s!r}")
         self.lookup_retry_s = float(retry_s)
+        self.load_policy = check_load_policy(
+            extra.get("kvoffload_load_policy", "auto"), "kvoffload_load_policy"
+        )
         if self.num_chunks <= 0:
             raise ConfigError(
                 "cpu_bytes_to_use",
@@ -199,6 +205,8 @@ class KVOffloadSpec(CPUPlatformWorker, TieringOffloadingSpec):
             config_info=cpu_config_info(self),
             stats_file=self.stats_file,
             lookup_retry_s=self.lookup_retry_s,
+            load_policy=self.load_policy,
+            block_tokens=self.tokens_per_block[0] * self.blocks_per_chunk,
         )
 
 
