@@ -145,6 +145,7 @@ def _disk_engine(policy: str, tmp_path: Path) -> Engine:
         kv_disk_path=str(tmp_path),
         kv_disk_size=0.01,
         kv_lookup_retry_s=600.0,
+        kv_promotion_wait_s=60.0,  # a disk hit's promotion is awaited in its step, however slow
     )
 
 
@@ -176,8 +177,8 @@ def test_a_disk_hit_that_pays_is_promoted_and_loaded(tmp_path: Path) -> None:
     with _disk_engine("auto", tmp_path) as engine:
         steps, delta = _disk_hit(engine, FAST_LOADS)
     assert delta["offload_hit_tokens"] == PREFIX_BLOCKS * BLOCK_SIZE
-    assert delta["offload_retries"] == 1
-    assert steps == 3  # as test_engine_hit_steps: promoted, loaded, computed
+    assert delta["offload_retries"] == 0  # the promotion was awaited in the lookup's step
+    assert steps == 2  # as test_engine_hit_steps: promoted and loaded, then computed
 
 
 @pytest.mark.parametrize("tier", ["host", "host+disk"])
@@ -228,9 +229,11 @@ def test_cost_estimates_are_stats_and_metrics(tmp_path: Path) -> None:
         stats = engine.stats()
         text = _scrape(engine)
     assert measured == {"compute": True, "host": True, "disk": True}
-    for key in ("offload_cost_token_s", "offload_cost_step_s", "offload_cost_load_host_s",
-                "offload_cost_load_disk_s"):
+    for key in ("offload_cost_token_s", "offload_cost_load_host_s", "offload_cost_load_disk_s"):
         assert stats[key] > 0
+    # The step's fixed cost is the fit's intercept over real step timings: clamped at 0, and
+    # 0 when this machine's noise fits one (a figure of the clock, not of the code).
+    assert stats["offload_cost_step_s"] >= 0
     assert stats["offload_cost_load_disk_s"] > stats["offload_cost_load_host_s"]
     assert "kvoffload_offload_cost_token_seconds " in text
     assert 'kvoffload_offload_cost_load_block_seconds{tier="disk"}' in text

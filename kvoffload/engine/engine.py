@@ -317,10 +317,12 @@ class Engine:
             worker.wait_for_save()
         now = time.perf_counter()
         if connector is not None:
-            # What computing costs, for the load decision (load_policy "auto"); a step that
-            # left requests waiting would give a loading request's room to them.
+            # What computing costs, for the load decision (load_policy "auto"), without the
+            # step's waits for promotions; a step that left requests waiting would give a
+            # loading request's room to them.
+            awaited = connector.take_awaited_s()  # waiting for promotions is not computing
             if plan.scheduled:
-                connector.costs.observe_step(plan.num_tokens, now - started)
+                connector.costs.observe_step(plan.num_tokens, now - started - awaited)
             connector.costs.step_charged = not self.scheduler.waiting
         for req, n in plan.scheduled:
             req.num_computed_tokens += n

@@ -41,6 +41,7 @@ Design choices where vLLM has known problems:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -140,6 +141,9 @@ class OffloadingConnectorScheduler:
         if costs is None:
             costs = LoadCosts(name for name in manager.tier_stats() if name != "host")
         self.costs = costs
+        #: Seconds spent in ``await_promotions`` since the engine last took them
+        #: (:meth:`take_awaited_s`): I/O waits, not compute, so a step's cost excludes them.
+        self._awaited_s = 0.0
         self._steps_to_poll = 0
         self._hits = HitSearch(config, manager, costs)
         self._loads = LoadPlanner(
@@ -194,9 +198,13 @@ class OffloadingConnectorScheduler:
         if (hit_end is None or not wait) and self._events is not None:
             # Promotions for it (its lookup met blocks on a secondary tier): describe them.
             self._events.remember_request_blocks(state, num_computed_tokens)
-        if hit_end is None and self.manager.await_promotions(state.req_context):
-            # Its promotions landed within the manager's wait: the hit loads in this step.
-            hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
+        if hit_end is None:
+            waited_from = time.perf_counter()
+            landed = self.manager.await_promotions(state.req_context)
+            self._awaited_s += time.perf_counter() - waited_from
+            if landed:
+                # Its promotions landed within the manager's wait: the hit loads in this step.
+                hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if hit_end is None:
             self._counters["retries"] += 1
             return None, False
@@ -491,6 +499,12 @@ class OffloadingConnectorScheduler:
         if self._events is None or not events:
             return []
         return self._events.convert(events)
+
+    def take_awaited_s(self) -> float:
+        """Seconds this scheduler waited for promotions (``await_promotions``) since the last
+        call; the engine leaves them out of the step time it fits compute costs to."""
+        awaited, self._awaited_s = self._awaited_s, 0.0
+        return awaited
 
     def stats(self) -> dict[str, float]:
         """Connector counters plus the manager's, the latter prefixed ``tier_``.
