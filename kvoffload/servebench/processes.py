@@ -1,5 +1,6 @@
-"""The processes a comparison starts: ``kvoffload serve`` or ``route`` on a free loopback port,
-ready once ``/health`` answers, stopped with SIGTERM (then SIGKILL after 60 s) on exit."""
+"""The processes a comparison starts: ``kvoffload serve`` or ``route`` (or any server, such as
+``vllm serve``) on a free loopback port, ready once ``/health`` answers, stopped with SIGTERM
+(then SIGKILL after 60 s) on exit."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 
 from kvoffload.cli.front_door_flags import API_KEY_ENV, BACKEND_API_KEY_ENV
 
-__all__ = ["free_port", "running"]
+__all__ = ["free_port", "running", "running_command"]
 
 #: Keys ``serve`` and ``route`` read from the environment: never inherited by the comparison's own
 #: servers, or each would refuse the benchmark's requests (401).
@@ -37,26 +38,52 @@ def running(args: list[str], port: int) -> Iterator[str]:
     # The servers the comparison starts take no key (the benchmark sends $OPENAI_API_KEY only).
     env = {k: v for k, v in os.environ.items() if k not in _SERVER_KEY_ENVS}
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.cli.main", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
+    with running_command([sys.executable, "-m", "kvoffload.cli.main", *args], port, env) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_command(cmd: list[str], port: int, env: dict[str, str],
+                    log: str | None = None, start_s: float = 300.0) -> Iterator[str]:
+    """The process ``cmd`` (serving on ``port``, environment ``env``) while the block runs;
+    yields its URL once ``/health`` answers (``start_s`` at most; a process that exits first
+    raises). Its output goes to the file ``log`` (whose last lines a failed start quotes), else
+    nowhere."""
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        stack.callback(_stop, proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + start_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{shlex.join(args)} exited {proc.returncode}")
+                raise RuntimeError(f"{shlex.join(cmd[:4])} ... exited {proc.returncode}"
+                                   + _tail(log))
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{args[0]} did not start")
+                raise TimeoutError(f"{shlex.join(cmd[:4])} ... did not start in {start_s:g} s"
+                                   + _tail(log))
             time.sleep(0.2)
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(log: str | None, lines: int = 20) -> str:
+    """The last ``lines`` lines of the file ``log``, as a message's continuation."""
+    if not log:
+        return ""
+    with open(log, "rb") as f:
+        text = f.read()[-16384:].decode(errors="replace")
+    return "; its last output:\n" + "\n".join(text.splitlines()[-lines:])
