@@ -203,8 +203,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.compare_offloading and args.compare_offloading_server == "vllm":
         from kvoffload.servebench.vllm_offloading import kv_bytes_per_token, vllm_executable
 
-        vllm_executable(args.compare_offloading_vllm)
         kv_bytes_per_token(args.model)
+        vllm_executable(args.compare_offloading_vllm)
     if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
         raise ConfigError("dataset_path",
                           "--dataset-name trace needs --dataset-path or --generate (one)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import tempfile
@@ -53,6 +54,8 @@ _FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("share_remote", "remote", False),
     ("failed", "failed", True),
     ("context_to_device_cache", "context/device", False),
+    ("server_step_s", "engine compute s", True),
+    ("server_store_s", "store jobs s", True),
 )
 
 
@@ -78,11 +81,16 @@ def offloading_args(args: argparse.Namespace, name: str, disk: str | None,
 
 
 def _derived(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` plus the compared figures it does not hold as such: each source's share and,
-    for sessions, the TTFT of round 1 and of the later rounds (mean over their turns)."""
+    """``result`` plus the compared figures it does not hold as such: each source's share, the
+    server's compute and store seconds (``kvoffload serve``) and, for sessions, the TTFT of
+    round 1 and of the later rounds (mean over their turns)."""
     out = dict(result)
     for source, share in result.get("share_by_source", {}).items():
         out[f"share_{source}"] = share
+    counters = result.get("server_counters") or {}
+    for key in ("step_s", "store_s"):
+        if key in counters:
+            out[f"server_{key}"] = counters[key]
     rounds = result.get("rounds") or []
     if rounds:
         out["round1_mean_ttft_ms"] = rounds[0]["mean_ttft_ms"] if rounds[0]["completed"] else None
@@ -145,25 +153,32 @@ def _one(args: argparse.Namespace, name: str, remote: str | None,
             client.flushall()
         finally:
             client.close()
-    with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-offloading-"))
+    with tempfile.TemporaryDirectory(prefix="kvoffload-offloading-") as tmp:
         disk = None
         if name == "host_disk":
             disk = os.path.join(tmp, "disk")
             os.mkdir(disk)
         port = free_port()
+        stats_file = os.path.join(tmp, "kvoffload-stats.json")
         if args.compare_offloading_server == "vllm":
-            url = stack.enter_context(_vllm(args, name, disk, remote, port, tmp))
+            command, server = _vllm(args, name, disk, remote, port, tmp, stats_file)
         else:
-            serve = [*offloading_args(args, name, disk, remote), "--port", str(port)]
-            url = stack.enter_context(running(serve, port))
-        return run(args, url)
+            command = [*offloading_args(args, name, disk, remote), "--port", str(port)]
+            server = running(command, port)
+        with server as url:
+            result = run(args, url)
+        result["server_command"] = command
+        if os.path.exists(stats_file):  # the spec's own figures, written when vLLM went idle
+            with open(stats_file) as f:
+                result["kvoffload_stats"] = json.load(f)
+        return result
 
 
 def _vllm(args: argparse.Namespace, name: str, disk: str | None, remote: str | None, port: int,
-          tmp: str) -> contextlib.AbstractContextManager[str]:
-    """A fresh ``vllm serve`` of configuration ``name`` on ``port`` (its output in ``tmp``,
-    quoted when it fails to start)."""
+          tmp: str, stats_file: str) -> tuple[list[str], contextlib.AbstractContextManager[str]]:
+    """The command of a fresh ``vllm serve`` of configuration ``name`` on ``port`` and the
+    context that runs it (its output in ``tmp``, quoted when it fails to start; the spec's
+    stats in ``stats_file``)."""
     from kvoffload.servebench.vllm_offloading import (
         needs_chat_template,
         vllm_executable,
@@ -177,10 +192,10 @@ def _vllm(args: argparse.Namespace, name: str, disk: str | None, remote: str | N
         with open(template, "w") as f:
             f.write(DEFAULT_CHAT_TEMPLATE)
     cmd = [vllm_executable(args.compare_offloading_vllm),
-           *vllm_serve_args(args, name, disk, remote, template), "--port", str(port)]
+           *vllm_serve_args(args, name, disk, remote, template, stats_file), "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k not in _VLLM_KEY_ENVS}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return running_command(cmd, port, env, log=os.path.join(tmp, "vllm.log"), start_s=600)
+    return cmd, running_command(cmd, port, env, log=os.path.join(tmp, "vllm.log"), start_s=600)
 
 
 def _number(x: float) -> str:

@@ -43,6 +43,7 @@ from kvoffload.servebench.metrics import (
     summarize,
 )
 from kvoffload.servebench.run import metrics_urls, print_result
+from kvoffload.servebench.server_counters import counter_deltas, scrape_counters
 from kvoffload.servebench.words import words_of_tokens
 
 __all__ = [
@@ -241,9 +242,9 @@ def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dic
     model = args.served_model_name or args.model
     urls = metrics_urls(url)
     device = device_cache_tokens(urls)
-    before = scrape_sources(urls)
+    before, counters_before = scrape_sources(urls), scrape_counters(urls)
     turns, duration = asyncio.run(run_users(url, model, workload, think, args.max_concurrency))
-    after = scrape_sources(urls)
+    after, counters_after = scrape_sources(urls), scrape_counters(urls)
     active_users = min(workload.num_users, args.max_concurrency or workload.num_users)
     active = active_context_tokens(turns, active_users,
                                    shared_prefix_tokens(args.model, workload))
@@ -271,6 +272,7 @@ def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dic
         "rounds": round_figures(turns, workload.num_rounds, percentiles),
         "not_sent": workload.num_users * workload.num_rounds - len(turns),
         "first_error": next((r.error for r in results if r.error), None),
+        "server_counters": counter_deltas(counters_before, counters_after),
         "active_users": active_users,
         "active_context_tokens": active,
         "device_cache_tokens": device,

@@ -61,8 +61,9 @@ def kv_bytes_per_token(checkpoint: str | Path) -> int:
 
 
 def kv_transfer_config(args: argparse.Namespace, name: str, disk: str | None,
-                       remote: str | None) -> dict[str, Any] | None:
-    """vLLM's ``--kv-transfer-config`` of configuration ``name`` (``None``: no offloading)."""
+                       remote: str | None, stats_file: str | None = None) -> dict[str, Any] | None:
+    """vLLM's ``--kv-transfer-config`` of configuration ``name`` (``None``: no offloading);
+    ``stats_file``: where the spec writes its figures when the engine goes idle."""
     from kvoffload.servebench.offloading import BASELINE, OFFLOADING_CONFIGS
 
     if name not in OFFLOADING_CONFIGS:
@@ -71,6 +72,8 @@ def kv_transfer_config(args: argparse.Namespace, name: str, disk: str | None,
         return None
     extra: dict[str, Any] = {**_SPEC, "cpu_bytes_to_use":
                              int(args.compare_offloading_host_size * 2**30)}
+    if stats_file:
+        extra["kvoffload_stats_file"] = stats_file
     if name == "host_disk":
         if disk is None:
             raise ValueError("host_disk needs a disk directory")
@@ -85,9 +88,10 @@ def kv_transfer_config(args: argparse.Namespace, name: str, disk: str | None,
 
 
 def vllm_serve_args(args: argparse.Namespace, name: str, disk: str | None, remote: str | None,
-                    chat_template: str | None) -> list[str]:
+                    chat_template: str | None, stats_file: str | None = None) -> list[str]:
     """``vllm serve``'s arguments for configuration ``name`` (after the executable; no
-    ``--port``); ``chat_template``: a template file for a checkpoint without one."""
+    ``--port``); ``chat_template``: a template file for a checkpoint without one;
+    ``stats_file``: the spec's (:func:`kv_transfer_config`)."""
     blocks = args.num_device_blocks
     if blocks < 2:
         raise ConfigError("num_device_blocks", "vLLM keeps one block back: give at least 2")
@@ -100,7 +104,7 @@ def vllm_serve_args(args: argparse.Namespace, name: str, disk: str | None, remot
         out += ["--served-model-name", args.served_model_name]
     if chat_template:
         out += ["--chat-template", chat_template]
-    config = kv_transfer_config(args, name, disk, remote)
+    config = kv_transfer_config(args, name, disk, remote, stats_file)
     if config is not None:
         out += ["--kv-transfer-config", json.dumps(config)]
     return [*out, *shlex.split(args.serve_args or "")]
