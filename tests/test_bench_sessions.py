@@ -379,3 +379,55 @@ def test_vllm_comparisons_refuse_what_cannot_run(case, tmp_path, capsys) -> None
     expected = {"preset": "config.json", "no vllm": "/nonexistent/vllm",
                 "not comparing": "--compare-offloading"}[case]
     assert line.startswith("error: ") and expected in line
+
+
+def _chunk(delta: dict, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+
+
+async def _answer_of(chunks: list[bytes]):
+    """``chat_turn`` against a server (in this loop) that streams ``chunks``, then the usage."""
+    from kvoffload.servebench.chat import chat_turn
+    from kvoffload.servebench.client import bench_connections
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(chunk)
+        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    conns = bench_connections(aiohttp.ClientTimeout(total=30))
+    try:
+        return await chat_turn(conns, f"http://127.0.0.1:{port}", "m",
+                               [{"role": "user", "content": "q"}], 4)
+    finally:
+        await conns.close()
+        await runner.cleanup()
+
+
+def test_an_answer_without_text_is_an_answer() -> None:
+    # vLLM with the random tiny Llama: a role chunk, then only the finishing chunk (its tokens
+    # decode to no text).
+    out = asyncio.run(_answer_of([_chunk({"role": "assistant", "content": ""}),
+                                  _chunk({"content": ""}, finish="length")]))
+    assert out.success and out.error == "" and out.generated_text == ""
+    assert out.output_tokens == 4 and out.prompt_len == 9
+    assert out.ttft > 0 and out.latency == out.ttft and out.itl == []
+    # With text, TTFT is still the first chunk with content, and the finishing chunk adds none.
+    out = asyncio.run(_answer_of([_chunk({"role": "assistant", "content": ""}),
+                                  _chunk({"content": "a"}), _chunk({"content": "b"}),
+                                  _chunk({}, finish="length")]))
+    assert out.success and out.generated_text == "ab" and len(out.itl) == 1
+    # Neither text nor a finished choice: no answer.
+    out = asyncio.run(_answer_of([_chunk({"role": "assistant", "content": ""})]))
+    assert not out.success and out.error == "no token chunk in the stream"

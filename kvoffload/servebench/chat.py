@@ -5,8 +5,10 @@ On the client's clock (``perf_counter``): TTFT is the first chunk whose ``delta`
 non-empty ``content`` minus the send time (a role-only first chunk, as vLLM sends, is not a
 token), ITL the gaps between later such chunks, latency the last such chunk minus the send time;
 the answer is the concatenated ``content``; output and prompt tokens come from the server's
-``usage`` (``stream_options.include_usage``). A 200 stream without content is a failure. The
-request asks for greedy decoding of exactly ``max_tokens`` tokens (``temperature`` 0,
+``usage`` (``stream_options.include_usage``). An answer without any text (a model whose tokens
+all decode to nothing, as the random tiny Llama's often do) is still the server's answer: it is
+timed at the chunk that finishes it (``finish_reason``; TTFT = latency) and re-sent empty. A 200
+stream with neither content nor a finished choice is a failure. The request asks for greedy decoding of exactly ``max_tokens`` tokens (``temperature`` 0,
 ``ignore_eos``).
 """
 
@@ -36,6 +38,10 @@ def _fold(out: RequestResult, data: bytes, start: float, last: float) -> float:
             else:
                 out.itl.append(now - last)
             out.generated_text += content
+            return now
+        if out.ttft == 0.0 and choices[0].get("finish_reason"):  # an answer without text
+            now = time.perf_counter()
+            out.ttft = now - start
             return now
     if usage := msg.get("usage"):
         out.output_tokens = int(usage.get("completion_tokens") or 0)
