@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -274,6 +275,9 @@ def test_compare_offloading_ends_with_the_table(tmp_path) -> None:
         (result,) = r["runs"][name]
         assert (result["completed"], result["failed"], result["num_prompts"]) == (4, 0, 4)
         assert [x["completed"] for x in result["rounds"]] == [2, 2]
+        assert result["server_cpu_s"] > 0
+        assert result["server_command"][:4] == [sys.executable, "-m", "kvoffload.cli.main",
+                                                "serve"]
 
 
 def _turn(user: int, rnd: int, prompt: int, output: int, success: bool = True) -> Turn:
@@ -431,3 +435,28 @@ def test_an_answer_without_text_is_an_answer() -> None:
     # Neither text nor a finished choice: no answer.
     out = asyncio.run(_answer_of([_chunk({"role": "assistant", "content": ""})]))
     assert not out.success and out.error == "no token chunk in the stream"
+
+
+def test_cpu_seconds_count_a_process_and_its_children() -> None:
+    from kvoffload.servebench.processes import cpu_seconds
+
+    # A child that burns 0.3 s of its own CPU time (by its clock, not the wall's), says so and
+    # waits for its stdin to close.
+    burn = ("import sys, time\nwhile time.process_time() < 0.3: pass\n"
+            "print('burnt', flush=True)\nsys.stdin.read()")
+    own = cpu_seconds(os.getpid())
+    assert own is not None and own >= 0
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "burnt\n"
+        mine, theirs = cpu_seconds(os.getpid()), cpu_seconds(child.pid)
+        assert theirs is not None and theirs >= 0.3 - 0.05  # /proc counts whole 10 ms ticks
+        assert mine is not None and mine >= own + theirs
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
+    assert cpu_seconds(child.pid) is None  # gone

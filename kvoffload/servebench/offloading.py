@@ -24,7 +24,13 @@ import numpy as np
 import redis
 
 from kvoffload.cli.front_door_flags import API_KEY_ENV, BACKEND_API_KEY_ENV
-from kvoffload.servebench.processes import free_port, running, running_command
+from kvoffload.servebench.processes import (
+    Server,
+    cpu_seconds,
+    free_port,
+    kvoffload_command,
+    running_command,
+)
 from kvoffload.servebench.routing_configs import repeat_order
 
 __all__ = ["OFFLOADING_CONFIGS", "OFFLOADING_SERVERS", "compare_offloading", "offloading_args"]
@@ -54,6 +60,7 @@ _FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("share_remote", "remote", False),
     ("failed", "failed", True),
     ("context_to_device_cache", "context/device", False),
+    ("server_cpu_s", "server CPU s", True),
     ("server_step_s", "engine compute s", True),
     ("server_store_s", "store jobs s", True),
 )
@@ -163,11 +170,16 @@ def _one(args: argparse.Namespace, name: str, remote: str | None,
         if args.compare_offloading_server == "vllm":
             command, server = _vllm(args, name, disk, remote, port, tmp, stats_file)
         else:
-            command = [*offloading_args(args, name, disk, remote), "--port", str(port)]
-            server = running(command, port)
-        with server as url:
-            result = run(args, url)
+            command, env = kvoffload_command(
+                [*offloading_args(args, name, disk, remote), "--port", str(port)])
+            server = running_command(command, env, port)
+        with server as started:
+            cpu_before = cpu_seconds(started.pid)
+            result = run(args, started.url)
+            cpu_after = cpu_seconds(started.pid)
         result["server_command"] = command
+        result["server_cpu_s"] = (None if cpu_before is None or cpu_after is None
+                                  else cpu_after - cpu_before)
         if os.path.exists(stats_file):  # the spec's own figures, written when vLLM went idle
             with open(stats_file) as f:
                 result["kvoffload_stats"] = json.load(f)
@@ -175,7 +187,7 @@ def _one(args: argparse.Namespace, name: str, remote: str | None,
 
 
 def _vllm(args: argparse.Namespace, name: str, disk: str | None, remote: str | None, port: int,
-          tmp: str, stats_file: str) -> tuple[list[str], contextlib.AbstractContextManager[str]]:
+          tmp: str, stats_file: str) -> tuple[list[str], contextlib.AbstractContextManager[Server]]:
     """The command of a fresh ``vllm serve`` of configuration ``name`` on ``port`` and the
     context that runs it (its output in ``tmp``, quoted when it fails to start; the spec's
     stats in ``stats_file``)."""
@@ -195,7 +207,7 @@ def _vllm(args: argparse.Namespace, name: str, disk: str | None, remote: str | N
            *vllm_serve_args(args, name, disk, remote, template, stats_file), "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k not in _VLLM_KEY_ENVS}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return cmd, running_command(cmd, port, env, log=os.path.join(tmp, "vllm.log"), start_s=600)
+    return cmd, running_command(cmd, env, port, log=os.path.join(tmp, "vllm.log"), start_s=600)
 
 
 def _number(x: float) -> str:
