@@ -460,3 +460,28 @@ def test_cpu_seconds_count_a_process_and_its_children() -> None:
         if child.stdout is not None:
             child.stdout.close()
     assert cpu_seconds(child.pid) is None  # gone
+
+
+def test_running_serves_until_the_block_ends() -> None:
+    import urllib.error
+    import urllib.request
+
+    from kvoffload.servebench.processes import running
+
+    port = free_port()
+    serve_args = ["serve", "--model", "tiny", "--num-device-blocks", "8", "--port", str(port)]
+    with running(serve_args, port) as url, urllib.request.urlopen(f"{url}/health",
+                                                                  timeout=10) as resp:
+        assert resp.status == 200
+    with pytest.raises(urllib.error.URLError):  # stopped: nothing listens there any more
+        urllib.request.urlopen(f"{url}/health", timeout=10)
+
+
+def test_a_server_that_fails_to_start_is_quoted(tmp_path) -> None:
+    from kvoffload.servebench.processes import running_command
+
+    log = str(tmp_path / "server.log")
+    cmd = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match="exited 3; its last output:\nno such model"), \
+            running_command(cmd, dict(os.environ), free_port(), log=log):
+        pass
