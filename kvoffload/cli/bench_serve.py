@@ -18,7 +18,7 @@ from kvoffload.cli.args import check_output_path, int_in, real_in
 from kvoffload.cli.command import command
 from kvoffload.cli.flagspec import Flag, Needs, add_flags, help_section, resolve_flags
 from kvoffload.cli.workload_flags import TRACE, WORKLOAD_FLAGS
-from kvoffload.servebench.offloading import OFFLOADING_CONFIGS
+from kvoffload.servebench.offloading import OFFLOADING_CONFIGS, OFFLOADING_SERVERS
 from kvoffload.servebench.routing_configs import CONFIG_NAMES
 from kvoffload.servebench.sessions import THINK_TIME_DISTS
 
@@ -139,6 +139,13 @@ BENCH_SERVE_FLAGS: tuple[Flag, ...] = (
          needs=OFFLOADING),
     Flag("compare_offloading_disk_size", "host_disk's disk tier (a fresh directory per run)",
          parse=real_in(0, positive=True), default=0.2, unit="GiB", needs=OFFLOADING),
+    Flag("compare_offloading_server", "the server each configuration starts: kvoffload serve, "
+         "or vllm serve with KVOffloadSpec (--model: a checkpoint directory; --serve-args: "
+         "vllm serve's flags)", choices=OFFLOADING_SERVERS, default="kvoffload",
+         needs=OFFLOADING),
+    Flag("compare_offloading_vllm", "the vllm executable of --compare-offloading-server vllm",
+         unit="PATH", needs=OFFLOADING,
+         unset="beside this Python, on PATH, or .venv-vllm/bin/vllm"),
 )
 
 #: The sessions workload's flags (closed-loop chat users; vLLM's multi-turn names where it has
@@ -218,6 +225,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.compare_routing and args.dataset_name == "sessions":
         raise ConfigError("compare_routing", "--compare-routing runs open-loop workloads; with "
                           "--dataset-name sessions use --compare-offloading or --base-url")
+    if args.compare_offloading and args.compare_offloading_server == "vllm":
+        from kvoffload.servebench.vllm_offloading import kv_bytes_per_token, vllm_executable
+
+        kv_bytes_per_token(args.model)
+        vllm_executable(args.compare_offloading_vllm)
     if args.dataset_name == "trace" and (args.dataset_path is None) == (args.generate is None):
         raise ConfigError("dataset_path",
                           "--dataset-name trace needs --dataset-path or --generate (one)")

@@ -1,7 +1,8 @@
 """``kvoffload bench serve --compare-offloading``: the same workload against one fresh
-``kvoffload serve`` per offloading configuration (no offloading / host / host + disk / host +
-Redis), interleaved over ``--repeats`` (the order rotated by one each repeat); figures as median
-[min-max] and as ratios against no offloading.
+``kvoffload serve`` (or, with ``--compare-offloading-server vllm``, ``vllm serve`` with our
+``KVOffloadSpec``: :mod:`kvoffload.servebench.vllm_offloading`) per offloading configuration (no
+offloading / host / host + disk / host + Redis), interleaved over ``--repeats`` (the order
+rotated by one each repeat); figures as median [min-max] and as ratios against no offloading.
 
 Every run starts a fresh instance on a free loopback port with ``--num-device-blocks`` and
 ``--serve-args``, and stops it at the end: a run never finds an earlier run's cache (the disk
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import tempfile
@@ -21,14 +23,26 @@ from typing import Any
 import numpy as np
 import redis
 
-from kvoffload.servebench.processes import free_port, running
+from kvoffload.cli.front_door_flags import API_KEY_ENV, BACKEND_API_KEY_ENV
+from kvoffload.servebench.processes import (
+    Server,
+    cpu_seconds,
+    free_port,
+    kvoffload_command,
+    running_command,
+)
 from kvoffload.servebench.routing_configs import repeat_order
 
-__all__ = ["OFFLOADING_CONFIGS", "compare_offloading", "offloading_args"]
+__all__ = ["OFFLOADING_CONFIGS", "OFFLOADING_SERVERS", "compare_offloading", "offloading_args"]
 
 #: The configurations, the baseline first.
 OFFLOADING_CONFIGS: tuple[str, ...] = ("no_offloading", "host", "host_disk", "host_redis")
 BASELINE = OFFLOADING_CONFIGS[0]
+#: The servers the comparison can start.
+OFFLOADING_SERVERS: tuple[str, ...] = ("kvoffload", "vllm")
+#: Keys a server reads from the environment: never inherited by the comparison's vLLM servers
+#: (every request would get 401).
+_VLLM_KEY_ENVS = frozenset((API_KEY_ENV, BACKEND_API_KEY_ENV, "VLLM_API_KEY"))
 
 #: The figures compared: (result key, label, lower is better); the shares come from the
 #: servers' tokens by source.
@@ -45,6 +59,10 @@ _FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("share_disk", "disk", False),
     ("share_remote", "remote", False),
     ("failed", "failed", True),
+    ("context_to_device_cache", "context/device", False),
+    ("server_cpu_s", "server CPU s", True),
+    ("server_step_s", "engine compute s", True),
+    ("server_store_s", "store jobs s", True),
 )
 
 
@@ -71,11 +89,16 @@ def offloading_args(args: argparse.Namespace, name: str, disk: str | None,
 
 
 def _derived(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` plus the compared figures it does not hold as such: each source's share and,
-    for sessions, the TTFT of round 1 and of the later rounds (mean over their turns)."""
+    """``result`` plus the compared figures it does not hold as such: each source's share, the
+    server's compute and store seconds (``kvoffload serve``) and, for sessions, the TTFT of
+    round 1 and of the later rounds (mean over their turns)."""
     out = dict(result)
     for source, share in result.get("share_by_source", {}).items():
         out[f"share_{source}"] = share
+    counters = result.get("server_counters") or {}
+    for key in ("step_s", "store_s"):
+        if key in counters:
+            out[f"server_{key}"] = counters[key]
     rounds = result.get("rounds") or []
     if rounds:
         out["round1_mean_ttft_ms"] = rounds[0]["mean_ttft_ms"] if rounds[0]["completed"] else None
@@ -117,10 +140,14 @@ def compare_offloading(args: argparse.Namespace,
                 result = _derived(_one(args, name, remote, run))
                 result["loadavg"] = os.getloadavg()
                 runs[name].append(result)
+                ratio = result.get("context_to_device_cache")
                 print(f"repeat {repeat + 1}/{args.repeats}: {name}: hit rate "
                       f"{result['prefix_hit_rate'] or 0:.3f}, mean TTFT "
-                      f"{result['mean_ttft_ms']:.1f} ms, failed {result['failed']}, load "
-                      f"{result['loadavg'][0]:.1f}", flush=True)
+                      f"{result['mean_ttft_ms']:.1f} ms, failed {result['failed']}, "
+                      + ("" if ratio is None else f"context {ratio:.1f}x the device cache, ")
+                      + f"load {result['loadavg'][0]:.1f}", flush=True)
+                if result.get("first_error"):
+                    print(f"  first error: {result['first_error']}", flush=True)
     summary = {name: _spread(results) for name, results in runs.items()}
     print_comparison(summary, args.repeats)
     return {"configs": summary, "runs": runs, "loadavg": os.getloadavg()}
@@ -134,13 +161,54 @@ def _one(args: argparse.Namespace, name: str, remote: str | None,
             client.flushall()
         finally:
             client.close()
-    with contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="kvoffload-offloading-") as tmp:
         disk = None
         if name == "host_disk":
-            disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-disk-"))
+            disk = os.path.join(tmp, "disk")
+            os.mkdir(disk)
         port = free_port()
-        serve = [*offloading_args(args, name, disk, remote), "--port", str(port)]
-        return run(args, stack.enter_context(running(serve, port)))
+        stats_file = os.path.join(tmp, "kvoffload-stats.json")
+        if args.compare_offloading_server == "vllm":
+            command, server = _vllm(args, name, disk, remote, port, tmp, stats_file)
+        else:
+            command, env = kvoffload_command(
+                [*offloading_args(args, name, disk, remote), "--port", str(port)])
+            server = running_command(command, env, port)
+        with server as started:
+            cpu_before = cpu_seconds(started.pid)
+            result = run(args, started.url)
+            cpu_after = cpu_seconds(started.pid)
+        result["server_command"] = command
+        result["server_cpu_s"] = (None if cpu_before is None or cpu_after is None
+                                  else cpu_after - cpu_before)
+        if os.path.exists(stats_file):  # the spec's own figures, written when vLLM went idle
+            with open(stats_file) as f:
+                result["kvoffload_stats"] = json.load(f)
+        return result
+
+
+def _vllm(args: argparse.Namespace, name: str, disk: str | None, remote: str | None, port: int,
+          tmp: str, stats_file: str) -> tuple[list[str], contextlib.AbstractContextManager[Server]]:
+    """The command of a fresh ``vllm serve`` of configuration ``name`` on ``port`` and the
+    context that runs it (its output in ``tmp``, quoted when it fails to start; the spec's
+    stats in ``stats_file``)."""
+    from kvoffload.servebench.vllm_offloading import (
+        needs_chat_template,
+        vllm_executable,
+        vllm_serve_args,
+    )
+    from kvoffload.serving.prompts import DEFAULT_CHAT_TEMPLATE
+
+    template = None
+    if needs_chat_template(args.model):
+        template = os.path.join(tmp, "chat_template.jinja")
+        with open(template, "w") as f:
+            f.write(DEFAULT_CHAT_TEMPLATE)
+    cmd = [vllm_executable(args.compare_offloading_vllm),
+           *vllm_serve_args(args, name, disk, remote, template, stats_file), "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k not in _VLLM_KEY_ENVS}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return cmd, running_command(cmd, env, port, log=os.path.join(tmp, "vllm.log"), start_s=600)
 
 
 def _number(x: float) -> str:

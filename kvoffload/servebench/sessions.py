@@ -34,6 +34,7 @@ import aiohttp
 
 from kvoffload.servebench.chat import chat_turn
 from kvoffload.servebench.client import RequestResult, bench_connections
+from kvoffload.servebench.device_cache import device_cache_tokens
 from kvoffload.servebench.metrics import (
     DETAILED_KEYS,
     hit_rates_by_source,
@@ -42,12 +43,14 @@ from kvoffload.servebench.metrics import (
     summarize,
 )
 from kvoffload.servebench.run import metrics_urls, print_result, progress_bar
+from kvoffload.servebench.server_counters import counter_deltas, scrape_counters
 from kvoffload.servebench.words import words_of_tokens
 
 __all__ = [
     "THINK_TIME_DISTS",
     "SessionsWorkload",
     "Turn",
+    "active_context_tokens",
     "build_workload",
     "round_figures",
     "run_sessions",
@@ -207,6 +210,32 @@ def round_figures(turns: Sequence[Turn], num_rounds: int,
     return out
 
 
+def shared_prefix_tokens(model: str, workload: SessionsWorkload) -> int:
+    """Tokens every conversation starts with (the system prompt as the chat template renders
+    it): the common prefix of the first two users' first requests, as ``model``'s tokenizer
+    encodes them (0 for fewer than two users)."""
+    from kvoffload.serving.prompts import PromptTokenizer
+
+    if workload.num_users < 2:
+        return 0
+    tokenizer = PromptTokenizer(model)
+    a, b = (tokenizer.encode_chat(workload.messages(u, [])) for u in (0, 1))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def active_context_tokens(turns: Sequence[Turn], active_users: int, shared: int) -> int:
+    """Tokens the ``active_users`` longest conversations hold at their end (each user's longest
+    successful turn: prompt plus answer, as the server counted them), the ``shared`` prefix
+    they all start with counted once: what a cache must hold to keep every active session."""
+    longest: dict[int, int] = {}
+    for t in turns:
+        if t.result.success:
+            size = t.result.prompt_len + t.result.output_tokens
+            longest[t.user] = max(longest.get(t.user, 0), size)
+    sizes = sorted(longest.values(), reverse=True)[:active_users]
+    return sum(sizes) - shared * max(0, len(sizes) - 1)
+
+
 def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dict[str, Any]:
     """One run of the sessions workload of the resolved flags against ``url``: vLLM's result
     keys over every turn, the servers' tokens by source, and ``rounds``."""
@@ -215,7 +244,8 @@ def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dic
                         args.sessions_think_time, args.sessions_think_time_dist, args.seed)
     model = args.served_model_name or args.model
     urls = metrics_urls(url)
-    before = scrape_sources(urls)
+    device = device_cache_tokens(urls)
+    before, counters_before = scrape_sources(urls), scrape_counters(urls)
     bar = progress_bar(workload.num_users * workload.num_rounds, args, quiet)
     try:
         turns, duration = asyncio.run(run_users(
@@ -224,7 +254,10 @@ def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dic
     finally:
         if bar is not None:
             bar.close()
-    after = scrape_sources(urls)
+    after, counters_after = scrape_sources(urls), scrape_counters(urls)
+    active_users = min(workload.num_users, args.max_concurrency or workload.num_users)
+    active = active_context_tokens(turns, active_users,
+                                   shared_prefix_tokens(args.model, workload))
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     results = [t.result for t in turns]
     out: dict[str, Any] = {
@@ -248,16 +281,33 @@ def run_sessions(args: argparse.Namespace, url: str, quiet: bool = False) -> dic
         **hit_rates_by_source(before, after),
         "rounds": round_figures(turns, workload.num_rounds, percentiles),
         "not_sent": workload.num_users * workload.num_rounds - len(turns),
+        "first_error": next((r.error for r in results if r.error), None),
+        "server_counters": counter_deltas(counters_before, counters_after),
+        "active_users": active_users,
+        "active_context_tokens": active,
+        "device_cache_tokens": device,
+        "context_to_device_cache": active / device if device else None,
         "users_of_requests": [t.user for t in turns],
         "rounds_of_requests": [t.round + 1 for t in turns],
     }
     if not quiet:
         print_result(out, percentiles)
         print_rounds(out["rounds"], percentiles)
+        print(context_line(out))
     if not args.save_detailed:
         for key in (*DETAILED_KEYS, *_DETAILED_SESSION_KEYS):
             del out[key]
     return out
+
+
+def context_line(result: dict[str, Any]) -> str:
+    """The sizing condition of a run: the active sessions' context against the device cache."""
+    device, active = result["device_cache_tokens"], result["active_context_tokens"]
+    head = (f"Active context: {active:,} tokens ({result['active_users']} conversations at their "
+            "end, the shared prefix once)")
+    if not device:
+        return f"{head}; the server does not report its device cache"
+    return (f"{head} = {active / device:.1f}x the device cache of {device:,} tokens")
 
 
 def print_rounds(rounds: Sequence[dict[str, Any]], percentiles: Sequence[float]) -> None:
