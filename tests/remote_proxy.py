@@ -2,8 +2,9 @@
 receives: the server's bytes trickle to the client in small segments with pauses between (so a
 reply arrives in many TCP segments and every ``recv`` returns a piece), and the connection can be
 dropped after a chosen number of bytes (mid-value), and the server's replies can be held until
-the test releases them (a server that answers late, without timing). What the client sends
-passes unchanged.
+the test releases them (a server that answers late, without timing), all of them or only those
+of connections opened from a chosen moment on (a new client held, the older ones flowing). What
+the client sends passes unchanged.
 
 Bounded: every socket has a timeout, the threads are daemons, :meth:`TrickleProxy.close` stops
 them all.
@@ -46,6 +47,9 @@ class TrickleProxy:
         self._sockets: list[socket.socket] = []
         self._rng = random.Random(0)
         self.connections = 0
+        self._new_gate: threading.Event | None = None
+        #: set when a connection is accepted while :meth:`hold_new` holds new ones
+        self.held_connection = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="trickle-accept").start()
 
     def url(self, db: int = 0) -> str:
@@ -65,9 +69,24 @@ class TrickleProxy:
         """Forward the held replies and every later one."""
         self._released.set()
 
+    def hold_new(self) -> None:
+        """Hold the replies on connections accepted from now on (older ones flow) until
+        :meth:`release_new`; :attr:`held_connection` is set when one is accepted."""
+        with self._lock:
+            self._new_gate = threading.Event()
+        self.held_connection.clear()
+
+    def release_new(self) -> None:
+        """Forward what :meth:`hold_new` held; later connections flow."""
+        with self._lock:
+            gate, self._new_gate = self._new_gate, None
+        if gate is not None:
+            gate.set()
+
     def close(self) -> None:
         self._closed.set()
         self._released.set()
+        self.release_new()
         self._listener.close()
         with self._lock:
             for sock in self._sockets:
@@ -86,10 +105,15 @@ class TrickleProxy:
             with self._lock:
                 self._sockets += [client, upstream]
                 self.connections += 1
+                gate = self._new_gate
+            if gate is not None:
+                self.held_connection.set()
             threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True, gate),
+                             daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, to_client: bool) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, to_client: bool,
+              gate: threading.Event | None = None) -> None:
         try:
             while not self._closed.is_set():
                 data = source.recv(1 << 16)
@@ -99,6 +123,8 @@ class TrickleProxy:
                     sink.sendall(data)
                     continue
                 self._released.wait(_TIMEOUT_S)
+                if gate is not None:
+                    gate.wait(_TIMEOUT_S)
                 view = memoryview(data)
                 while view:
                     piece = self._next_piece(len(view))

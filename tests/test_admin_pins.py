@@ -276,6 +276,71 @@ def test_fifo_policies_take_pinned_blocks_out_of_their_queues(policy: str) -> No
     host.check_invariants()
 
 
+def test_prefix_policy_takes_pinned_blocks_off_its_leaf_list() -> None:
+    """The prefix policy's pinned blocks leave its leaf list (no sample draws them) and a pinned
+    parent is not promoted when its children go; unpinned, a childless block is a leaf again."""
+    host = CPUOffloadingManager(16, "prefix")
+    keys = _keys(6)
+    _store(host, keys)  # one chain: keys[5] is its leaf
+    p: Any = host.policy
+    assert keys[5] in {e.key for e in p._leaves}
+    table = _table(host, 8)
+    table.pin("ops", keys, ["host"], 16)
+    assert not set(keys) & {e.key for e in p._leaves}
+    host.check_invariants()
+    for round_ in range(4):  # 40 other blocks through the 10 free slots
+        _store(host, _keys(10, 100 + 10 * round_))
+        assert not set(keys) & {e.key for e in p._leaves}
+        host.check_invariants()
+    assert all(host.policy.get(k) is not None for k in keys)
+    table.unpin(owner="ops")
+    assert keys[5] in {e.key for e in p._leaves}
+    host.check_invariants()
+    evicted: list[OffloadKey] = []
+    for round_ in range(4):
+        evicted += _store(host, _keys(16, 1000 + 16 * round_))
+    assert set(keys) <= set(evicted)
+    host.check_invariants()
+
+
+def test_a_reset_drops_the_pins_of_the_blocks_it_dropped() -> None:
+    """A manager reset drops pinned blocks too; the pins of that tier go with them, and an unpin
+    afterwards releases nothing of the blocks stored since (here: a load's reference)."""
+    host = CPUOffloadingManager(16, "lru")
+    keys = _keys(4)
+    _store(host, keys)
+    table = _table(host, 8)
+    table.pin("ops", keys, ["host"], 16)
+    host.reset()
+    assert table.pins() == [] and table.pinned_blocks("host") == 0
+    table.check_invariants()
+    _store(host, keys)
+    ctx = ReqContext("load")
+    host.prepare_load(keys, ctx)  # a load holds one reference per block
+    assert table.unpin(owner="ops") == []
+    assert [host.policy.get(k).ref_cnt for k in keys] == [1] * 4  # type: ignore[union-attr]
+    table.pin("ops", keys, ["host"], 16)  # a fresh pin holds the blocks stored since
+    assert [host.policy.get(k).ref_cnt for k in keys] == [2] * 4  # type: ignore[union-attr]
+
+
+def test_a_reset_of_one_tier_leaves_a_pin_its_other_tiers() -> None:
+    host = CPUOffloadingManager(16, "lru")
+    disk = CPUOffloadingManager(16, "lru")
+    keys = _keys(4)
+    _store(host, keys)
+    _store(disk, keys)
+    table = PinTable({"host": HostPinSite(host), "disk": PolicyPinSite(disk.policy)},
+                     {"host": 8, "disk": 8}, Clock())
+    table.pin("ops", keys, ["host", "disk"], 16)
+    disk.reset()
+    changed = table.expire()
+    assert [p.tiers for p in changed] == [("host",)]
+    assert table.pinned_blocks("disk") == 0 and table.pinned_blocks("host") == 4
+    table.check_invariants()
+    table.unpin(owner="ops")
+    assert [host.policy.get(k).ref_cnt for k in keys] == [0] * 4  # type: ignore[union-attr]
+
+
 def test_tier_admin_over_a_manager_stack_without_an_engine() -> None:
     """The manager-level API (a reuse filter over a host tier, as an engine builds it): which
     blocks each tier holds, pins through it, and a clear that keeps the pinned blocks."""

@@ -50,10 +50,28 @@ from kvoffload.tiers.contract import SecondaryTier
 if TYPE_CHECKING:
     from kvoffload.engine.engine import Engine
 
-__all__ = ["TIER_NAMES", "AdminPrompt", "EngineAdmin"]
+__all__ = ["TIER_NAMES", "AdminPrompt", "EngineAdmin", "RemoteClear"]
 
 #: Every tier an operator may name, fastest first.
 TIER_NAMES = ("device", "host", "disk", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteClear:
+    """The remote server's part of a clear: remove every key under ``prefix``. Holds no engine
+    state, so :meth:`run` may run on any thread (it opens its own connection); ``own``: the
+    keys are this engine's model's (its remote tier forgets what it knew; removals announced)."""
+
+    url: str
+    prefix: bytes
+    own: bool
+
+    def run(self) -> list[bytes]:
+        """``SCAN`` + ``UNLINK`` the keys; the removed ones, without the prefix. Raises
+        ``OSError`` when the server cannot be reached."""
+        from kvoffload.tiers.redis.clear import drop_prefix
+
+        return drop_prefix(self.url, self.prefix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +259,27 @@ class EngineAdmin:
         """Remove blocks: of the tiers named (all by default), of this engine's model, or of
         the fingerprint namespace ``model`` (hex) in the shared tiers. Pinned blocks stay unless
         ``unpin`` (which drops the pins of those tiers first); blocks being read or written
-        stay. Returns the blocks removed per tier (and what was kept)."""
+        stay. Returns the blocks removed per tier (and what was kept).
+
+        The remote server's ``SCAN`` + ``UNLINK`` runs on the calling thread here; a server
+        runs :meth:`clear_local`, then :meth:`RemoteClear.run` off the engine thread, then
+        :meth:`finish_clear`, so engine steps go on during it."""
+        answer, remote = self.clear_local(tiers, model, unpin)
+        if remote is None:
+            return answer
+        try:
+            keys = remote.run()
+        except BaseException:
+            self.finish_clear(answer, remote, None)
+            raise
+        return self.finish_clear(answer, remote, keys)
+
+    def clear_local(
+        self, tiers: Sequence[str] | str | None = None, model: str | None = None, unpin: bool = False
+    ) -> tuple[dict[str, Any], RemoteClear | None]:
+        """The part of :meth:`clear` on this engine's own tiers (and another model's disk
+        namespace); returns the answer so far and the remote server's clear still to run (then
+        :meth:`finish_clear`), or ``None``."""
         names = check_tiers(tiers, self.tiers) if tiers is not None else list(self.tiers)
         own = model is None or model == self.model
         if not own:
@@ -258,33 +296,48 @@ class EngineAdmin:
             removed["device"] = engine.pool.drop_cached()
         if self.stack is not None:
             removed.update(self.stack.drop_evictable(names))
-        remote_removed: list[OffloadKey] = []
+        remote_clear: RemoteClear | None = None
         remote = self.secondary.get("remote")
         if "remote" in names and remote is not None:
-            remote_removed = self._drop_remote(remote)
-            removed["remote"] = len(remote_removed)
+            remote_clear = self._remote_clear(remote)
+            if remote_clear is None:
+                removed["remote"] = 0
         self.cleared.update(removed)
         engine.publish_events()
-        if remote_removed:
-            self._announce_remote(remote_removed)
         kept = {t: self.pin_table.pinned_blocks(t) for t in names if t in self.pin_table.sites}
-        return {"removed_blocks": removed, "kept_pinned_blocks": kept,
-                "unpinned": [p.describe() for p in unpinned], "model": self.model}
+        return ({"removed_blocks": removed, "kept_pinned_blocks": kept,
+                 "unpinned": [p.describe() for p in unpinned], "model": self.model},
+                remote_clear)
 
-    def _drop_remote(self, tier: SecondaryTier) -> list[OffloadKey]:
-        """Remove this model's keys from the remote server; the tier forgets its answers."""
-        from kvoffload.tiers.redis.clear import drop_prefix
+    def _remote_clear(self, tier: SecondaryTier) -> RemoteClear | None:
+        """The clear of this model's keys on the remote server (``None``: no server)."""
         from kvoffload.tiers.redis.config import remote_key_prefix
         from kvoffload.tiers.redis.url import parse_redis_url
 
         url = self.engine.config.kv_remote_url
         if url is None:
-            return []
+            return None
         tier.drain_jobs()
-        prefix = remote_key_prefix(tier.layout, parse_redis_url(url).namespace)
-        keys = drop_prefix(url, prefix)
-        tier.reset()  # what it knew of the server's keys is stale now
-        return [OffloadKey(k) for k in keys]
+        return RemoteClear(url, remote_key_prefix(tier.layout, parse_redis_url(url).namespace),
+                           own=True)
+
+    def finish_clear(
+        self, answer: dict[str, Any], remote: RemoteClear, keys: list[bytes] | None
+    ) -> dict[str, Any]:
+        """Complete :meth:`clear_local`'s ``answer`` with ``remote``'s removed ``keys`` (``None``:
+        it failed): the remote tier forgets what it knew of the server's keys, this model's
+        removed blocks are announced, all are counted."""
+        tier = self.secondary.get("remote")
+        if remote.own and tier is not None:
+            tier.drain_jobs()
+            tier.reset()  # what it knew of the server's keys is stale now
+        if keys is None:
+            return answer
+        answer["removed_blocks"]["remote"] = len(keys)
+        self.cleared.update({"remote": len(keys)})
+        if remote.own and keys:
+            self._announce_remote([OffloadKey(k) for k in keys])
+        return answer
 
     def _announce_remote(self, keys: list[OffloadKey]) -> None:
         """``BlockRemoved`` (remote) for blocks a clear took from the shared server (the tier
@@ -302,9 +355,11 @@ class EngineAdmin:
         if self.engine.config.events.enable_kv_cache_events:
             publisher.publish(KVEventBatch(time.time(), list(events)))
 
-    def _clear_other_model(self, names: list[str], fingerprint: str) -> dict[str, Any]:
+    def _clear_other_model(
+        self, names: list[str], fingerprint: str
+    ) -> tuple[dict[str, Any], RemoteClear | None]:
         """Remove another model's blocks from the shared tiers: its disk namespace (when no
-        live process uses it) and its keys on the remote server."""
+        live process uses it) and (returned, to run) its keys on the remote server."""
         removed: dict[str, int] = {}
         refused: dict[str, str] = {}
         disk = self.secondary.get("disk")
@@ -319,16 +374,16 @@ class EngineAdmin:
                 removed["disk"] = files
         remote = self.secondary.get("remote")
         url = self.engine.config.kv_remote_url
+        remote_clear: RemoteClear | None = None
         if "remote" in names and remote is not None and url is not None:
-            from kvoffload.tiers.redis.clear import drop_prefix
             from kvoffload.tiers.redis.url import parse_redis_url
 
             space = parse_redis_url(url).namespace
             prefix = b"kvo:" + (space.encode() + b":" if space else b"") + fingerprint.encode() + b":"
-            removed["remote"] = len(drop_prefix(url, prefix))
+            remote_clear = RemoteClear(url, prefix, own=False)
         self.cleared.update(removed)
-        return {"removed_blocks": removed, "refused": refused, "model": fingerprint,
-                "kept_pinned_blocks": {}, "unpinned": []}
+        return ({"removed_blocks": removed, "refused": refused, "model": fingerprint,
+                 "kept_pinned_blocks": {}, "unpinned": []}, remote_clear)
 
     # ------------------------------------------------------------------ warm
 

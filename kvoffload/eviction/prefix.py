@@ -46,6 +46,7 @@ class _Entry:
         "leaf_pos",
         "parent",
         "parent_key",
+        "pinned",
         "req",
         "stamp",
     )
@@ -60,7 +61,8 @@ class _Entry:
         self.parent_key: OffloadKey | None = None  # the key before it in its chain, once seen
         self.parent: _Entry | None = None  # while held: the parent's entry as of insert
         self.children = 0  # held entries whose ``parent`` is this entry
-        self.leaf_pos = -1  # index in the leaf list while a held leaf, else -1
+        self.leaf_pos = -1  # index in the leaf list while a held, unpinned leaf, else -1
+        self.pinned = False  # held under an operator pin: off the leaf list, never a victim
 
 
 @register_eviction_policy
@@ -93,6 +95,10 @@ class PrefixPolicy(HeldBlocksPolicy):
     the one with the lowest density. If sampling finds too few, it scans leaves, then every held
     block. Atomic: exactly ``n`` victims, or ``None`` and nothing changed.
 
+    **Operator pins** (:meth:`pinned` / :meth:`unpinned`): a pinned block leaves the leaf list
+    (no sample draws it) and is never promoted to a leaf while pinned; it is a leaf again, at
+    once, when unpinned with no held child. O(1) per key.
+
     **Admission rule.** ``admit`` stores the absent keys in chain order while they fit in free
     slots; beyond that, a key is admitted only if its class's density at age 0 is at least the
     lowest density among ``samples`` sampled evictable leaves (what it would displace), and the
@@ -103,7 +109,7 @@ class PrefixPolicy(HeldBlocksPolicy):
     adapts by itself.
 
     Costs: ``touch``/``admit`` O(keys in the call); ``evict`` O(n * samples) (the fallback scan,
-    when nearly every leaf is pinned or protected, is O(held)); a recompute is
+    when nearly every leaf is being read or protected, is O(held)); a recompute is
     O(classes * ages) every ``recompute_every >= classes * ages`` ticks. Memory: one small record
     per held block plus ``history_size`` remembered keys.
     """
@@ -279,6 +285,27 @@ class PrefixPolicy(HeldBlocksPolicy):
         self._rng = rng
         return bar
 
+    def pinned(self, keys: Sequence[OffloadKey]) -> None:
+        held = self._held
+        for key in keys:
+            e = held.get(key)
+            if e is None or e.pinned:
+                continue
+            e.pinned = True
+            if e.leaf_pos >= 0:
+                self._unleaf(e)
+
+    def unpinned(self, keys: Sequence[OffloadKey]) -> None:
+        held, leaves = self._held, self._leaves
+        for key in keys:
+            e = held.get(key)
+            if e is None or not e.pinned:
+                continue
+            e.pinned = False
+            if e.children == 0:
+                e.leaf_pos = len(leaves)
+                leaves.append(e)
+
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         e = self._history.pop(key, None)
         if e is None:
@@ -310,13 +337,14 @@ class PrefixPolicy(HeldBlocksPolicy):
         del self._held[e.key]
         del self._blocks[e.key]
         e.block = None
+        e.pinned = False
         if e.leaf_pos >= 0:
             self._unleaf(e)
         parent = e.parent
         if parent is not None:
             e.parent = None
             parent.children -= 1
-            if parent.children == 0 and parent.block is not None:
+            if parent.children == 0 and parent.block is not None and not parent.pinned:
                 parent.leaf_pos = len(self._leaves)
                 self._leaves.append(parent)
         self._history[e.key] = e
@@ -361,13 +389,13 @@ class PrefixPolicy(HeldBlocksPolicy):
                 break
             chosen[best] = None
             parent = best.parent
-            if parent is not None and parent.block is not None:
+            if parent is not None and parent.block is not None and not parent.pinned:
                 done = chosen_children.get(parent, 0) + 1
                 chosen_children[parent] = done
                 if done == parent.children:
                     promoted.append(parent)
         if len(chosen) < n:
-            # Sampling found too few (nearly every leaf pinned or protected): scan, leaves first.
+            # Sampling found too few (nearly every leaf being read or protected): scan, leaves first.
             for e in itertools.chain(leaves, promoted, self._held.values()):  # all held
                 if e.block.ref_cnt == 0 and e not in chosen and e.key not in protected:  # type: ignore[union-attr]
                     chosen[e] = None
@@ -408,5 +436,7 @@ class PrefixPolicy(HeldBlocksPolicy):
             assert e.leaf_pos == pos and e.block is not None and e.children == 0, (
                 f"leaf {pos} is stale"
             )
-        n_leaves = sum(1 for e in self._held.values() if e.children == 0)
-        assert n_leaves == len(self._leaves), "a held block with no held child is not a leaf"
+        n_leaves = sum(1 for e in self._held.values() if e.children == 0 and not e.pinned)
+        assert n_leaves == len(self._leaves), "an unpinned block with no held child is not a leaf"
+        for e in self._history.values():
+            assert not e.pinned, f"{e.key.hex()}: a remembered key is pinned"

@@ -75,6 +75,10 @@ class PinSite(Protocol):
     def release(self, keys: Sequence[OffloadKey]) -> None:
         """Drop one reference on each of ``keys`` taken by :meth:`hold`."""
 
+    def generation(self) -> int:
+        """Moves each time the tier forgets every block at once (a reset): its references are
+        gone with its blocks."""
+
 
 class HostPinSite:
     """The host tier: references through :meth:`CPUOffloadingManager.pin` (which keeps its
@@ -94,6 +98,9 @@ class HostPinSite:
     def release(self, keys: Sequence[OffloadKey]) -> None:
         self.host.unpin(keys)
         self.host.policy.unpinned(keys)
+
+    def generation(self) -> int:
+        return self.host.policy.generation
 
 
 class PolicyPinSite:
@@ -120,6 +127,9 @@ class PolicyPinSite:
             if block is not None and block.ref_cnt > 0:
                 block.ref_cnt -= 1
         self.policy.unpinned(keys)
+
+    def generation(self) -> int:
+        return self.policy.generation
 
 
 @dataclass(slots=True)
@@ -178,6 +188,10 @@ class PinTable:
 
     ``quotas``: the most distinct blocks each tier may hold pinned. Not thread-safe: called from
     the thread that owns the managers (the engine's).
+
+    A tier reset (``reset()`` of the manager, vLLM's ``reset_cache``) drops every block of the
+    tier, pinned ones too: each call here first notices a tier whose :meth:`PinSite.generation`
+    moved (O(tiers)), drops that tier from every pin and a pin left with no tier.
     """
 
     sites: dict[str, PinSite]
@@ -186,13 +200,36 @@ class PinTable:
     _pins: dict[str, Pin] = field(default_factory=dict)
     _holders: dict[str, dict[OffloadKey, int]] = field(default_factory=dict)
     _deadlines: list[tuple[float, str]] = field(default_factory=list)
+    _generations: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for tier in self.sites:
+        for tier, site in self.sites.items():
             self._holders[tier] = {}
+            self._generations[tier] = site.generation()
+
+    def _forget_reset_tiers(self) -> list[Pin]:
+        """Drop the pins' hold on the tiers reset since the last call (their blocks, and the
+        references on them, are gone: nothing to release); the pins changed or removed."""
+        generations = self._generations
+        reset = {t for t, site in self.sites.items() if site.generation() != generations[t]}
+        if not reset:
+            return []
+        for tier in reset:
+            generations[tier] = self.sites[tier].generation()
+            self._holders[tier].clear()
+        changed = []
+        for pin in list(self._pins.values()):
+            kept = tuple(t for t in pin.tiers if t not in reset)
+            if kept != pin.tiers:
+                changed.append(pin)
+                pin.tiers = kept
+                if not kept:
+                    del self._pins[pin.pin_id]
+        return changed
 
     def pinned_blocks(self, tier: str) -> int:
         """Distinct blocks pinned in ``tier``."""
+        self._forget_reset_tiers()
         return len(self._holders.get(tier, ()))
 
     def pin(
@@ -208,6 +245,7 @@ class PinTable:
         :class:`NotCached`, :class:`PinQuotaExceeded`."""
         check_owner(owner)
         ttl = check_ttl(ttl_s)
+        self._forget_reset_tiers()
         if not keys:
             raise ConfigError("prompt", "holds no full block: there is nothing to pin")
         unknown = [t for t in tiers if t not in self.sites]
@@ -270,6 +308,7 @@ class PinTable:
         whose prefix ends with ``keys[-1]``); returns them. At least one criterion is needed."""
         if pin_id is None and owner is None and not keys:
             raise ConfigError("unpin", "name a pin id, an owner or a prompt")
+        self._forget_reset_tiers()
         last = keys[-1] if keys else None
         gone = [
             p for p in self._pins.values()
@@ -284,6 +323,7 @@ class PinTable:
 
     def unpin_tier(self, tier: str) -> list[Pin]:
         """Remove every pin that names ``tier`` (all of it, its other tiers too)."""
+        self._forget_reset_tiers()
         gone = [p for p in self._pins.values() if tier in p.tiers]
         for pin in gone:
             del self._pins[pin.pin_id]
@@ -291,11 +331,13 @@ class PinTable:
         return gone
 
     def expire(self) -> list[Pin]:
-        """Remove the pins whose TTL has passed; O(1) when none is due."""
+        """Remove the pins whose TTL has passed, and forget what tier resets dropped; the pins
+        removed or changed. O(tiers) when nothing is due."""
+        gone = self._forget_reset_tiers()
         deadlines = self._deadlines
         if not deadlines or deadlines[0][0] > self.clock():
-            return []
-        now, gone = self.clock(), []
+            return gone
+        now = self.clock()
         while deadlines and deadlines[0][0] <= now:
             expires_at, pin_id = heapq.heappop(deadlines)
             pin = self._pins.get(pin_id)
@@ -312,13 +354,16 @@ class PinTable:
 
     def pin_ids(self) -> list[str]:
         """The ids of the live pins (expired ones included until :meth:`expire` runs)."""
+        self._forget_reset_tiers()
         return list(self._pins)
 
     def pinned_keys(self, tier: str) -> Iterable[OffloadKey]:
+        self._forget_reset_tiers()
         return self._holders.get(tier, {}).keys()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if reference counts and pins disagree (tests only)."""
+        self._forget_reset_tiers()
         for tier, holders in self._holders.items():
             expected: dict[OffloadKey, int] = {}
             for pin in self._pins.values():

@@ -159,7 +159,19 @@ def admin_router(
         unpin_too = body.get("unpin", False)
         if not isinstance(unpin_too, bool):
             raise APIError("unpin must be true or false", "unpin")
-        return await on_engine(lambda a: a.clear(body.get("tiers"), body.get("model"), unpin_too))
+        answer, remote = await on_engine(
+            lambda a: a.clear_local(body.get("tiers"), body.get("model"), unpin_too))
+        if remote is None:
+            return answer
+        # The server's SCAN + UNLINK (seconds for a large namespace) runs off the engine
+        # thread: steps go on meanwhile.
+        try:
+            keys = await asyncio.to_thread(remote.run)
+        except OSError as exc:
+            await on_engine(lambda a: a.finish_clear(answer, remote, None))
+            raise APIError(f"a tier's server did not answer: {type(exc).__name__}", status=503,
+                           code="tier_unavailable") from None
+        return await on_engine(lambda a: a.finish_clear(answer, remote, keys))
 
     @router.post("/warm")
     async def warm_endpoint(raw: Request) -> dict[str, Any]:
