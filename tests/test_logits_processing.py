@@ -118,10 +118,9 @@ def test_penalties_and_bias_survive_preemption() -> None:
 
 
 def _same_counts(a: LogitsState, b: LogitsState) -> bool:
-    """Whether two penalised requests' states hold the same output counts and seen tokens."""
-    if a.counts is None or b.counts is None or a.seen is None or b.seen is None:
-        return False
-    return torch.equal(a.counts, b.counts) and torch.equal(a.seen, b.seen)
+    """Whether two penalised requests' states hold the same counts, seen tokens and penalties."""
+    pairs = [(a.counts, b.counts), (a.seen, b.seen), (a.subtract, b.subtract)]
+    return all(x is not None and y is not None and torch.equal(x, y) for x, y in pairs)
 
 
 def test_rows_asking_nothing_are_untouched_and_min_tokens_masks_stops() -> None:

@@ -21,11 +21,13 @@ __all__ = ["LogitsState", "apply_penalties", "process_logits"]
 
 class LogitsState:
     """One request's logits-processing state, made on its first processed step and kept on the
-    request. Invariant after :meth:`update`: ``counts[t]`` is how often ``t`` is in the output so
-    far, ``seen[t]`` whether ``t`` is in the prompt or the output (both ``vocab + 1`` wide: ids
-    outside the vocabulary land in the spare last column, never read)."""
+    request. Invariant after :meth:`update` (each ``vocab`` wide; ids outside the vocabulary are
+    left out): ``counts[t]`` is how often ``t`` is in the output so far, ``seen[t]`` whether ``t``
+    is in the prompt or the output, and ``subtract[t]`` is ``frequency_penalty * counts[t] +
+    presence_penalty * (counts[t] > 0)``."""
 
-    __slots__ = ("bias_ids", "bias_values", "consumed", "counts", "device", "seen", "vocab")
+    __slots__ = ("bias_ids", "bias_values", "consumed", "counts", "device", "frequency",
+                 "presence", "seen", "subtract", "vocab")
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int] | torch.Tensor,
                  vocab: int, device: torch.device) -> None:
@@ -33,12 +35,15 @@ class LogitsState:
         pairs = [(t, b) for t, b in params.logit_bias if t < vocab]
         self.bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
         self.bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float64, device=device)
+        self.frequency, self.presence = params.frequency_penalty, params.presence_penalty
         self.counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
+        self.subtract: torch.Tensor | None = None
         self.consumed = 0  # output tokens counted so far
         if params.penalised:
-            self.counts = torch.zeros(vocab + 1, dtype=torch.float32, device=device)
-            self.seen = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.subtract = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             self.seen[self._ids(prompt)] = True
 
     def fits(self, vocab: int, device: torch.device) -> bool:
@@ -49,16 +54,18 @@ class LogitsState:
         """Count the tokens of ``output`` (the whole output so far) added since the last call:
         O(new tokens). ``output`` only grows (a preempted request keeps its tokens); a shorter
         one is an error of the caller's."""
-        if self.counts is None or self.seen is None or len(output) == self.consumed:
+        counts, seen, subtract = self.counts, self.seen, self.subtract
+        if counts is None or seen is None or subtract is None or len(output) == self.consumed:
             return
         new = self._ids(output[self.consumed :])
-        self.counts.index_add_(0, new, torch.ones(new.shape, dtype=self.counts.dtype,
-                                                  device=self.device))
-        self.seen[new] = True
+        counts.index_add_(0, new, torch.ones(new.shape, dtype=counts.dtype, device=self.device))
+        seen[new] = True
+        subtract[new] = self.frequency * counts[new] + self.presence
         self.consumed = len(output)
 
     def _ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(ids, dtype=torch.long).clamp(0, self.vocab).to(self.device)
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        return ids[(ids >= 0) & (ids < self.vocab)].to(self.device)
 
 
 def process_logits(
@@ -115,41 +122,40 @@ def process_logits(
         out.index_put_((torch.cat(bias_rows), torch.cat(bias_ids)),
                        torch.cat(bias_values).to(out.dtype), accumulate=True)
     if penalised:
-        rows = _index(penalised, device)
-        out[rows] = apply_penalties(
-            out[rows],
+        repetition = [params[i].repetition_penalty for i in penalised]
+        every_row = len(penalised) == len(params)
+        rows = None if every_row else _index(penalised, device)
+        penalties = apply_penalties(
+            out if rows is None else out[rows],
             torch.stack([s.seen for s in tracked if s.seen is not None]),
-            torch.stack([s.counts for s in tracked if s.counts is not None]),
-            torch.tensor([params[i].repetition_penalty for i in penalised], device=device),
-            torch.tensor([params[i].frequency_penalty for i in penalised], device=device),
-            torch.tensor([params[i].presence_penalty for i in penalised], device=device),
+            torch.stack([s.subtract for s in tracked if s.subtract is not None]),
+            None if all(r == 1 for r in repetition) else torch.tensor(repetition, device=device),
         )
+        if rows is None:
+            out = penalties
+        else:
+            out[rows] = penalties
     return out
 
 
 def apply_penalties(
     logits: torch.Tensor,
     seen: torch.Tensor,
-    counts: torch.Tensor,
-    repetition: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
+    subtract: torch.Tensor,
+    repetition: torch.Tensor | None,
 ) -> torch.Tensor:
-    """vLLM's penalties on ``logits`` ``(R, vocab)`` (float32), one value per row in each of
-    ``repetition``, ``frequency`` and ``presence``; ``seen`` ``(R, vocab + 1)`` marks the tokens
-    in each row's prompt or output, ``counts`` ``(R, vocab + 1)`` counts those in its output
-    (the last column of both is ignored). For each seen token, a positive logit is divided by
-    the repetition penalty and a negative one multiplied by it; then ``frequency * count`` and
-    ``presence * (count > 0)`` are subtracted (OpenAI's definition: the output only). A new
-    tensor."""
-    vocab = logits.shape[1]
-    dtype = logits.dtype
-    seen, counts = seen[:, :vocab], counts[:, :vocab].to(dtype)
-    penalty = repetition.to(dtype).unsqueeze(1)
-    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
-    out = torch.where(seen, repeated, logits)
-    out = out - frequency.to(dtype).unsqueeze(1) * counts
-    return out - presence.to(dtype).unsqueeze(1) * (counts > 0)
+    """vLLM's penalties on ``logits`` ``(R, vocab)`` (float32): ``seen`` ``(R, vocab)`` marks
+    the tokens in each row's prompt or output, ``repetition`` holds one penalty per row
+    (``None``: all 1). For each seen token, a positive logit is divided by the repetition penalty
+    and a negative one multiplied by it; then ``subtract`` ``(R, vocab)`` is subtracted: the
+    frequency and presence penalties, ``frequency * count + presence * (count > 0)`` over the
+    output only (OpenAI's definition; :class:`LogitsState` keeps it). A new tensor."""
+    out = logits
+    if repetition is not None:
+        penalty = repetition.to(logits.dtype).unsqueeze(1)
+        out = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty),
+                          logits)
+    return out - subtract.to(logits.dtype)
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
