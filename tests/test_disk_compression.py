@@ -6,6 +6,7 @@ their own, and the settings checked."""
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,32 @@ def test_a_damaged_compressed_file_fails_its_load_and_is_dropped(
         assert not list(tmp_path.rglob(key(0).hex() + ".kvb"))
         assert t.stats()[f"failed_load_{cause}"] == 1
         t.check_ledger()
+    finally:
+        t.close()
+
+
+def test_encode_failures_store_raw_and_log_once_per_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A codec that fails every block (an injected fault): each block is stored as it is and
+    loads back exact; the store logs one error, counted, not one traceback per block."""
+    pool, view = kv_pool(10)
+    t = tier(tmp_path, view)
+
+    def broken(raw: memoryview) -> bytes | None:
+        raise RuntimeError("codec broke")
+
+    monkeypatch.setattr(t.codec, "encode", broken)
+    keys = [key(i) for i in range(5)]
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvoffload"):
+            assert run(t, 1, True, keys, [0, 1, 2, 3, 4]) == {}
+        failures = [r for r in caplog.records if "encoding" in r.getMessage()]
+        assert len(failures) == 1
+        assert "5 of 5 blocks" in failures[0].getMessage()
+        assert failures[0].exc_info is not None
+        assert run(t, 2, False, keys, [5, 6, 7, 8, 9]) == {}
+        assert torch.equal(pool[5:10], pool[0:5])
     finally:
         t.close()
 

@@ -45,17 +45,31 @@ def test_unset_int_block_hashes_follow_vllms_variable(
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is 0 (vLLM reads it with ``bool(int(value))``); given,
     it wins over the variable."""
     monkeypatch.setenv(INT_BLOCK_HASHES_ENV, value)
-    assert KVEventsConfig().int_block_hashes is as_int
-    assert KVEventsConfig.from_json("{}").int_block_hashes is as_int
-    assert KVEventsConfig(int_block_hashes=not as_int).int_block_hashes is not as_int
+    assert KVEventsConfig(enable_kv_cache_events=True).int_block_hashes is as_int
+    assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').int_block_hashes is as_int
+    given = KVEventsConfig(enable_kv_cache_events=True, int_block_hashes=not as_int)
+    assert given.int_block_hashes is not as_int
 
 
 def test_a_variable_vllm_could_not_read_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(INT_BLOCK_HASHES_ENV, "yes")
     with pytest.raises(ConfigError) as info:
-        KVEventsConfig()
+        KVEventsConfig(enable_kv_cache_events=True)
     assert info.value.field == INT_BLOCK_HASHES_ENV
-    assert KVEventsConfig(int_block_hashes=False).int_block_hashes is False  # given: not read
+    given = KVEventsConfig(enable_kv_cache_events=True, int_block_hashes=False)
+    assert given.int_block_hashes is False  # given: not read
+
+
+@pytest.mark.parametrize("value", ["true", "yes", ""])
+def test_the_variable_is_read_only_when_events_are_enabled(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """As vLLM reads it only when it publishes: with events off, a value it could not read stops
+    nothing (every engine builds a config), and the unset field is vLLM's default, ints."""
+    monkeypatch.setenv(INT_BLOCK_HASHES_ENV, value)
+    assert KVEventsConfig().int_block_hashes is True
+    assert KVEventsConfig.from_json('{"publisher": "zmq"}').int_block_hashes is True
+    assert KVEventsConfig(int_block_hashes=False).int_block_hashes is False
 
 
 def test_enabled_without_publisher_means_zmq() -> None:

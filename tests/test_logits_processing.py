@@ -6,15 +6,17 @@ stays the same whatever else is in the batch."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
+from engine_cases import random_tokens, tiny_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_cases import one_thread  # noqa: F401 - autouse fixture
 
-from kvoffload.engine import SamplingParams, make_generator, sample
-from kvoffload.engine.logits_processing import process_logits
+from kvoffload.engine import RequestOutput, SamplingParams, make_generator, sample
+from kvoffload.engine.logits_processing import LogitsState, process_logits
 from kvoffload.errors import ConfigError
 
 VOCAB = 12
@@ -54,6 +56,73 @@ def test_batched_penalties_equal_the_formula(rows: list[tuple]) -> None:
         assert got[i].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    prompts=st.lists(IDS, min_size=1, max_size=4),
+    steps=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=4),
+                   min_size=1, max_size=80),
+    bias=st.dictionaries(st.integers(0, VOCAB + 3), st.floats(-5, 5), max_size=4),
+)
+def test_kept_state_equals_a_fresh_one_after_many_steps(
+    prompts: list[list[int]], steps: list[list[int]], bias: dict[int, float]
+) -> None:
+    """A request's :class:`LogitsState`, kept across steps and updated with each step's new
+    token only, processes the logits exactly as a state made from scratch from the whole output
+    (and holds the same counts and seen mask) after every step."""
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25,
+                             logit_bias=tuple(bias.items()) if i % 2 else ()) for i in range(len(prompts))]
+    states: list[LogitsState | None] = [None] * len(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    gen = torch.Generator().manual_seed(len(steps))
+    for tokens in steps:
+        logits = torch.randn(len(prompts), VOCAB, generator=gen)
+        kept = [s or LogitsState(p, q, VOCAB, logits.device)
+                for s, p, q in zip(states, params, prompts, strict=True)]
+        got = process_logits(logits, params, prompts, outputs, None, kept)
+        assert torch.equal(got, process_logits(logits, params, prompts, outputs, None))
+        for state, param, prompt, output in zip(kept, params, prompts, outputs, strict=True):
+            fresh = LogitsState(param, prompt, VOCAB, logits.device)
+            fresh.update(output)
+            assert _same_counts(state, fresh)
+        states = list(kept)
+        for output, token in zip(outputs, tokens, strict=False):
+            output.append(token)
+
+
+def test_penalties_and_bias_survive_preemption() -> None:
+    """Preempted and recomputed requests keep their output, so their kept state stays right:
+    after every step, each live request's state equals one made from scratch, and the tokens
+    equal those of a run with room for everything (no preemption)."""
+    rng = random.Random(5)
+    prompts = [random_tokens(rng, 6 + i) for i in range(10)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.2, logit_bias=((3, 0.5),))
+    with tiny_engine(num_device_blocks=2048) as engine:
+        want = engine.generate(prompts, params)
+    with tiny_engine(num_device_blocks=20, max_num_seqs=8) as engine:
+        ids = [engine.add_request(p, params) for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        for _ in range(1000):
+            if not engine.has_unfinished():
+                break
+            done.update((o.request_id, o) for o in engine.step())
+            for req in engine._requests.values():
+                state = req._logits_state
+                if state is None or state.counts is None:
+                    continue
+                fresh = LogitsState(params, req.prompt_token_ids, state.vocab, state.device)
+                fresh.update(req.output_token_ids[: state.consumed])
+                assert _same_counts(state, fresh)
+        assert engine.stats()["preemptions"] > 0
+    assert [done[i].output_token_ids for i in ids] == [w.output_token_ids for w in want]
+
+
+def _same_counts(a: LogitsState, b: LogitsState) -> bool:
+    """Whether two penalised requests' states hold the same counts, seen tokens and penalties."""
+    pairs = [(a.counts, b.counts), (a.seen, b.seen), (a.subtract, b.subtract)]
+    return all(x is not None and y is not None and torch.equal(x, y) for x, y in pairs)
+
+
 def test_rows_asking_nothing_are_untouched_and_min_tokens_masks_stops() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
     plain = SamplingParams()
@@ -67,8 +136,8 @@ def test_rows_asking_nothing_are_untouched_and_min_tokens_masks_stops() -> None:
 
 def test_logit_bias_forces_and_forbids_greedy_tokens() -> None:
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
-    forced = SamplingParams(logit_bias={5: 100})
-    banned = SamplingParams(logit_bias={int(logits[1].argmax()): -100})
+    forced = SamplingParams(logit_bias=((5, 100.0),))
+    banned = SamplingParams(logit_bias=((int(logits[1].argmax()), -100.0),))
     processed = process_logits(logits, [forced, banned], [[0], [0]], [[], []], None)
     tokens = sample(processed, [forced, banned], [None, None])
     assert tokens[0] == 5
@@ -85,7 +154,7 @@ def test_min_p_keeps_only_likely_tokens() -> None:
 
 def test_seeded_draw_is_the_same_whatever_the_batch() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
-    p = SamplingParams(temperature=1.0, seed=11, repetition_penalty=1.5, logit_bias={2: 1.0})
+    p = SamplingParams(temperature=1.0, seed=11, repetition_penalty=1.5, logit_bias=((2, 1.0),))
     other = SamplingParams(temperature=0.7, seed=5, frequency_penalty=1.0)
 
     def draw(rows: list[int], params: list[SamplingParams]) -> int:

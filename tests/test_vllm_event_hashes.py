@@ -33,6 +33,6 @@ def test_published_hashes_equal_vllms(value: str | None, h: bytes) -> None:
         else:
             mp.setenv(INT_BLOCK_HASHES_ENV, value)
         envs.disable_envs_cache()  # read the variable afresh (vLLM may cache its variables)
-        as_int = KVEventsConfig().int_block_hashes
+        as_int = KVEventsConfig(enable_kv_cache_events=True).int_block_hashes
         assert as_int is envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
         assert external_block_hash(h, as_int) == maybe_convert_block_hash(BlockHash(h))

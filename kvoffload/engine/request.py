@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvoffload.engine.logits_processing import LogitsState
 from kvoffload.engine.sampling import SamplingParams
 from kvoffload.keys import BlockHash, BlockHasher
 
@@ -94,6 +95,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _logits_state: LogitsState | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -106,6 +108,16 @@ class Request:
         if self._prompt_tensor is None:
             self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
         return self._prompt_tensor
+
+    def logits_state(self, vocab: int, device: torch.device) -> LogitsState:
+        """This request's logit bias and output token counts for logits of ``vocab`` columns on
+        ``device``, made once and kept across steps (and preemptions: the output is kept);
+        :func:`~kvoffload.engine.logits_processing.process_logits` updates it."""
+        state = self._logits_state
+        if state is None or not state.fits(vocab, device):
+            state = LogitsState(self.sampling_params, self.prompt_tensor(), vocab, device)
+            self._logits_state = state
+        return state
 
     @property
     def num_tokens(self) -> int:

@@ -66,10 +66,12 @@ class ModelRunner:
             generators.append(req.generator)
         processed = logits
         if any(p.adjusts_logits for p in params):
+            vocab, device = logits.shape[1], logits.device
             processed = process_logits(
-                logits, params, [r.prompt_tensor() if r.sampling_params.penalised else ()
-                                 for r in sample_reqs],
+                logits, params, [() for _ in sample_reqs],
                 [r.output_token_ids for r in sample_reqs], self.eos_token_id,
+                [r.logits_state(vocab, device) if p.logit_bias or p.penalised else None
+                 for r, p in zip(sample_reqs, params, strict=True)],
             )
         tokens = sample(processed, params, generators)
         out: dict[str, tuple[int, dict[int, float] | None]] = {}

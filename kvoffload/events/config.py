@@ -102,8 +102,10 @@ class KVEventsConfig:
     #: Ours: write events as legacy positional arrays (pre-vLLM #42892 consumers).
     legacy_array_events: bool = False
     #: Ours: publish block hashes as 64-bit ints (true) or raw bytes (false); unset: as vLLM
-    #: does (:func:`default_int_block_hashes`: ints unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
-    int_block_hashes: bool = dataclasses.field(default_factory=default_int_block_hashes)
+    #: does (:func:`default_int_block_hashes`: ints unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0),
+    #: the variable read only when events are enabled (as vLLM reads it only when it publishes;
+    #: with events off, unset is ``True`` and a bad variable stops nothing).
+    int_block_hashes: bool = None  # type: ignore[assignment]  # None: unset, resolved on construction
     #: Ours: bind ``endpoint`` (true) or connect to a subscriber that binds it (false); unset:
     #: bind a wildcard, loopback, ipc or inproc address, connect to any other (vLLM's rule, plus
     #: loopback; :func:`~kvoffload.events.protocol.binds_by_default`).
@@ -128,7 +130,10 @@ class KVEventsConfig:
         if not isinstance(self.topic, str):
             raise ConfigError("topic", f"expected a string, got {self.topic!r}")
         put(self, "legacy_array_events", _as_bool("legacy_array_events", self.legacy_array_events))
-        put(self, "int_block_hashes", _as_bool("int_block_hashes", self.int_block_hashes))
+        if self.int_block_hashes is None:
+            put(self, "int_block_hashes", default_int_block_hashes() if enabled else True)
+        else:
+            put(self, "int_block_hashes", _as_bool("int_block_hashes", self.int_block_hashes))
         if self.bind is not None:
             put(self, "bind", _as_bool("bind", self.bind))
 

@@ -233,19 +233,26 @@ class DiskJobRunner:
         self._store_blocks(running, first)
 
     def _encode(self, items: Items) -> tuple[list[bytes | None], list[int]]:
-        """The frames of a store's blocks (``None``: stored as they are) and their file bytes."""
+        """The frames of a store's blocks (``None``: stored as they are) and their file bytes.
+        Encoding failures are logged once for the store, counted, with the first's traceback."""
         codec, files = self._codec, self._files
         frames: list[bytes | None] = []
         sizes: list[int] = []
+        failures = 0
+        first: BaseException | None = None
         for _, slot in items:
             frame = None
             if codec is not None:
                 try:
                     frame = codec.encode(files.slot(slot))
-                except Exception:  # never lose a block: it is stored as it is
-                    logger.exception("disk tier: encoding a block failed; stored raw")
+                except Exception as exc:  # never lose a block: it is stored as it is
+                    failures += 1
+                    first = first or exc
             frames.append(frame)
             sizes.append(self._file_bytes if frame is None else file_bytes(len(frame)))
+        if first is not None:
+            logger.error("disk tier: encoding %d of %d blocks failed; stored raw: %s",
+                         failures, len(items), first, exc_info=first)
         return frames, sizes
 
     def _store_blocks(self, running: RunningJob, items: Writes) -> None:
