@@ -221,29 +221,28 @@ def test_warm_restart_measures_the_files(tmp_path: Path) -> None:
 
 
 def test_lossy_raw_and_lossless_tiers_never_read_each_others_files(tmp_path: Path) -> None:
+    """Three live tiers of one model on one directory (each keeps the others' namespaces: they
+    are in use) each find only their own blocks."""
     pool, view = kv_pool(8)
     modes = ("none", "lossless", "fp8")
-    for i, mode in enumerate(modes):
-        t = tier(tmp_path, view, compression=mode)
-        try:
-            assert run(t, 1, True, [key(10 + i)], [i]) == {}
-        finally:
-            t.close()
-    for i, mode in enumerate(modes):
-        t = tier(tmp_path, view, compression=mode)
-        try:
+    tiers: list[DiskTier] = []
+    try:
+        for i, mode in enumerate(modes):
+            tiers.append(tier(tmp_path, view, compression=mode))
+            assert run(tiers[i], 1, True, [key(10 + i)], [i]) == {}
+        for i, t in enumerate(tiers):
             assert [t.lookup(key(10 + j), CTX) is HIT for j in range(3)] == [
                 j == i for j in range(3)
             ]
-            if mode == "fp8":
-                assert run(t, 2, False, [key(12)], [5]) == {}
-                want, got = (
-                    pool[2].view(torch.bfloat16).float(),
-                    pool[5].view(torch.bfloat16).float(),
-                )
-                assert not torch.equal(got, want)
-                assert bool(((got - want).abs() <= want.abs() / 16 + want.abs() / 128 + 1e-3).all())
-        finally:
+        assert run(tiers[2], 2, False, [key(12)], [5]) == {}
+        want, got = (
+            pool[2].view(torch.bfloat16).float(),
+            pool[5].view(torch.bfloat16).float(),
+        )
+        assert not torch.equal(got, want)
+        assert bool(((got - want).abs() <= want.abs() / 16 + want.abs() / 128 + 1e-3).all())
+    finally:
+        for t in tiers:
             t.close()
 
 
@@ -277,3 +276,45 @@ class CompressedDiskTierMachine(DiskTierMachine):
 
 def test_compressed_disk_tier_contract() -> None:
     run_state_machine_as_test(CompressedDiskTierMachine, settings=STATEFUL_SETTINGS)
+
+
+def test_switching_to_lossless_reclaims_raw_files_once_no_live_tier_uses_them(
+    tmp_path: Path,
+) -> None:
+    """A raw tier's files are outside a lossless tier's namespace and bound, and it never reads
+    them: while a raw tier still runs they are left alone (it loads its blocks intact); once
+    it is gone, the lossless tier's reclaim removes them, and the directory holds only what
+    the lossless tier counts. The next raw tier likewise removes the lossless namespace."""
+    pool, view = kv_pool(8)
+    raw = tier(tmp_path, view, compression="none")
+    raw_namespace = raw.namespace
+    try:
+        assert run(raw, 1, True, [key(i) for i in range(4)], [0, 1, 2, 3]) == {}
+        lossless = tier(tmp_path, view)
+        try:
+            assert lossless._old_namespaces.in_use == 1  # the raw tier is live: kept
+            assert run(raw, 2, False, [key(3)], [4]) == {}
+            assert torch.equal(pool[4], pool[3])
+            assert run(lossless, 3, True, [key(i) for i in range(4, 6)], [0, 1]) == {}
+        finally:
+            raw.close()
+        try:
+            assert raw_namespace.exists()
+            lossless._old_namespaces.reclaim()  # what the rescan does while one is in use
+            assert not raw_namespace.exists()
+            assert lossless._old_namespaces.in_use == 0
+            assert lossless._old_namespaces.removed_files >= 4
+            assert lossless.stats()["used_bytes"] == dir_bytes(tmp_path)
+            assert run(lossless, 4, False, [key(4)], [5]) == {}
+            assert torch.equal(pool[5], pool[0])
+            lossless_namespace = lossless.namespace
+        finally:
+            lossless.close()
+        again = tier(tmp_path, view, compression="none")
+        try:
+            assert not lossless_namespace.exists() and again._old_namespaces.in_use == 0
+            assert again.stats()["used_bytes"] == dir_bytes(tmp_path)
+        finally:
+            again.close()
+    finally:
+        raw.close()

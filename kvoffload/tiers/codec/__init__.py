@@ -32,6 +32,7 @@ __all__ = [
     "BlockCodec",
     "CodecStats",
     "check_compression",
+    "lossy_layout",
 ]
 
 #: The values of a tier's ``compression`` setting.
@@ -44,6 +45,11 @@ AUTO_MARGIN = 2.0
 #: ``auto`` encodes one block in this many while it stores raw, to keep measuring the codec.
 AUTO_SAMPLE_EVERY = 32
 _WIDTHS = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8}
+
+
+def lossy_layout(layout: KVLayout) -> KVLayout:
+    """The layout a lossy (fp8) tier stores ``layout``'s blocks under."""
+    return dataclasses.replace(layout, dtype=f"{layout.dtype}+fp8-e4m3-head-scale")
 
 
 def _element_width(dtype: str) -> int:
@@ -140,9 +146,7 @@ class BlockCodec:
     def stored_layout(self, layout: KVLayout) -> KVLayout:
         """The layout blocks are stored under: ``layout`` itself unless lossy, whose blocks get
         a layout of their own (another fingerprint: never mixed with exact blocks)."""
-        if not self.lossy:
-            return layout
-        return dataclasses.replace(layout, dtype=f"{layout.dtype}+fp8-e4m3-head-scale")
+        return lossy_layout(layout) if self.lossy else layout
 
     def encode(self, raw: memoryview) -> bytes | None:
         """The stored form of ``raw``, or ``None`` to store it as it is (mode ``none``, or the

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.codec import lossy_layout
 from kvoffload.tiers.contract import KVLayout
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "check_o_direct",
     "free_bytes",
     "prepare_namespace",
+    "superseded_namespaces",
 ]
 
 _GIB = 2**30
@@ -84,6 +86,15 @@ def prepare_namespace(root: Path, layout: KVLayout, suffix: str = "") -> Path:
     except OSError as exc:
         raise ConfigError("kv_disk_path", f"{str(root)!r} is not writable: {exc}") from exc
     return namespace
+
+
+def superseded_namespaces(namespace: Path, layout: KVLayout) -> list[Path]:
+    """The namespaces beside ``namespace`` that ``layout``'s blocks have under the other
+    ``kv_disk_compression`` settings (raw: the fingerprint; compressed: it + ``.z``; fp8: the
+    lossy layout's fingerprint + ``.z``). A tier never reads them: they are reclaimed."""
+    fingerprint = layout.fingerprint().hex()
+    names = {fingerprint, fingerprint + ".z", lossy_layout(layout).fingerprint().hex() + ".z"}
+    return [namespace.parent / name for name in sorted(names) if name != namespace.name]
 
 
 def free_bytes(path: str | os.PathLike[str]) -> int:

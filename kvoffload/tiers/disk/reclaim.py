@@ -1,5 +1,10 @@
 """Namespaces of an older format under the disk tier's root, removed once no process uses them.
 
+The same goes for a tier's superseded namespaces: those its model's blocks had under another
+``kv_disk_compression`` (raw files after a switch to a compressed tier, and the reverse). No
+tier of the current setting reads them, and they are outside its bound, so they are removed
+once no live process (one still running with the old setting) uses them.
+
 An older kvoffload kept its namespaces under another format directory (:data:`OLD_FORMAT_DIRS`;
 ``kvoffload-v1`` named a model by its path, so no engine of today ever looks its blocks up).
 Nothing else would ever remove them: each had its own bound and ledger. A namespace is removed
@@ -17,7 +22,10 @@ import fcntl
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+
+from kvoffload.tiers.disk.directory import FORMAT_DIR
 
 __all__ = ["OLD_FORMAT_DIRS", "OldNamespaces", "remove_unused_namespace"]
 
@@ -30,11 +38,14 @@ _TRASH = ".reclaim."
 
 
 class OldNamespaces:
-    """The older formats' namespaces under ``root``: :meth:`reclaim` removes those no process
-    uses; ``in_use`` counts those it had to leave (tried again at the next :meth:`reclaim`)."""
+    """The older formats' namespaces under ``root``, and the ``superseded`` namespaces (of the
+    current format): :meth:`reclaim` removes those no process uses; ``in_use`` counts those it
+    had to leave (tried again at the next :meth:`reclaim`)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, superseded: Sequence[Path] = ()) -> None:
         self._dirs = [root / name for name in OLD_FORMAT_DIRS]
+        self._superseded = list(superseded)
+        self._current = root / FORMAT_DIR
         self.in_use = 0
         #: Files removed so far (block files, ledgers, temporaries, spares).
         self.removed_files = 0
@@ -68,12 +79,25 @@ class OldNamespaces:
                     removed += files
             with contextlib.suppress(OSError):
                 format_dir.rmdir()  # only once empty
+        for namespace in self._superseded:
+            if not namespace.exists():
+                continue
+            files = _remove_unused(namespace)
+            if files is None:
+                in_use += 1
+            else:
+                removed += files
+        if self._superseded:
+            removed += _delete_leftover_trash(self._current)
         if removed:
-            logger.info("disk tier: removed %d files of an older format's namespaces", removed)
+            logger.info(
+                "disk tier: removed %d files of unused older-format or superseded namespaces",
+                removed,
+            )
         if in_use and in_use != self.in_use:
             logger.info(
-                "disk tier: %d namespaces of an older format are in use by other processes; "
-                "they are removed once those end",
+                "disk tier: %d older-format or superseded namespaces are in use by other "
+                "processes; they are removed once those end",
                 in_use,
             )
         self.in_use = in_use
@@ -110,6 +134,15 @@ def _remove_unused(namespace: Path) -> int | None:
         return _delete(trash)
     finally:
         os.close(fd)
+
+
+def _delete_leftover_trash(format_dir: Path) -> int:
+    """Delete the renamed namespaces a process killed mid-removal left in ``format_dir``."""
+    try:
+        entries = [e for e in os.scandir(format_dir) if e.name.startswith(_TRASH)]
+    except OSError:
+        return 0
+    return sum(_delete(Path(e.path)) for e in entries)
 
 
 def _delete(tree: Path) -> int:

@@ -46,7 +46,12 @@ from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.tiers.codec import BlockCodec
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
-from kvoffload.tiers.disk.directory import check_o_direct, free_bytes, prepare_namespace
+from kvoffload.tiers.disk.directory import (
+    check_o_direct,
+    free_bytes,
+    prepare_namespace,
+    superseded_namespaces,
+)
 from kvoffload.tiers.disk.files import BlockFiles, FaultHook, file_bytes
 from kvoffload.tiers.disk.jobs import DiskJobRunner, Items, RunningJob
 from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger, measured_bytes
@@ -157,7 +162,8 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._stored_bytes = 0
         self.root = Path(settings.path)
         self.namespace = prepare_namespace(self.root, stored_layout, ".z" if sized else "")
-        self._old_namespaces = OldNamespaces(self.root)
+        superseded = superseded_namespaces(self.namespace, layout)
+        self._old_namespaces = OldNamespaces(self.root, superseded)
         self._old_namespaces.reclaim()
         flat = pool.cast("B") if pool.ndim != 1 else pool
         if settings.o_direct:
