@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kvoffload.cli.args import int_in
+from kvoffload.cli.args import int_in, real_in
 
 __all__ = ["add_parser", "run"]
 
@@ -60,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pin.add_argument("--tier", action="append", dest="tiers",
                      help="a tier to pin in (host, disk); repeat for both (default: host)")
     pin.add_argument("--owner", default="operator", help="the pin's owner label (default: %(default)s)")
-    pin.add_argument("--ttl", type=float, metavar="S", help="seconds until the pin lapses "
+    pin.add_argument("--ttl", type=real_in(0, positive=True), metavar="S", help="seconds until the pin lapses "
                      "(default: until unpinned)")
     unpin = commands.add_parser("unpin", help="release pins (by prompt, owner or id)")
     prompt_args(unpin, required=False)

@@ -132,6 +132,8 @@ class SamplingParams:
 
 def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
     """``bias`` (a mapping or ``(id, bias)`` pairs) as sorted ``(id, bias)`` pairs, checked."""
+    if isinstance(bias, (str, bytes)):  # iterable, but never pairs ('' would pass as none)
+        raise ConfigError("logit_bias", f"must map token ids to numbers, got {bias!r}")
     try:
         pairs = list(bias.items() if isinstance(bias, Mapping) else bias)
         out = tuple(sorted((token, value) for token, value in pairs))
