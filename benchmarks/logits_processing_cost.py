@@ -65,7 +65,7 @@ def _per_step_ms(module: ModuleType, name: str, args: argparse.Namespace) -> flo
     states = None
     if keeps_state:
         device = torch.device("cpu")
-        states = [module.LogitsState(p, q, args.vocab, device) for p, q in zip(params, prompts)]
+        states = [module.LogitsState(p, q, args.vocab, device) for p, q in zip(params, prompts, strict=True)]
     logits = torch.randn(args.rows, args.vocab)
     times = []
     for step in range(args.steps):
