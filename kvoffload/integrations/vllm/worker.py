@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.engine_threads import give_back_core
 from kvoffload.integrations.vllm.region import release_region
 from kvoffload.load_store_specs import CPULoadStoreSpec as KVOCPUSpec
 from kvoffload.load_store_specs import GPULoadStoreSpec as KVOGPUSpec
@@ -168,7 +169,9 @@ class KVOffloadCPUWorker(OffloadingWorker):
 class CPUPlatformWorker:
     """Mixin for a spec derived from vLLM's ``TieringOffloadingSpec``: vLLM's worker where it
     runs (CUDA-alike, XPU), :class:`KVOffloadCPUWorker` on the same shared pool elsewhere (vLLM's
-    CPU platform, where its own refuses to start)."""
+    CPU platform, where its own refuses to start). On the CPU platform, building the worker
+    gives back the core vLLM's binding took for the connector where it left none for the
+    scheduler (:mod:`~kvoffload.integrations.vllm.engine_threads`)."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
@@ -181,6 +184,13 @@ class CPUPlatformWorker:
 
     def _build_cpu_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadCPUWorker:
         spec: Any = self
+        kept = give_back_core(spec.config.parallel.world_size)
+        if kept is not None:
+            logger.info(
+                "vLLM's CPU binding left no core outside the OpenMP threads: this worker keeps %d "
+                "(as without a KV connector), so they do not spin against the scheduler",
+                kept,
+            )
         rank = 0 if spec.replicated_layout else spec.config.parallel.rank
         region = SharedOffloadRegion(
             engine_id=spec.config.engine_id,
