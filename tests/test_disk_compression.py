@@ -15,8 +15,17 @@ import pytest
 import torch
 from hypothesis.stateful import run_state_machine_as_test
 from test_tier_stateful import SETTINGS as STATEFUL_SETTINGS
-from test_tier_stateful import DiskTierMachine
-from tier_cases import dir_bytes, key, small_tmpfs, tier_file, wait_jobs
+from test_tier_stateful import DiskTierMachine, small_disk_tier
+from tier_cases import (
+    BLOCK_BYTES,
+    dir_bytes,
+    dir_bytes_at_once,
+    host_pool,
+    key,
+    small_tmpfs,
+    tier_file,
+    wait_jobs,
+)
 
 from kvoffload.errors import ConfigError
 from kvoffload.manager_contract import LookupResult, ReqContext
@@ -29,6 +38,7 @@ from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
 CTX = ReqContext("test")
 BLOCK = 64 * 1024
 FILE = file_bytes(BLOCK)
+FILE_2K = file_bytes(BLOCK_BYTES)  # a block file of the contract machine's tier
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 STATEFUL_DISK_BLOCKS = 5
 
@@ -276,6 +286,34 @@ class CompressedDiskTierMachine(DiskTierMachine):
 
 def test_compressed_disk_tier_contract() -> None:
     run_state_machine_as_test(CompressedDiskTierMachine, settings=STATEFUL_SETTINGS)
+
+
+def test_a_walk_spanning_an_eviction_counts_a_file_more_than_the_directory_held(
+    tmp_path: Path,
+) -> None:
+    """Why the contract machine measures the bound with the ledger locked
+    (``dir_bytes_at_once``): a full compressed tier unlinks its victim and writes its new block
+    into another file, so a walk that saw the victim before the store and the new file after
+    counts one file more than the bound, though the directory never held more; at every
+    instant it holds at most the bound."""
+    pool = host_pool(8)
+    t = small_disk_tier(tmp_path, pool, compression="lossless")
+    try:
+        t.submit_store(TierJob(1, [key(i) for i in range(5)], list(range(5))))
+        wait_jobs(t)
+        assert dir_bytes(tmp_path) == dir_bytes_at_once(t, tmp_path) == t.capacity_bytes
+        victim = tier_file(tmp_path, key(0))  # the least recently used
+        seen = {victim.stat().st_ino: FILE_2K}  # a walk's first part: the victim is there
+        t.submit_store(TierJob(2, [key(5)], [5]))
+        wait_jobs(t)
+        assert not victim.exists() and t.lookup(key(0), CTX) is MISS
+        for path in tmp_path.rglob("*.kvb"):  # the rest of the walk: the new file too
+            seen[path.stat().st_ino] = FILE_2K
+        assert LEDGER_BYTES + sum(seen.values()) == t.capacity_bytes + FILE_2K
+        assert dir_bytes(tmp_path) == dir_bytes_at_once(t, tmp_path) == t.capacity_bytes
+        t.check_ledger()
+    finally:
+        t.close()
 
 
 def test_switching_to_lossless_reclaims_raw_files_once_no_live_tier_uses_them(

@@ -83,6 +83,16 @@ def dir_bytes(root: Path) -> int:
     return sum(sizes.values())
 
 
+def dir_bytes_at_once(tier: DiskTier, root: Path) -> int:
+    """:func:`dir_bytes` at one instant: walked with ``tier``'s ledger locked. A walk is not
+    atomic: one that counts a victim's file before a store unlinks it and its replacement after
+    counts a file more than the directory ever held (a compressed tier writes new files where a
+    raw one recycles the victim's). Every unlink of a victim and every reservation is a locked
+    ledger step, and no file outgrows its reservation, so what a locked walk sees is at most
+    the count: the bound, checked at one instant."""
+    return tier._ledger.snapshot(lambda: dir_bytes(root))[1]
+
+
 @contextmanager
 def small_tmpfs(path: Path, size: str, free_kib: int | None = None) -> Iterator[Path]:
     """A size-limited tmpfs at ``path`` (root only; skips otherwise). ``free_kib``: another
