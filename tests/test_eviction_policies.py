@@ -142,6 +142,24 @@ class PolicyContract:
         p.check_invariants()
         assert drain(p) == drain(twin)
 
+    def test_the_lone_evictable_block_is_found_though_it_was_used_again(self) -> None:
+        """Every other block pinned, the one evictable block used since its store: eviction must
+        still take it. (S3-FIFO scanned main first, found it done, then moved the used block from
+        small to main's tail, which it never scanned again: evict returned None. It takes a target
+        size of small above 1, hence the capacity.)"""
+        p = self.make(40)
+        fill(p, K[:1])
+        p.touch(K[:1], ctx("a"))
+        fill(p, K[1:2])
+        assert p.evict(1, ()) is not None
+        for key in p:
+            p.get(key).ref_cnt = 1  # type: ignore[union-attr]
+        fill(p, K[2:3])
+        p.touch(K[2:3], ctx("b"))
+        victims = p.evict(1, ())
+        assert victims is not None and [key for key, _ in victims] == [K[2]]
+        p.check_invariants()
+
     def test_insert_n_is_insert_one_by_one(self) -> None:
         """The batch insert leaves the policy as inserting each key in turn would: the same order
         and the same use of remembered keys (ghosts), checked by draining twins."""

@@ -206,6 +206,7 @@ class S3FIFOPolicy(HeldBlocksPolicy):
                         moved_item = (key, block, 0)
                         moved.append(moved_item)
                         appended.append(moved_item)
+                        main_done = False  # main has a new tail to scan, even if it was done
                         small_left -= 1
                         stop = min(n, taken + small_left - floor + 1)
                         continue
