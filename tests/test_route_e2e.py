@@ -220,6 +220,9 @@ def test_router_match_answers_what_each_backend_holds(backends: list[Process]) -
         assert max(cached) > 0 and all(0 <= c <= answer["blocks"] for c in cached)
         ids = PromptTokenizer("tiny").encode(prompt)
         assert http_json(f"{router.url}/router/match", {"prompt": ids}) == answer
+        # Several prompts go to one backend together: placed by the first one's blocks.
+        assert http_json(f"{router.url}/router/match", {"prompt": [prompt, "x"]}) == answer
+        assert http_json(f"{router.url}/router/match", {"prompt": [ids, [1, 2]]}) == answer
         chat = http_json(f"{router.url}/router/match",
                          {"messages": [{"role": "user", "content": "hi"}]})
         assert len(chat["backends"]) == 2

@@ -387,7 +387,8 @@ class Router:
 
     def prompt_ids(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's token ids as the backends will see them (``None``: not a prompt the
-        router understands; the backend will answer the error). Token ids out of range
+        router understands; the backend will answer the error). A request of several prompts
+        goes to one backend, so it is placed by its first prompt's. Token ids out of range
         (:func:`~kvoffload.serving.request_body.check_token_ids`) raise :class:`APIError`."""
         try:
             if path.endswith("chat/completions"):
@@ -396,7 +397,7 @@ class Router:
                     return None
                 return self.tokenizer.encode_chat(chat_messages(messages))
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)
