@@ -6,7 +6,13 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvoffload.eviction._request_state import GroupWatch, RequestUses
-from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import (
+    HeldBlocksPolicy,
+    OffloadedBlock,
+    register_eviction_policy,
+    restore_unpinned,
+    take_pinned,
+)
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import ReqContext
 
@@ -74,20 +80,10 @@ class ARCPolicy(HeldBlocksPolicy):
         self._pinned: dict[OffloadKey, bool] = {}
 
     def pinned(self, keys: Sequence[OffloadKey]) -> None:
-        t1, t2, pinned = self._t1, self._t2, self._pinned
-        for key in keys:
-            if t1.pop(key, None) is not None:
-                pinned[key] = False
-            elif t2.pop(key, None) is not None:
-                pinned[key] = True
+        take_pinned(keys, self._t1, self._t2, self._pinned)
 
     def unpinned(self, keys: Sequence[OffloadKey]) -> None:
-        blocks, pinned = self._blocks, self._pinned
-        for key in keys:
-            from_t2 = pinned.pop(key, None)
-            block = blocks.get(key)
-            if from_t2 is not None and block is not None:
-                (self._t2 if from_t2 else self._t1)[key] = block
+        restore_unpinned(keys, self._blocks, self._t1, self._t2, self._pinned)
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         self._groups.saw((key,))

@@ -29,6 +29,8 @@ __all__ = [
     "overrides",
     "register_eviction_policy",
     "requeue_tail_first",
+    "restore_unpinned",
+    "take_pinned",
 ]
 
 ENTRY_POINT_GROUP = "kvoffload.eviction_policies"
@@ -205,6 +207,38 @@ def requeue_tail_first(queue: OrderedDict[Any, Any], keys: Sequence[OffloadKey])
     for key in reversed(keys):
         if key in queue:  # a membership test: cheaper than catching KeyError for absent keys
             move(key)
+
+
+def take_pinned(
+    keys: Sequence[OffloadKey],
+    first: OrderedDict[OffloadKey, OffloadedBlock],
+    second: OrderedDict[OffloadKey, OffloadedBlock],
+    pinned: dict[OffloadKey, bool],
+) -> None:
+    """Operator pins of a two-queue policy: each key held in ``first`` or ``second`` leaves it
+    (so no eviction scan passes it) and ``pinned`` records whether it came from ``second``. O(1)
+    per key; keys in neither queue (pinned already, or not held) are left alone."""
+    for key in keys:
+        if first.pop(key, None) is not None:
+            pinned[key] = False
+        elif second.pop(key, None) is not None:
+            pinned[key] = True
+
+
+def restore_unpinned(
+    keys: Sequence[OffloadKey],
+    blocks: dict[OffloadKey, OffloadedBlock],
+    first: OrderedDict[OffloadKey, OffloadedBlock],
+    second: OrderedDict[OffloadKey, OffloadedBlock],
+    pinned: dict[OffloadKey, bool],
+) -> None:
+    """Undo :func:`take_pinned`: each key ``pinned`` records, still held (in ``blocks``), goes
+    back to the new end of the queue it came from. O(1) per key."""
+    for key in keys:
+        from_second = pinned.pop(key, None)
+        block = blocks.get(key)
+        if from_second is not None and block is not None:
+            (second if from_second else first)[key] = block
 
 
 def overrides(policy: EvictionPolicy, hook: str) -> bool:

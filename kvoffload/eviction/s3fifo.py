@@ -13,7 +13,13 @@ from kvoffload.eviction._request_state import (
     request_state,
     take_request_state,
 )
-from kvoffload.eviction.base import HeldBlocksPolicy, OffloadedBlock, register_eviction_policy
+from kvoffload.eviction.base import (
+    HeldBlocksPolicy,
+    OffloadedBlock,
+    register_eviction_policy,
+    restore_unpinned,
+    take_pinned,
+)
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import ReqContext
 
@@ -80,20 +86,10 @@ class S3FIFOPolicy(HeldBlocksPolicy):
         self._pinned: dict[OffloadKey, bool] = {}
 
     def pinned(self, keys: Sequence[OffloadKey]) -> None:
-        small, main, pinned = self._small, self._main, self._pinned
-        for key in keys:
-            if small.pop(key, None) is not None:
-                pinned[key] = False
-            elif main.pop(key, None) is not None:
-                pinned[key] = True
+        take_pinned(keys, self._small, self._main, self._pinned)
 
     def unpinned(self, keys: Sequence[OffloadKey]) -> None:
-        blocks, pinned = self._blocks, self._pinned
-        for key in keys:
-            from_main = pinned.pop(key, None)
-            block = blocks.get(key)
-            if from_main is not None and block is not None:
-                (self._main if from_main else self._small)[key] = block
+        restore_unpinned(keys, self._blocks, self._small, self._main, self._pinned)
 
     def insert(self, key: OffloadKey, block: OffloadedBlock, ctx: ReqContext | None = None) -> None:
         block.freq = 0
