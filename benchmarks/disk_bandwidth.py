@@ -55,7 +55,8 @@ from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import ReqContext
 from kvoffload.tiers import KVLayout, TierJob
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 
 def parse_args() -> argparse.Namespace:

@@ -312,7 +312,7 @@ def test_async_tier_lookups_and_promotions_are_summaries() -> None:
     Prometheus summaries whose count and sum are the tiers' own counters."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvoffload.metrics.prometheus import _StatsCollector
+    from kvoffload.metrics.engine_collector import StatsCollector
 
     stats = {
         "offload_load_jobs": 1,
@@ -324,7 +324,7 @@ def test_async_tier_lookups_and_promotions_are_summaries() -> None:
         "remote": {"lookup_round_trips": 3, "lookup_round_trip_us": 1_500_000},
     }
     registry = CollectorRegistry()
-    registry.register(_StatsCollector(lambda: (stats, tiers), 1024))
+    registry.register(StatsCollector(lambda: (stats, tiers), 1024))
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(generate_latest(registry).decode())

@@ -17,7 +17,8 @@ from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.metrics import EngineMetrics
 from kvoffload.routing.costs import PRIOR_LOAD_FRACTION, BackendCosts, parse_metrics
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 
 HOST_BLOCKS = 4
 

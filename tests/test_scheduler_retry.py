@@ -22,7 +22,8 @@ from kvoffload.scheduler import (
     SchedulerOutput,
 )
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 
 BLOCK = 4
 HASHER = BlockHasher(BLOCK)

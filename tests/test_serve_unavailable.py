@@ -17,7 +17,8 @@ import pytest
 import uvicorn
 
 from kvoffload.engine import Engine
-from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.serving.api import build_app
+from kvoffload.serving.context import ServingContext
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.prompts import PromptTokenizer
 from kvoffload.serving.server import max_model_len

@@ -44,7 +44,8 @@ from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import file_bytes
 from kvoffload.tiers.disk.ledger import MEASURE
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 MISS, HIT, HIT_PENDING, RETRY = (
     LookupResult.MISS,

@@ -15,7 +15,8 @@ import pytest
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, SecondaryTier, TierJobResult
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 BLOCK_BYTES = 2048
 
