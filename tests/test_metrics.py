@@ -160,6 +160,7 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
         )
         # Injected failures are counted where they happened.
         if fault == "load":
+            assert injected is not None
             assert stats["offload_failed_loads"] == len(injected.injected) > 0
             assert (
                 value(samples, "kvoffload_offload_recomputed_tokens_total", tier="host")
@@ -167,6 +168,7 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
                 > 0
             )
         elif fault == "store":
+            assert injected is not None
             assert stats["offload_failed_stores"] == len(injected.injected) > 0
             assert stats["offload_tier_failed_store_blocks"] > 0
         else:
