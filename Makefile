@@ -41,16 +41,16 @@ $(STAMP): pyproject.toml
 test: lint typecheck test-core test-vllm
 
 # Static checks (ruff and mypy: the test extra's versions; configs in pyproject.toml). Both fail
-# on any finding. mypy checks the package after vLLM 0.33 is in $(VENV) (vllm-setup, as
-# test-vllm does), so the plug-in is checked against the vLLM it targets and every run checks the
-# same environment.
+# on any finding. mypy checks the package, the tests and the benchmarks after vLLM 0.33 is in
+# $(VENV) (vllm-setup, as test-vllm does), so the plug-in and its tests are checked against the
+# vLLM they target and every run checks the same environment.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvoffload tests benchmarks
 
 typecheck: $(STAMP)
 	@$(MAKE) --no-print-directory vllm-setup || { \
 		echo "!!! make typecheck FAILED: vLLM 0.33 could not be installed into $(VENV) (reason above)"; exit 1; }
-	$(VENV)/bin/mypy kvoffload
+	$(VENV)/bin/mypy kvoffload tests benchmarks
 
 # KVOFFLOAD_REQUIRE_DYNAMO=1: without Dynamo's indexer (dynamo-setup) its test fails, never skips.
 test-core: $(STAMP) redis-server

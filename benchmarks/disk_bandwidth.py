@@ -55,7 +55,8 @@ from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import ReqContext
 from kvoffload.tiers import KVLayout, TierJob
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 
 def parse_args() -> argparse.Namespace:
@@ -108,7 +109,12 @@ def aligned_pool(num_slots: int, block_bytes: int) -> tuple[torch.Tensor, memory
     offset = (-raw.data_ptr()) % 4096
     flat = raw[offset : offset + num_slots * block_bytes]
     flat.random_(0, 256)
-    return raw, memoryview(flat.view(num_slots, block_bytes).numpy())
+    return raw, flat.view(num_slots, block_bytes).numpy().data
+
+
+def slot_bytes(pool: memoryview) -> int:
+    """Bytes of one slot of ``pool`` (slots x block bytes, as :func:`aligned_pool` makes it)."""
+    return pool.nbytes // len(pool)
 
 
 def raw_write(path: Path, pool: memoryview, n: int, file_size: int) -> float:
@@ -147,7 +153,7 @@ def raw_read(path: Path, chunk: int) -> float:
 def raw_readv(path: Path, pool: memoryview, first_slot: int, n: int, file_size: int) -> float:
     """Sequential os.readv of the file into the same host slots the tier loads into."""
     flat = pool.cast("B")
-    b = pool.shape[1]
+    b = slot_bytes(pool)
     start = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -192,7 +198,7 @@ def fresh_tier(args: argparse.Namespace, root: Path, pool: memoryview, batch: in
     """A tier in steady state: every hash directory made, spare files made while idle (one
     untimed store, drained), and with ``--full`` at its bound (``batch`` blocks of others, so
     the timed store evicts as many as it writes). Untimed."""
-    block_bytes = pool.shape[1]
+    block_bytes = slot_bytes(pool)
     tier_dir = root / "tier"
     shutil.rmtree(tier_dir, ignore_errors=True)
     room = batch if args.full else 2 * batch + 1
@@ -218,7 +224,7 @@ def one_repeat(
 ) -> dict[str, float]:
     """Seconds of each side for one batch: the writes, then the reads, in rotated order."""
     biggest = len(pool) // 2
-    fb = file_bytes(pool.shape[1])
+    fb = file_bytes(slot_bytes(pool))
     tier = fresh_tier(args, root, pool, batch)
     keys = [make_offload_key(os.urandom(32)) for _ in range(batch)]
     raw_path = root / "raw.bin"

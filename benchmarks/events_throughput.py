@@ -32,6 +32,8 @@ from multiprocessing.connection import Connection
 
 from kvoffload.events import (
     MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     EventDecoder,
     EventEncoder,
@@ -46,7 +48,7 @@ TOKENS_PER_EVENT = 16
 
 def make_batch(step: int) -> KVEventBatch:
     """One engine step's events: 100 stored blocks of 16 tokens, chained by parent hash."""
-    events = []
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for i in range(EVENTS_PER_BATCH):
         block = step * EVENTS_PER_BATCH + i
         events.append(

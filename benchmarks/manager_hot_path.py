@@ -34,6 +34,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "bare LRU": lambda: run_bare_lru(stream, capacity)
     }
     for name in policies:
-        loops[name] = lambda name=name: run_manager(stream, name, capacity)
+        loops[name] = partial(run_manager, stream, name, capacity)
     report(
         f"prefixes: {len(stream)} requests x {BLOCKS_PER_REQUEST} blocks, tier {capacity} blocks",
         median_of(args.repeats, loops),
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     zipf = make_stream(args.zipf_requests, ZIPF_CHAINS, 0, "zipf")
     zipf_loops: dict[str, Callable[[], tuple[float, float]]] = {
-        name: (lambda name=name: run_manager(zipf, name, ZIPF_SLOTS)) for name in policies
+        name: partial(run_manager, zipf, name, ZIPF_SLOTS) for name in policies
     }
     base = "lru" if "lru" in policies else policies[0]
     report(

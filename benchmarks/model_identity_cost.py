@@ -116,9 +116,9 @@ def main() -> None:
             (f"checkpoint of the small preset ({small_bytes / 1e6:.0f} MB)", "small", small_bytes),
             (f"checkpoint of {big_bytes / 2**30:.2f} GiB", "big", big_bytes),
         ):
-            times = measure(checkpoint_cases(Path(tmp) / directory), args.repeats)
+            by_case = measure(checkpoint_cases(Path(tmp) / directory), args.repeats)
             print(label)
-            for name, values in times.items():
+            for name, values in by_case.items():
                 show(name, values, 0 if "cached" in name else nbytes)
 
 

@@ -54,14 +54,14 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
 from redis.cluster import RedisCluster
 
 from kvoffload.benchmark.redis_server import cluster_servers, standalone_server
-from kvoffload.keys import make_offload_key
+from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers.blockformat import header_size
 from kvoffload.tiers.contract import KVLayout, TierJob
 from kvoffload.tiers.redis.tier import VALUE_ALIGN, RedisTier, RemoteTierConfig
@@ -132,9 +132,10 @@ def benchmark_key_prefixes(setup: Setup) -> list[tuple[redis.Redis, bytes]]:
     if setup.mode == "standalone":
         return [(next(clients_of(setup)), b"key:")]
     redis_benchmark(setup, "set", 1, 4 * len(setup.ports), 1, 16 * len(setup.ports), 1)
-    prefixes = []
+    prefixes: list[tuple[redis.Redis, bytes]] = []
     for client in clients_of(setup):
-        for key in client.keys("key:*"):
+        # The clients answer bytes (made without decode_responses).
+        for key in cast("list[bytes]", client.keys("key:*")):
             prefixes.append((client, key[:-RAND_INT_DIGITS]))
             client.delete(key)
     return prefixes
@@ -183,7 +184,7 @@ class BatchBench:
         layout = KVLayout(f"bench-{os.getpid()}-{batch}", "float32", 16, 8, 4, 64, block)
         self.pool = torch.randint(0, 256, (2 * batch, block), dtype=torch.uint8)
         self.tier = RedisTier(
-            memoryview(self.pool.numpy()),
+            self.pool.numpy().data,
             layout,
             RemoteTierConfig(url=setup.url, timeout_s=60.0, connections=connections),
         )
@@ -199,11 +200,11 @@ class BatchBench:
         self.tier.close()
         self.plain.close()
 
-    def keys(self, rep: int, r: int) -> list[bytes]:
+    def keys(self, rep: int, r: int) -> list[OffloadKey]:
         base = (rep * 1000 + r) * 1_000_000
         return [make_offload_key((base + i).to_bytes(32, "big")) for i in range(self.batch)]
 
-    def tier_job(self, store: bool, keys: list[bytes]) -> None:
+    def tier_job(self, store: bool, keys: list[OffloadKey]) -> None:
         self.job_id += 1
         slots = list(range(self.batch)) if store else list(range(self.batch, 2 * self.batch))
         (self.tier.submit_store if store else self.tier.submit_load)(

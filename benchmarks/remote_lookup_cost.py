@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from kvoffload.engine import Engine, SamplingParams
-from kvoffload.keys import make_offload_key
+from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.contract import KVLayout, TierJob
 from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
@@ -44,7 +44,7 @@ def server_url(url: str | None) -> Iterator[str]:
         yield server.url
 
 
-def wait_answers(tier: RedisTier, keys: list[bytes], ctx: ReqContext) -> None:
+def wait_answers(tier: RedisTier, keys: list[OffloadKey], ctx: ReqContext) -> None:
     deadline = time.monotonic() + 30
     while any(tier.lookup(k, ctx) is LookupResult.RETRY for k in keys):
         assert time.monotonic() < deadline
@@ -76,7 +76,7 @@ def main() -> None:
     block = 4096
     layout = KVLayout("lookup-bench", "float32", 16, 8, 4, 64, block)
     pool = torch.zeros((N, block), dtype=torch.uint8)
-    view = memoryview(pool.numpy())
+    view = pool.numpy().data
     known_t: list[float] = []
     unknown_t: list[float] = []
     with server_url(args.url) as url:

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     requests = load_trace(args.trace, args.limit)
     keys = block_keys(requests)
+    vllm_keys = cast("dict[int, Any]", keys)  # the same bytes as vLLM's OffloadKey (a NewType)
     print(
         f"trace {Path(args.trace).name}: {len(requests)} requests, {sum(map(len, requests))} blocks"
     )
@@ -70,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, module in POLICIES:
         start = time.perf_counter()
         path = POLICY_MODULE if module else None
-        rows[name] = [hit_ratio(requests, keys, name, c, path) for c in capacities]
+        rows[name] = [hit_ratio(requests, vllm_keys, name, c, path) for c in capacities]
         label = name if module else f"vLLM {name}"
         print(
             f"{label:<24}"

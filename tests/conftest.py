@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from kvoffload import OffloadKey, ReqContext, make_offload_key
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """Repeat, as a red banner, why the vLLM plug-in tests were skipped (if they were)."""
     from vllm_cases import SKIP_MARK
 
@@ -50,7 +50,7 @@ def ctx() -> ReqContext:
 
 
 @pytest.fixture(scope="session")
-def redis_server():  # type: ignore[no-untyped-def]
+def redis_server():
     """A standalone ``redis-server`` for the whole session (fails, never skips, when missing)."""
     from redis_servers import RedisUnavailableError, standalone_server
 
@@ -62,7 +62,7 @@ def redis_server():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def tls_redis():  # type: ignore[no-untyped-def]
+def tls_redis():
     """A TLS-only ``redis-server`` (``--port 0 --tls-port``) whose certificates are made for the
     session with ``openssl``; its ``url`` is ``rediss://`` with ``ssl_ca_certs`` naming its CA.
     Fails, never skips, when redis-server or openssl is missing."""
@@ -76,7 +76,7 @@ def tls_redis():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def redis_cluster():  # type: ignore[no-untyped-def]
+def redis_cluster():
     """A Cluster of 3 masters + 3 replicas for the whole session; tests must not break it."""
     from redis_servers import RedisUnavailableError, cluster_servers
 

@@ -991,7 +991,7 @@ class FakeEngine:
 
     def run(self, max_steps: int = 500) -> list[StepRecord]:
         """Step until idle; fail if that takes more than ``max_steps``."""
-        records = []
+        records: list[StepRecord] = []
         for _ in range(max_steps):
             if self.is_idle():
                 return records

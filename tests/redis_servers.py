@@ -81,7 +81,7 @@ def make_certificates(directory: Path, name: str) -> tuple[Path, Path, Path]:
         "subjectKeyIdentifier=hash\n"
         "authorityKeyIdentifier=keyid,issuer\n"
     )
-    commands = [
+    commands: list[list[str | Path]] = [
         [openssl, "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1",
          "-subj", f"/CN=kvoffload test CA {name}",
          "-addext", "basicConstraints=critical,CA:TRUE",

@@ -32,7 +32,7 @@ def make_layout(model: str | None = None, block_bytes: int = BLOCK_BYTES) -> KVL
 def make_pool(num_slots: int, block_bytes: int = BLOCK_BYTES) -> tuple[torch.Tensor, memoryview]:
     """A host pool as the engine has it: a uint8 tensor and its 2-D memoryview."""
     tensor = torch.zeros((num_slots, block_bytes), dtype=torch.uint8)
-    return tensor, memoryview(tensor.numpy())
+    return tensor, tensor.numpy().data
 
 
 def fill_random(tensor: torch.Tensor, seed: int = 0) -> None:

@@ -534,7 +534,9 @@ def test_two_instances_share_prefixes_through_redis(
     assert [(r["config"], r["against"]) for r in payload["throughput_ratios"]] == [
         ("offloading + remote", "no offloading")
     ]
-    port = int(re.search(r"Started redis-server on 127\.0\.0\.1:(\d+)", stdout).group(1))
+    started = re.search(r"Started redis-server on 127\.0\.0\.1:(\d+)", stdout)
+    assert started is not None, stdout
+    port = int(started.group(1))
     with socket.socket() as s:  # stopped at the end
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
@@ -642,7 +644,9 @@ def test_served_metrics_count_the_measured_requests_only() -> None:
     (text,) = scraped
 
     def served(name: str) -> float:
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+        line = re.search(rf"^{name} (\S+)$", text, re.M)
+        assert line is not None, name
+        return float(line.group(1))
 
     assert served("kvoffload_time_to_first_token_seconds_count") == len(requests) == 6
     assert served("kvoffload_generation_tokens_total") == result.output_tokens
@@ -657,7 +661,7 @@ def test_failed_disk_writes_are_counted_in_the_summary() -> None:
     from kvoffload.benchmark.report import format_result
     from kvoffload.benchmark.throughput import ThroughputResult
 
-    stats = {
+    stats: dict[str, float] = {
         "offload_tier_disk_stored_blocks": 40, "offload_tier_disk_failed_store_blocks": 9,
         "offload_tier_disk_failed_store_full": 9, "offload_tier_disk_failed_store_io": 0,
         "offload_tier_disk_scanned_blocks": 0, "offload_tier_promoted_blocks": 3,

@@ -22,6 +22,7 @@ from kvoffload import (
     ReqContext,
     available_eviction_policies,
 )
+from kvoffload.manager_contract import LoadStoreSpec
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
@@ -31,13 +32,18 @@ def blocks(manager: CPUOffloadingManager) -> list[tuple[OffloadKey, int, int]]:
     return [(key, block.slot, block.ref_cnt) for key, block in manager.items()]
 
 
+def slots(spec: LoadStoreSpec) -> list[int]:
+    """The host slots ``spec`` (a :class:`CPULoadStoreSpec`) addresses."""
+    assert isinstance(spec, CPULoadStoreSpec)
+    return spec.block_ids
+
+
 def store(manager: CPUOffloadingManager, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
     """Prepare and complete a store that must succeed; return the slots used."""
     out = manager.prepare_store(keys, ctx)
     assert out is not None
     manager.complete_store(out.keys_to_store, ctx)
-    assert isinstance(out.store_spec, CPULoadStoreSpec)
-    return out.store_spec.block_ids
+    return slots(out.store_spec)
 
 
 def stored_event(*keys: OffloadKey) -> OffloadingEvent:
@@ -55,7 +61,7 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
 
     out = m.prepare_store([k[1], k[2]], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == (
+    assert (out.keys_to_store, slots(out.store_spec), out.evicted_keys) == (
         [k[1], k[2]],
         [0, 1],
         [],
@@ -71,7 +77,7 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
     m.touch([k[1]], ctx)
     out = m.prepare_store([k[2], k[3], k[4], k[5]], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == (
+    assert (out.keys_to_store, slots(out.store_spec), out.evicted_keys) == (
         [k[3], k[4], k[5]],
         [2, 3, 0],
         [k[1]],
@@ -98,7 +104,7 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
 
     out = m.prepare_store([k[6], k[7], k[8]], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == (
+    assert (out.keys_to_store, slots(out.store_spec), out.evicted_keys) == (
         [k[6], k[7], k[8]],
         [3, 2, 1],
         [k[2], k[3], k[4]],
@@ -108,7 +114,7 @@ def test_vllm_reference_sequence(keys: list[OffloadKey], ctx: ReqContext) -> Non
     m.touch([k[5], k[6], k[7]], ctx)  # recency now 8 < 7 < 6 < 5: 8 goes first
     out = m.prepare_store([k[9]], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == ([k[9]], [1], [k[8]])
+    assert (out.keys_to_store, slots(out.store_spec), out.evicted_keys) == ([k[9]], [1], [k[8]])
 
     m.complete_store([k[7], k[9]], ctx, success=False)  # 7 is complete: untouched; 9 is dropped
     assert m.lookup(k[7], ctx) is HIT and m.lookup(k[9], ctx) is MISS
@@ -213,7 +219,7 @@ def test_failed_store_removes_only_its_pending_blocks_and_frees_their_slots(
     m = CPUOffloadingManager(4, enable_events=True)
     store(m, [k[1]], ctx)
     out = m.prepare_store([k[2], k[3]], ctx)
-    assert out is not None and out.store_spec.block_ids == [1, 2]
+    assert out is not None and slots(out.store_spec) == [1, 2]
     m.complete_store([k[2]], ctx)
     m.take_events()
 
@@ -224,7 +230,7 @@ def test_failed_store_removes_only_its_pending_blocks_and_frees_their_slots(
     assert m.stats()["used_blocks"] == 2
     # The freed slot is reused, and the whole capacity is usable again without eviction.
     out = m.prepare_store([k[4], k[5]], ctx)
-    assert out is not None and sorted(out.store_spec.block_ids) == [2, 3] and out.evicted_keys == []
+    assert out is not None and sorted(slots(out.store_spec)) == [2, 3] and out.evicted_keys == []
     m.check_invariants()
 
 
@@ -305,7 +311,7 @@ def test_prepare_store_drops_duplicates_and_present_keys(
     out = m.prepare_store([k[2], k[1], k[2], k[3], k[3]], ctx)
     assert out is not None
     assert out.keys_to_store == [k[2], k[3]]
-    assert out.store_spec.block_ids == [1, 2]
+    assert slots(out.store_spec) == [1, 2]
     assert m.stats()["used_blocks"] == 3
 
 
@@ -319,7 +325,7 @@ def test_nothing_to_store_is_an_empty_answer_not_none(
     m.prepare_load([k[1]], ctx)  # full and nothing evictable: a None would be wrong here
     out = m.prepare_store([k[i] for i in offered], ctx)
     assert out is not None
-    assert (out.keys_to_store, out.store_spec.block_ids, out.evicted_keys) == ([], [], [])
+    assert (out.keys_to_store, slots(out.store_spec), out.evicted_keys) == ([], [], [])
     assert m.stats()["rejected_stores"] == 0
 
 

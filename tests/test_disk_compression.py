@@ -33,7 +33,8 @@ from kvoffload.tiers import KVLayout, TierJob
 from kvoffload.tiers.blockformat import encode_header, header_size, payload_checksum
 from kvoffload.tiers.codec.frame import LOSSLESS_ID, pack_frame_header
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 CTX = ReqContext("test")
 BLOCK = 64 * 1024

@@ -109,7 +109,7 @@ def test_the_limit_grows_back_when_space_is_freed(tmp_path: Path) -> None:
             lowered = tier.stats()["capacity_blocks"]
             assert lowered < 40
             filler.unlink()
-            tier._refit_filesystem_when_idle()  # what the rescan thread does every interval
+            tier._upkeep.refit_filesystem_when_idle()  # what the rescan thread does every interval
             assert tier.stats()["capacity_blocks"] > lowered
             assert not any(store_batches(tier, pool, 3000, 2))
             tier.check_ledger()

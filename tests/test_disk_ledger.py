@@ -21,6 +21,7 @@ from tier_cases import (
     wait_jobs,
 )
 
+from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import file_bytes
@@ -61,14 +62,16 @@ def test_a_victims_late_unlink_never_deletes_its_keys_new_file(
         wait_jobs(tier)
         write = tier._files.write
 
-        def write_and_tell(k: bytes, slot: int, spare: str | None = None) -> bool:
-            published = write(k, slot, spare)
+        def write_and_tell(
+            k: OffloadKey, slot: int, spare: str | None = None, frame: bytes | None = None
+        ) -> bool:
+            published = write(k, slot, spare, frame)
             if k == key(1):
                 rewritten.set()
             return published
 
         monkeypatch.setattr(SpaceLedger, "reserve_blocks", held_back)
-        tier._files.write = write_and_tell  # type: ignore[method-assign]
+        monkeypatch.setattr(tier._files, "write", write_and_tell)
         tier.submit_store(TierJob(2, [key(2), key(3)], [1, 1]))  # evicts key 1 (LRU)
         assert tier.lookup(key(1), CTX) is MISS
         tier.submit_store(TierJob(3, [key(1)], [0]))  # key 1 again (evicts key 9)

@@ -18,7 +18,8 @@ from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import SUFFIX
 from kvoffload.tiers.disk.scan import count_files
 from kvoffload.tiers.disk.spares import SPARE_DIR
-from kvoffload.tiers.disk.tier import RECONCILE_EVERY_TICKS, DiskTier
+from kvoffload.tiers.disk.tier import DiskTier
+from kvoffload.tiers.disk.upkeep import RECONCILE_EVERY_TICKS
 
 TESTS = Path(__file__).parent
 CTX = ReqContext("test")
@@ -89,7 +90,7 @@ def test_writers_killed_mid_store_leave_no_drift_once_the_survivor_reconciles(
                 kill(proc)
         assert drift(survivor) == 3 * 12 * survivor.file_bytes
         assert foreign_spares(survivor)
-        survivor._upkeep()  # one rescan tick
+        survivor._upkeep.tick()  # one rescan tick
         assert drift(survivor) == 0
         survivor.check_ledger()
         assert foreign_spares(survivor) == []
@@ -118,7 +119,7 @@ def test_block_files_removed_by_hand_leave_the_ledger_at_the_next_tick(tmp_path:
         tier.submit_load(TierJob(2, [key(0)], [0]))
         (loaded,) = wait_jobs(tier)
         assert loaded.failed_keys == {key(0): "missing"}
-        tier._upkeep()
+        tier._upkeep.tick()
         assert drift(tier) == 0
         tier.check_ledger()
         assert tier.lookup(key(0), CTX) is LookupResult.MISS
@@ -169,9 +170,9 @@ def test_files_removed_by_hand_and_never_loaded_leave_the_ledger_within_30_ticks
         assert all(r.success for r in wait_jobs(tier))
         os.unlink(tier._files.path_of(key(3)))
         for _ in range(RECONCILE_EVERY_TICKS - 1):
-            tier._upkeep()
+            tier._upkeep.tick()
         assert drift(tier) == tier.file_bytes
-        tier._upkeep()
+        tier._upkeep.tick()
         assert drift(tier) == 0
     finally:
         tier.close()

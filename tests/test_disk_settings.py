@@ -12,7 +12,8 @@ from tier_cases import host_pool, layout, small_tmpfs
 
 from kvoffload.engine import EngineConfig
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 from kvoffload.tiers.factory import validate_disk_settings
 
 GIB = 2**30

@@ -17,6 +17,7 @@ from tier_cases import (
     wait_jobs,
 )
 
+from kvoffload.keys import OffloadKey
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import file_bytes
 from kvoffload.tiers.disk.spares import SPARE_DIR, SPARE_SUFFIX, _Renamer
@@ -34,7 +35,7 @@ def store(tier: DiskTier, job_id: int, keys: list, slots: list[int]) -> None:
     assert all(r.success for r in wait_jobs(tier))
 
 
-def inode(tier: DiskTier, k: bytes) -> int:
+def inode(tier: DiskTier, k: OffloadKey) -> int:
     return os.stat(tier._files.path_of(k)).st_ino
 
 

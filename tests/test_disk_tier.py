@@ -28,7 +28,8 @@ from kvoffload.errors import ConfigError
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 from kvoffload.tiers.factory import validate_disk_settings
 
 CTX = ReqContext("test")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from typing import Any
 
 import pytest
 from engine_cases import one_thread  # noqa: F401 - autouse fixture
@@ -14,13 +15,13 @@ from kvoffload.engine.config import RENAMED_SETTINGS
 from kvoffload.errors import ConfigError
 
 #: An old spelling with a value its setting accepts (the TTL needs a URL: not connected here).
-OLD_VALUES = {
+OLD_VALUES: dict[str, Any] = {
     "kv_lookup_retry_seconds": 7.5,
     "kv_remote_ttl": 30.0,
     "kv_remote_lookup_wait": 0.5,
     "log_stats_interval": 3.0,
 }
-NEEDS = {"kv_remote_ttl": {"kv_remote_url": "redis://127.0.0.1:1", "kv_offloading_size": 0.01}}
+NEEDS: dict[str, dict[str, Any]] = {"kv_remote_ttl": {"kv_remote_url": "redis://127.0.0.1:1", "kv_offloading_size": 0.01}}
 
 
 def test_every_duration_is_in_seconds_named_s() -> None:
@@ -53,7 +54,7 @@ def test_engine_accepts_the_old_spelling_and_warns_at_its_caller() -> None:
 def test_both_spellings_at_once_are_refused_naming_the_new_one() -> None:
     with pytest.raises(ConfigError) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        EngineConfig(log_stats_interval=1.0, log_stats_interval_s=2.0)
+        EngineConfig(log_stats_interval=1.0, log_stats_interval_s=2.0)  # type: ignore[call-arg]
     assert info.value.field == "log_stats_interval_s"
     with pytest.raises(ConfigError) as info:
         Engine("tiny", kv_lookup_retry_seconds=1.0, kv_lookup_retry_s=2.0)
@@ -65,11 +66,12 @@ def test_new_spellings_do_not_warn_and_errors_name_them() -> None:
         warnings.simplefilter("error")
         EngineConfig(kv_lookup_retry_s=1.0, log_stats_interval_s=1.0)
     for name in RENAMED_SETTINGS.values():
+        negative: dict[str, Any] = {name: -1.0}
         with pytest.raises(ConfigError) as info:
-            EngineConfig(**{name: -1.0}, kv_remote_url="redis://127.0.0.1:1", kv_offloading_size=1)
+            EngineConfig(**negative, kv_remote_url="redis://127.0.0.1:1", kv_offloading_size=1)
         assert info.value.field == name
     with pytest.raises(ConfigError) as info, pytest.warns(DeprecationWarning):
-        EngineConfig(kv_remote_lookup_wait=0.0)  # refused under its new name
+        EngineConfig(kv_remote_lookup_wait=0.0)  # type: ignore[call-arg]  # refused under its new name
     assert info.value.field == "kv_remote_lookup_wait_s"
 
 

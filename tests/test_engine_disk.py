@@ -35,9 +35,10 @@ from kvoffload.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.events.block_index import BlockIndex
 from kvoffload.events.messages import BlockStored, external_block_hash
-from kvoffload.keys import offload_key_hash
+from kvoffload.keys import OffloadKey, offload_key_hash
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.blockformat import CorruptBlockError, parse_header, verify_payload
+from kvoffload.tiers.disk.tier import DiskTier
 
 TESTS = Path(__file__).parent
 HIT = LookupResult.HIT
@@ -74,6 +75,14 @@ def disk_engine(path: Path, **kwargs: Any) -> Engine:
     }
     options.update(kwargs)
     return tiny_engine(**options)
+
+
+def _disk_tier(engine: Engine) -> DiskTier:
+    """The engine's disk tier (its first secondary tier here)."""
+    assert engine.tiering is not None
+    disk = engine.tiering.tiers[0]
+    assert isinstance(disk, DiskTier)
+    return disk
 
 
 def block_files(path: Path) -> list[Path]:
@@ -258,7 +267,7 @@ def test_per_request_tier_selection(tmp_path: Path, reference) -> None:
             engine.add_request(p, SAMPLING, kv_transfer_params={"kv_load_tiers": []})
             for p in ROUNDS[1]
         ]
-        done = {}
+        done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in engine.step():
                 done[out.request_id] = out
@@ -400,7 +409,8 @@ def test_two_engine_processes_share_one_directory(tmp_path: Path) -> None:
     ],
 )
 def test_bad_disk_settings_are_config_errors(tmp_path: Path, kwargs: dict, setting: str) -> None:
-    options = {"kv_offloading_size": 0.01, "kv_disk_path": str(tmp_path), "kv_disk_size": 1.0}
+    options: dict[str, Any] = {
+        "kv_offloading_size": 0.01, "kv_disk_path": str(tmp_path), "kv_disk_size": 1.0}
     options.update(kwargs)
     with pytest.raises(ConfigError, match=setting):
         EngineConfig(**options)
@@ -438,7 +448,7 @@ def test_events_show_which_blocks_are_on_disk(tmp_path: Path) -> None:
         engine.publisher = collector
         run_rounds(engine, ROUNDS, SAMPLING)
         engine.drain()
-        disk = engine.tiering.tiers[0]  # type: ignore[union-attr]
+        disk = _disk_tier(engine)
         as_int = engine.config.events.int_block_hashes  # as the events publish them
         on_disk = {
             external_block_hash(offload_key_hash(k), as_int)
@@ -461,7 +471,7 @@ def test_events_after_a_warm_restart_show_the_blocks_already_on_disk(tmp_path: P
     so ``kvoffload events listen --index`` shows them without waiting for new stores."""
     with disk_engine(tmp_path) as engine:
         one_at_a_time(engine, ROUNDS[0])
-    found = {offload_key_hash(bytes.fromhex(p.stem)) for p in block_files(tmp_path)}
+    found = {offload_key_hash(OffloadKey(bytes.fromhex(p.stem))) for p in block_files(tmp_path)}
     events = {"enable_kv_cache_events": True, "publisher": "null"}
     with disk_engine(tmp_path, kv_events_config=events) as engine:
         collector = EventCollector()
@@ -471,7 +481,7 @@ def test_events_after_a_warm_restart_show_the_blocks_already_on_disk(tmp_path: P
         first.apply(collector.batches[0])
         run_rounds(engine, ROUNDS[1:], SAMPLING)
         engine.drain()
-        disk = engine.tiering.tiers[0]  # type: ignore[union-attr]
+        disk = _disk_tier(engine)
         as_int = engine.config.events.int_block_hashes  # as the events publish them
         on_disk = {
             external_block_hash(offload_key_hash(k), as_int)

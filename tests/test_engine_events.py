@@ -41,7 +41,7 @@ from kvoffload.events import (
     KVEventSubscriber,
     external_block_hash,
 )
-from kvoffload.keys import offload_key_hash
+from kvoffload.keys import BlockHash, offload_key_hash
 
 TOPIC = "kv"
 
@@ -124,7 +124,7 @@ def _check_self_describing(
     """Every BlockStored's hashes are the chained hashes of its token ids from its parent; a block
     announced on both tiers has the same parent and tokens on each. Returns how many were."""
     hasher, ebs = engine.hasher, engine.config.block_size
-    known: dict[Any, bytes] = {}  # published hash -> hash bytes, for every block we submitted
+    known: dict[Any, BlockHash] = {}  # published hash -> hash bytes, for every block we submitted
     for out in outputs:
         for h in hasher.hash_blocks(out.prompt_token_ids + out.output_token_ids):
             known[_ext(engine, h)] = h
@@ -133,18 +133,20 @@ def _check_self_describing(
     for event in events:
         if not isinstance(event, BlockStored):
             continue
-        assert event.block_size == described[event.medium]
+        medium = event.medium
+        assert medium is not None
+        assert event.block_size == described[medium]
         assert event.group_idx == 0 and event.lora_name is None
         assert len(event.token_ids) == event.block_size * len(event.block_hashes)
         parent = event.parent_block_hash
         for i, published in enumerate(event.block_hashes):
             tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
-            h = None if parent is None else known[parent]
+            chained = None if parent is None else known[parent]
             # An offloaded block spans block_size_factor engine blocks: chain their hashes.
             for k in range(0, len(tokens), ebs):
-                h = hasher.hash_block(h, tokens[k : k + ebs])
-            assert _ext(engine, h) == published
-            seen[(event.medium, published)] = (parent, tuple(tokens))
+                chained = hasher.hash_block(chained, tokens[k : k + ebs])
+            assert chained is not None and _ext(engine, chained) == published
+            seen[(medium, published)] = (parent, tuple(tokens))
             parent = published
     both = {h for m, h in seen if m == MEDIUM_CPU} & {h for m, h in seen if m == MEDIUM_GPU}
     for h in both:

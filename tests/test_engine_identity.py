@@ -192,7 +192,7 @@ def test_blocks_of_the_old_format_are_never_served(
 
 def run_here_for(tier: dict[str, Any], request: pytest.FixtureRequest) -> dict:
     """An engine of the tiny preset in this process (so that the old release can be patched in)."""
-    engine = {"block_size": 4, "num_device_blocks": 64, "kv_offloading_size": 0.01}
+    engine: dict[str, Any] = {"block_size": 4, "num_device_blocks": 64, "kv_offloading_size": 0.01}
     engine.update(kv_lookup_retry_s=GENEROUS_WAIT_S, load_policy="always", **tier)
     return run_here({"model": "tiny", "engine": engine, "prompts": PROMPTS, "max_tokens": 3})
 

@@ -49,7 +49,7 @@ def _run(engine: Engine, ids: Collection[str]) -> dict[str, RequestOutput]:
 
 
 def _step_until(engine: Engine, condition, what: str) -> list[RequestOutput]:
-    finished = []
+    finished: list[RequestOutput] = []
     for _ in range(MAX_STEPS):
         if condition():
             return finished

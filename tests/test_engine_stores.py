@@ -22,7 +22,7 @@ from engine_cases import (
 )
 
 from kvoffload.engine import Engine
-from kvoffload.keys import offload_key_hash
+from kvoffload.keys import BlockHash, offload_key_hash
 
 
 def _readable(engine: Engine) -> set[bytes]:
@@ -30,7 +30,7 @@ def _readable(engine: Engine) -> set[bytes]:
     return {offload_key_hash(k) for k, b in backing_manager(engine).items() if b.ref_cnt >= 0}
 
 
-def _blocks(engine: Engine, prompt: list[int]) -> list[bytes]:
+def _blocks(engine: Engine, prompt: list[int]) -> list[BlockHash]:
     return engine.hasher.hash_blocks(prompt)
 
 

@@ -252,7 +252,8 @@ def test_decoder_ignores_fields_a_newer_producer_added() -> None:
     for event in (newer_map, newer_array):
         batch = DECODER.decode(msgspec.msgpack.encode([2.0, [event], 1]))
         assert batch.ts == 2.0 and batch.data_parallel_rank == 1
-    assert DECODER.decode(msgspec.msgpack.encode([2.0, [newer_map], 1])).events[0].token_ids == [9]
+    (stored,) = DECODER.decode(msgspec.msgpack.encode([2.0, [newer_map], 1])).events
+    assert isinstance(stored, BlockStored) and stored.token_ids == [9]
 
 
 def test_decoder_reads_vllm_legacy_arrays_with_every_trailing_field_written() -> None:

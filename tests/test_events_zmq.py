@@ -331,7 +331,7 @@ def test_lifecycle_and_misuse() -> None:
     pub = ZmqEventPublisher(LOOPBACK)
     assert pub.state is PublisherState.RUNNING
     with pytest.raises(ContractError, match="KVEventBatch"):
-        pub.publish([1.0, []])  # type: ignore[arg-type]
+        pub.publish([1.0, []])
     pub.shutdown()
     pub.shutdown()  # idempotent
     assert pub.state is PublisherState.CLOSED

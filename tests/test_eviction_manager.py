@@ -149,7 +149,7 @@ def install_dist(tmp_path: Path, entry_points: str) -> None:
 
 
 @pytest.fixture
-def site(tmp_path: Path):  # type: ignore[no-untyped-def]
+def site(tmp_path: Path):
     """Where a test installs its distribution; everything is undone afterwards."""
     yield tmp_path
     sys.path.remove(str(tmp_path))

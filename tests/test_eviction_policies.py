@@ -40,7 +40,7 @@ def fill(
     policy: EvictionPolicy, keys: Sequence[OffloadKey], ref_cnt: int = 0
 ) -> dict[OffloadKey, OffloadedBlock]:
     """Insert ``keys`` with fresh slots, all in state ``ref_cnt``; return the blocks."""
-    blocks = {}
+    blocks: dict[OffloadKey, OffloadedBlock] = {}
     for key in keys:
         block = OffloadedBlock(len(policy) + len(blocks) + 1000)
         policy.insert(key, block)

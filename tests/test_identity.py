@@ -142,7 +142,12 @@ def test_digest_is_cached_and_a_fresh_file_is_not(weights_a: Path, tmp_path: Pat
     files = sorted(folder.glob("*.safetensors"))
     calls: list[Path] = []
     real = filedigest.file_digest
-    monkeypatch.setattr(filedigest, "file_digest", lambda p: calls.append(p) or real(p))
+
+    def counted(path: Path) -> str:
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(filedigest, "file_digest", counted)
     first = weights_digest(files)
     assert weights_digest(files) == first and calls == files  # hashed once
     # A file changed within the racy window is hashed every time until it has settled.

@@ -225,7 +225,7 @@ def engine():
         yield e
 
 
-REQUEST_DATA = {
+REQUEST_DATA: dict[str, tuple[dict[str, Any], str]] = {
     "prompt of strings": ({"prompt": ["1", "2"]}, "prompt"),
     "prompt of floats": ({"prompt": [1.0, 2.0]}, "prompt"),
     "prompt of bools": ({"prompt": [True, False]}, "prompt"),
@@ -244,7 +244,7 @@ REQUEST_DATA = {
 @pytest.mark.parametrize("case", sorted(REQUEST_DATA))
 def test_bad_request_data_is_refused_naming_it(engine: Engine, case: str) -> None:
     overrides, field = REQUEST_DATA[case]
-    kwargs = {"prompt": [1, 2, 3], **overrides}
+    kwargs: dict[str, Any] = {"prompt": [1, 2, 3], **overrides}
     with pytest.raises(ConfigError) as info:
         engine.add_request(**kwargs)
     assert info.value.field.split(".")[0] == field
@@ -256,7 +256,7 @@ def test_generate_refuses_a_bare_string_and_unknown_engine_settings(engine: Engi
         engine.generate("hello")  # would otherwise be five one-character prompts
     assert info.value.field == "prompts"
     with pytest.raises(ConfigError) as info:
-        engine.generate([[1, 2]], "greedy")
+        engine.generate([[1, 2]], "greedy")  # type: ignore[arg-type]  # a bad type, on purpose
     assert info.value.field == "sampling"
     with pytest.raises(ConfigError) as info:
         Engine("tiny", num_device_block=8)  # a typo: not silently ignored, not a TypeError

@@ -160,6 +160,7 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
         )
         # Injected failures are counted where they happened.
         if fault == "load":
+            assert injected is not None
             assert stats["offload_failed_loads"] == len(injected.injected) > 0
             assert (
                 value(samples, "kvoffload_offload_recomputed_tokens_total", tier="host")
@@ -167,6 +168,7 @@ def test_scraped_metrics_agree_with_counters_and_events(reference: list, fault: 
                 > 0
             )
         elif fault == "store":
+            assert injected is not None
             assert stats["offload_failed_stores"] == len(injected.injected) > 0
             assert stats["offload_tier_failed_store_blocks"] > 0
         else:
@@ -312,7 +314,7 @@ def test_async_tier_lookups_and_promotions_are_summaries() -> None:
     Prometheus summaries whose count and sum are the tiers' own counters."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvoffload.metrics.prometheus import _StatsCollector
+    from kvoffload.metrics.engine_collector import StatsCollector
 
     stats = {
         "offload_load_jobs": 1,
@@ -324,7 +326,7 @@ def test_async_tier_lookups_and_promotions_are_summaries() -> None:
         "remote": {"lookup_round_trips": 3, "lookup_round_trip_us": 1_500_000},
     }
     registry = CollectorRegistry()
-    registry.register(_StatsCollector(lambda: (stats, tiers), 1024))
+    registry.register(StatsCollector(lambda: (stats, tiers), 1024))
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(generate_latest(registry).decode())

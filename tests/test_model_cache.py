@@ -143,7 +143,7 @@ def _bad(md: AttentionMetadata, **change: object) -> AttentionMetadata:
         for k in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "block_size")
     }
     fields.update(change)
-    return AttentionMetadata(**fields)  # type: ignore[arg-type]
+    return AttentionMetadata(**fields)
 
 
 GOOD = AttentionMetadata.build([4, 0], [1, 3], [[2, 3], [5]], 4)

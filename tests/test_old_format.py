@@ -33,7 +33,8 @@ from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk import directory as diskdir
 from kvoffload.tiers.disk import reclaim as diskreclaim
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 from kvoffload.tiers.redis.config import remote_key_prefix
 
 OLD_MODEL = "/models/llama"  # the previous format named a model by its path
@@ -92,7 +93,8 @@ import sys
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk import directory as diskdir
 from kvoffload.tiers.disk import reclaim as diskreclaim
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
+from kvoffload.tiers.disk.settings import DiskTierSettings
 from kvoffload.tiers.contract import KVLayout
 from kvoffload.keys import make_offload_key
 diskdir.FORMAT_DIR, diskreclaim.OLD_FORMAT_DIRS = "kvoffload-v1", ()  # the previous release

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 from redis_servers import RedisServer
 from remote_cases import WAIT_S, make_layout, make_tier
 
-from kvoffload.keys import make_offload_key
+from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.tiers.contract import TierJob
 from kvoffload.tiers.redis.tier import remote_key_prefix
@@ -49,7 +49,7 @@ def run_machine(server: RedisServer) -> None:
             self.prefix = remote_key_prefix(self.layout)
             self.ctx = ReqContext("machine")
             self.next_job = 0
-            self.jobs: dict[int, tuple[bool, list[bytes], list[int]]] = {}
+            self.jobs: dict[int, tuple[bool, list[OffloadKey], list[int]]] = {}
             self.reported: set[int] = set()
             self.stored: set[bytes] = set()  # reported stored at least once
             self.busy_slots: set[int] = set()
@@ -59,7 +59,7 @@ def run_machine(server: RedisServer) -> None:
             return free if len(free) == n else None
 
         @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4, unique=True))
-        def store(self, keys: list[bytes]) -> None:
+        def store(self, keys: list[OffloadKey]) -> None:
             slots = self._free_slots(len(keys))
             if slots is None:
                 return
@@ -68,7 +68,7 @@ def run_machine(server: RedisServer) -> None:
             self._submit(True, keys, slots)
 
         @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4, unique=True))
-        def load(self, keys: list[bytes]) -> None:
+        def load(self, keys: list[OffloadKey]) -> None:
             keys = [k for k in keys if self.tier.lookup(k, self.ctx) is LookupResult.HIT]
             slots = self._free_slots(len(keys))
             if not keys or slots is None:
@@ -77,7 +77,7 @@ def run_machine(server: RedisServer) -> None:
                 self.pool.cast("B")[slot * BLOCK : (slot + 1) * BLOCK] = SLOT_MARK
             self._submit(False, keys, slots)
 
-        def _submit(self, is_store: bool, keys: list[bytes], slots: list[int]) -> None:
+        def _submit(self, is_store: bool, keys: list[OffloadKey], slots: list[int]) -> None:
             self.next_job += 1
             job = TierJob(self.next_job, list(keys), list(slots))
             self.jobs[job.job_id] = (is_store, list(keys), list(slots))

@@ -5,6 +5,7 @@ server-side eviction and expiry, credentials, and a server that dies and comes b
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ HIT, MISS, RETRY, PENDING = (
 
 
 @pytest.fixture
-def two_tiers(redis_server: RedisServer):  # type: ignore[no-untyped-def]
+def two_tiers(redis_server: RedisServer):
     """Two tiers (two "engines") of one layout on one server, with 16-slot pools."""
     layout = make_layout()
     pools = [make_pool(16), make_pool(16)]
@@ -48,7 +49,7 @@ def two_tiers(redis_server: RedisServer):  # type: ignore[no-untyped-def]
         tier.close()
 
 
-def test_blocks_stored_by_one_tier_load_in_another(two_tiers) -> None:  # type: ignore[no-untyped-def]
+def test_blocks_stored_by_one_tier_load_in_another(two_tiers) -> None:
     (a, b), (pool_a, pool_b) = two_tiers
     fill_random(pool_a)
     keys = keys_for(8)
@@ -66,7 +67,7 @@ def test_blocks_stored_by_one_tier_load_in_another(two_tiers) -> None:  # type: 
     assert a.stats()["stored_blocks"] == 8 and b.stats()["lookups_sent"] == 8
 
 
-def test_unknown_keys_are_misses_and_asked_once(two_tiers) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_keys_are_misses_and_asked_once(two_tiers) -> None:
     (a, _), _ = two_tiers
     keys = keys_for(50, salt=1)
     ctx = ReqContext("r")
@@ -78,7 +79,7 @@ def test_unknown_keys_are_misses_and_asked_once(two_tiers) -> None:  # type: ign
     assert a.lookup(keys[0], ctx) is MISS  # the remote miss is believed for miss_ttl_s
 
 
-def test_store_is_pending_until_written_and_repeats_are_skipped(two_tiers) -> None:  # type: ignore[no-untyped-def]
+def test_store_is_pending_until_written_and_repeats_are_skipped(two_tiers) -> None:
     (a, _), (pool_a, _) = two_tiers
     fill_random(pool_a, seed=3)
     keys = keys_for(4, salt=2)
@@ -91,7 +92,7 @@ def test_store_is_pending_until_written_and_repeats_are_skipped(two_tiers) -> No
     assert lookup_all(a, keys) == [HIT] * 4
 
 
-def _corrupt_values(server: RedisServer, prefix: bytes, keys: list[bytes], block: int) -> None:
+def _corrupt_values(server: RedisServer, prefix: bytes, keys: Sequence[bytes], block: int) -> None:
     """keys[0]: garbage; keys[1]: truncated; keys[2]: another layout's block under our key;
     keys[3]: a payload bit flipped; keys[4]: deleted."""
     with server.client() as c:
@@ -110,7 +111,7 @@ def _corrupt_values(server: RedisServer, prefix: bytes, keys: list[bytes], block
         c.delete(prefix + keys[4])
 
 
-def test_bad_values_fail_their_loads_with_a_cause(two_tiers, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+def test_bad_values_fail_their_loads_with_a_cause(two_tiers, redis_server: RedisServer) -> None:
     (a, b), (pool_a, pool_b) = two_tiers
     fill_random(pool_a, seed=5)
     keys = keys_for(6, salt=3)
@@ -137,7 +138,7 @@ def test_bad_values_fail_their_loads_with_a_cause(two_tiers, redis_server: Redis
     assert lookup_all(b, keys[:4]) == [MISS] * 4  # and deleted from the server
 
 
-def test_a_value_that_vanished_is_a_missing_load(two_tiers, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+def test_a_value_that_vanished_is_a_missing_load(two_tiers, redis_server: RedisServer) -> None:
     (a, _), (pool_a, _) = two_tiers
     fill_random(pool_a, seed=6)
     keys = keys_for(3, salt=4)
@@ -149,7 +150,7 @@ def test_a_value_that_vanished_is_a_missing_load(two_tiers, redis_server: RedisS
     assert a.stats()["vanished_blocks"] == 1
 
 
-def test_layouts_are_namespaced(two_tiers, redis_server: RedisServer) -> None:  # type: ignore[no-untyped-def]
+def test_layouts_are_namespaced(two_tiers, redis_server: RedisServer) -> None:
     (a, _), (_pool_a, _) = two_tiers
     keys = keys_for(2, salt=5)
     assert run_job(a, True, keys, [0, 1]).success
@@ -259,7 +260,7 @@ def test_answers_expire_at_the_remaining_ttl() -> None:
 
 def test_a_value_of_the_wrong_type_is_corrupt_and_deleted(
     two_tiers, redis_server: RedisServer
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Issue 18, defect 8: a key holding a hash (``WRONGTYPE`` on GET) is damage: counted as
     corrupt and deleted, as garbage bytes are (before: an I/O failure, left on the server)."""
     (a, b), (pool_a, pool_b) = two_tiers
@@ -282,7 +283,7 @@ def test_a_value_of_the_wrong_type_is_corrupt_and_deleted(
 
 def test_a_value_of_another_length_is_rejected_without_reading_past_it(
     two_tiers, redis_server: RedisServer
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Values longer and shorter than the layout's block, pipelined between intact ones: each
     fails ``corrupt`` with its slot untouched (the long one never spills into the next slot or
     past the pool's end), the intact ones load exactly, the bad ones are deleted."""
@@ -332,7 +333,7 @@ def test_config_is_validated() -> None:
         RedisTier(view, make_layout(block_bytes=8), RemoteTierConfig(url="redis://h"))
 
 
-def test_an_unexpected_error_fails_the_job_and_the_tier_goes_on(two_tiers) -> None:  # type: ignore[no-untyped-def]
+def test_an_unexpected_error_fails_the_job_and_the_tier_goes_on(two_tiers) -> None:
     (a, _), (pool_a, _) = two_tiers
     fill_random(pool_a, seed=12)
     keys = keys_for(2, salt=12)

@@ -38,14 +38,14 @@ def test_credentials_from_environment_when_the_url_has_none() -> None:
     assert parse_redis_url("redis://u:mine@h", env=env).password == "mine"
 
 
-def test_tls_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tls_options(tmp_path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("a CA")
     url = parse_redis_url(f"rediss://h?ssl_cert_reqs=none&ssl_ca_certs={ca}", env={})
     assert dict(url.tls_options) == {"ssl_cert_reqs": "none", "ssl_ca_certs": str(ca)}
 
 
-def test_namespace_option_on_every_scheme(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_namespace_option_on_every_scheme(tmp_path) -> None:
     """``namespace=NAME`` names where the keys live; shown (it is no secret), default empty."""
     assert parse_redis_url("redis://h", env={}).namespace == ""
     url = parse_redis_url("redis://:pw@h:1/2?namespace=bench-1.a_b", env={})

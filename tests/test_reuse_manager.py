@@ -10,6 +10,7 @@ from tier_cases import key as tier_key
 
 from kvoffload import (
     ConfigError,
+    CPULoadStoreSpec,
     CPUOffloadingManager,
     FilterReusedOffloadingManager,
     LookupResult,
@@ -18,7 +19,8 @@ from kvoffload import (
     ReqContext,
     TieringOffloadingManager,
 )
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
@@ -148,12 +150,14 @@ def test_everything_else_delegates_to_the_backing_manager(keys: list[OffloadKey]
     ctx = ReqContext("a")
 
     out = m.prepare_store([k[1], k[2]], ctx)
-    assert out is not None and out.store_spec.block_ids == [0, 1]
+    assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+    assert out.store_spec.block_ids == [0, 1]
     m.complete_store([k[1]], ctx)
     m.complete_store([k[2]], ctx, success=False)
     assert [backing.lookup(x, ctx) for x in (k[1], k[2])] == [HIT, MISS]
 
-    assert m.prepare_load([k[1]], ctx).block_ids == [0]
+    spec = m.prepare_load([k[1]], ctx)
+    assert isinstance(spec, CPULoadStoreSpec) and spec.block_ids == [0]
     assert [b.ref_cnt for _, b in backing.items()] == [1]
     m.complete_load([k[1]], ctx)
     assert [b.ref_cnt for _, b in backing.items()] == [0]

@@ -178,7 +178,7 @@ def test_a_stalled_backend_leaves_and_its_waiting_requests_go_elsewhere() -> Non
             outs = [f.result() for f in futures]
         finally:
             a.proc.send_signal(signal.SIGCONT)
-        assert all(o.usage.completion_tokens == 2 for o in outs)
+        assert all(o.usage is not None and o.usage.completion_tokens == 2 for o in outs)
         stats = http_json(f"{router.url}/router/stats")
         assert stats["counters"]["backend_lost"] >= 1 and stats["counters"]["retries"] >= 1
         assert stats["counters"]["no_backend"] == 0

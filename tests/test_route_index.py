@@ -75,8 +75,8 @@ def test_keys_are_content_hashes_in_both_wire_forms(legacy: bool) -> None:
     index.apply(a, [BlockRemoved([11, 12, 13], "GPU")])
     assert index.match(token_bytes(tokens), [a])[a].host == 0  # block 0 gone: no prefix
     index.apply(a, [_stored([11], None, tokens[:BS], "STORAGE", "LOCAL")])
-    m = index.match(token_bytes(tokens), [a])[a]
-    assert (m.disk, m.host, m.computed) == (1, 1, 1)
+    one = index.match(token_bytes(tokens), [a])[a]
+    assert (one.disk, one.host, one.computed) == (1, 1, 1)
     index.apply(b, [AllBlocksCleared()])
     assert index.match(token_bytes(tokens), [b])[b].cached == 0  # device run gone, host from 1
     assert index.held(b, HOST) == {(0, 22)}
@@ -175,6 +175,7 @@ class _Followed:
     def __init__(self, engine: Engine, index: PrefixIndex, remote_group: str) -> None:
         self.engine = engine
         self.iid = index.add_instance(remote_group)
+        assert engine.tiering is not None
         self.remote = next(t for t in engine.tiering.tiers if isinstance(t, RedisTier))
         publisher = engine.publisher
         self.follower = EventFollower(
@@ -205,6 +206,7 @@ def _expected(engine: Engine, prompts: list[list[int]], claimed: set) -> dict[in
     ext = lambda h: external_block_hash(h, INT_HASHES)  # noqa: E731
     device = {(0, ext(b.block_hash)) for b in engine.pool.blocks if b.block_hash is not None}
     host = {(0, ext(k[:-4])) for k, blk in backing_manager(engine).items() if blk.ref_cnt >= 0}
+    assert engine.tiering is not None
     disk_tier = next(t for t in engine.tiering.tiers if isinstance(t, DiskTier))
     ctx = ReqContext("check")
     candidates = {h for prompt in prompts for h in engine.hasher.hash_blocks(prompt)}
@@ -260,7 +262,9 @@ def test_router_index_equals_the_engines_caches_after_every_step(tmp_path) -> No
                         kv_remote_url=server.url, kv_events_config=_events_config())
             for i in range(2)
         ]
-        followed = [_Followed(e, index, remote_tier_id(server.url)) for e in engines]
+        group = remote_tier_id(server.url)
+        assert group is not None
+        followed = [_Followed(e, index, group) for e in engines]
         shared = _SharedTier(server.url, followed[0].remote)
         ran: list[set[int]] = [set(), set()]  # prefixes each engine ran
         try:
@@ -270,7 +274,9 @@ def test_router_index_equals_the_engines_caches_after_every_step(tmp_path) -> No
                 ran[n % 2].add(next(i for i, p in enumerate(prefixes) if prompt[: len(p)] == p))
                 for _ in range(2):  # admitted while others run
                     for f in followed:
-                        if f.engine.has_unfinished() or f.engine.connector.has_pending_jobs():
+                        connector = f.engine.connector
+                        assert connector is not None
+                        if f.engine.has_unfinished() or connector.has_pending_jobs():
                             f.engine.step()
                             steps += 1
                         f.sync()

@@ -48,6 +48,12 @@ async def _health_server() -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+def _state(machine: Router | EventFollower) -> RouterState | FollowerState:
+    """``machine.state`` as read now (an ``assert ... .state is`` narrows it for mypy, which
+    then takes a later check, after a call that changed the state, as impossible)."""
+    return machine.state
+
+
 async def _until(check: Callable[[], bool], what: str) -> None:
     """Yield to the loop until ``check()`` (bounded: 20 s)."""
     deadline = time.monotonic() + 20
@@ -133,14 +139,14 @@ def test_no_batch_is_applied_once_a_follower_stopped() -> None:
             handed_over.set()
             return handle
 
-        loop.call_soon_threadsafe = recorded  # type: ignore[method-assign]
-        follower._apply = lambda events: applied.append(len(events))  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = recorded  # type: ignore[assignment]
+        follower._apply = lambda events: applied.append(len(events))
         pub.publish(KVEventBatch(1.0, [BlockStored([13], 12, TOKENS[:BS], BS, None, "GPU",
                                                    None)]))
         # Blocking the loop: the hand-over is queued behind this coroutine, so it runs after stop.
         assert handed_over.wait(30), "the thread never handed the batch over"
         follower.stop()
-        assert follower.state is FollowerState.STOPPED
+        assert _state(follower) is FollowerState.STOPPED
         await _until(lambda: not follower._thread.is_alive(), "the thread did not end")
 
     _with_router(body)
@@ -211,12 +217,12 @@ def test_router_lifecycle_moves_are_checked() -> None:
         with pytest.raises(ContractError, match="created"):
             router.connections  # noqa: B018 - no connections before start
         await router.start()
-        assert router.state is RouterState.RUNNING and router.session is not None
+        assert _state(router) is RouterState.RUNNING and router.session is not None
         with pytest.raises(ContractError, match="running: cannot become running"):
             await router.start()
         await router.stop()
         await router.stop()  # idempotent
-        assert router.state is RouterState.STOPPED
+        assert _state(router) is RouterState.STOPPED
         with pytest.raises(ContractError, match="stopped"):
             router.connections  # noqa: B018
         with pytest.raises(ContractError, match="stopped: cannot become running"):
@@ -229,7 +235,7 @@ def test_follower_lifecycle_moves_are_checked() -> None:
     follower = EventFollower("f", "tcp://127.0.0.1:1", None, "", lambda _: None, lambda: None)
     assert follower.state is FollowerState.CREATED
     follower.stop()
-    assert follower.state is FollowerState.STOPPED
+    assert _state(follower) is FollowerState.STOPPED
     with pytest.raises(ContractError, match="STOPPED"):
         follower.start()
 

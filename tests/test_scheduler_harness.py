@@ -68,7 +68,7 @@ def test_reuse_check_catches_a_missing_flush() -> None:
         meta = build(output)
         return ConnectorMetadata(meta.load_jobs, meta.store_jobs, [])
 
-    engine.connector.build_connector_meta = no_flush  # type: ignore[method-assign]
+    engine.connector.build_connector_meta = no_flush  # type: ignore[method-assign,assignment]
     engine.add_request(make_tokens(17, 1), max_tokens=30)
     engine.add_request(make_tokens(33, 2), max_tokens=30)
     with pytest.raises(AssertionError, match="reallocated while a transfer uses it"):

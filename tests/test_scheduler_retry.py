@@ -22,7 +22,8 @@ from kvoffload.scheduler import (
     SchedulerOutput,
 )
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 
 BLOCK = 4
 HASHER = BlockHasher(BLOCK)
@@ -133,11 +134,11 @@ def test_a_failed_promotion_means_recompute(tmp_path: Path) -> None:
 def test_the_retry_budget_s_old_spelling_warns_and_still_sets_it() -> None:
     base = single_group(BLOCK)
     with pytest.warns(DeprecationWarning, match="'max_lookup_retry_s'"):
-        config = SchedulerOffloadConfig(
-            base.groups, base.hash_block_size, max_lookup_retry_seconds=7.5
+        config = SchedulerOffloadConfig(  # the old spelling, on purpose: not in the signature
+            base.groups, base.hash_block_size, max_lookup_retry_seconds=7.5  # type: ignore[call-arg]
         )
     assert config.max_lookup_retry_s == 7.5
     with pytest.raises(ConfigError, match="given twice"):
         SchedulerOffloadConfig(
-            base.groups, base.hash_block_size, max_lookup_retry_seconds=1, max_lookup_retry_s=2
+            base.groups, base.hash_block_size, max_lookup_retry_seconds=1, max_lookup_retry_s=2  # type: ignore[call-arg]
         )

@@ -252,7 +252,7 @@ class ReorderingManager(RecordingManager):
     """A tier that answers ``prepare_store`` with its keys in reverse order (the spec stays
     co-indexed with them): the contract only ties ``store_spec`` to ``keys_to_store``."""
 
-    def prepare_store(self, keys, ctx):  # type: ignore[no-untyped-def]
+    def prepare_store(self, keys, ctx):
         out = super().prepare_store(keys, ctx)
         if out is not None and len(out.keys_to_store) > 1:
             assert isinstance(out.store_spec, CPULoadStoreSpec)

@@ -26,7 +26,7 @@ from redis_servers import RedisServer, RedisUnavailableError, standalone_server
 from kvoffload.engine import Engine, EngineConfig, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.serving.ready import ready_line
-from kvoffload.tiers.redis.tier import RemoteTierConfig
+from kvoffload.tiers.redis.tier import RedisTier, RemoteTierConfig
 from kvoffload.tiers.redis.url import parse_redis_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,10 +91,12 @@ def test_a_running_engine_never_shows_it(secret, caplog: pytest.LogCaptureFixtur
             engine.drain()
             assert engine.tiering is not None
             tier = engine.tiering.tiers[0]
+            assert isinstance(tier, RedisTier)
             assert engine.metrics_server is not None
             with urllib.request.urlopen(engine.metrics_server.url, timeout=30) as response:
                 metrics = response.read().decode()
-            shown = [repr(engine.config), str(engine.config), repr(tier), repr(tier.config)]
+            shown: list[object] = [
+                repr(engine.config), str(engine.config), repr(tier), repr(tier.config)]
             shown += [repr(v) for v in vars(tier).values()] if hasattr(tier, "__dict__") else []
             shown += [metrics, engine.stats(), engine.tier_stats()]
             ready = ready_line(engine, "http://127.0.0.1:1", "tiny", {})  # serve's ready line
@@ -179,7 +181,7 @@ def test_api_keys_never_show(caplog: pytest.LogCaptureFixture) -> None:
     from kvoffload.serving.guard import ApiKey, RequestGuard
 
     key = ApiKey(API_KEY)
-    guard = RequestGuard(lambda *_: None, key, 1024)  # type: ignore[arg-type,return-value]
+    guard = RequestGuard(lambda *_: None, key, 1024)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         pickle.dumps(key)
     with caplog.at_level(logging.DEBUG):

@@ -18,7 +18,8 @@ import uvicorn
 from serve_cases import Process, auth, post_raw, route, serve
 
 from kvoffload.engine import Engine
-from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.serving.api import build_app
+from kvoffload.serving.context import ServingContext
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.prompts import PromptTokenizer
 from kvoffload.serving.server import max_model_len

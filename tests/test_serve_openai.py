@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from serve_cases import Process, metric, post_raw, serve
 
 from kvoffload.engine import Engine, SamplingParams
@@ -39,7 +40,7 @@ def client(server: Process) -> Iterator[openai.OpenAI]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Engine:
+def reference() -> Iterator[Engine]:
     with Engine("tiny", num_device_blocks=64) as engine:
         yield engine
 
@@ -59,6 +60,7 @@ def test_completions_equal_the_engine(client: openai.OpenAI, reference: Engine) 
         )
         assert got.choices[0].text == want
         assert got.choices[0].finish_reason == "length"
+        assert got.usage is not None
         assert got.usage.completion_tokens == 12
         assert got.usage.prompt_tokens == len(tok.encode(prompt))
         streamed = client.completions.create(
@@ -67,15 +69,18 @@ def test_completions_equal_the_engine(client: openai.OpenAI, reference: Engine) 
         )
         chunks = list(streamed)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
-        assert chunks[-1].usage.completion_tokens == 12
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 12
     # Token ids as the prompt, and the second time its prefix comes from the cache.
     ids = tok.encode(PROMPTS[0])
     again = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 16
 
 
 def test_chat_streams_what_it_answers(client: openai.OpenAI, reference: Engine) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     want = _greedy_text(reference, PromptTokenizer("tiny").encode_chat(messages), 10)
     full = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=10, temperature=0,
@@ -83,7 +88,9 @@ def test_chat_streams_what_it_answers(client: openai.OpenAI, reference: Engine) 
     )
     assert full.choices[0].message.content == want
     assert full.choices[0].message.role == "assistant"
-    content = full.choices[0].logprobs.content
+    logprobs = full.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    content = logprobs.content
     assert len(content) == 10 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob <= 0 for c in content)
     chunks = list(
@@ -107,7 +114,8 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(client: openai.OpenAI) -> 
         extra_body={"ignore_eos": True}, logprobs=2,
     )
     text = greedy.choices[0].text
-    assert len(greedy.choices[0].logprobs.tokens) == 16
+    logprobs = greedy.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 16
     stop = next(ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd")
     cut = client.completions.create(
         model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop],
@@ -120,7 +128,7 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(client: openai.OpenAI) -> 
 def test_models_health_metrics_and_event_sources(server: Process, client: openai.OpenAI) -> None:
     (card,) = client.models.list().data
     assert card.id == "tiny"
-    assert card.max_model_len == 1024  # 64 blocks x 16 tokens
+    assert card.model_dump()["max_model_len"] == 1024  # 64 blocks x 16 tokens (vLLM's field)
     assert metric(server.url, "kvoffload_generation_tokens_total") > 0
     assert metric(server.url, "kvoffload_serve_token_compute_seconds") > 0
     sources = json.loads(_get(f"{server.url}/kv_event_sources"))
@@ -209,7 +217,8 @@ def test_bad_input_is_400_naming_the_field(
 def test_errors_through_the_client_and_unknown_paths(server: Process, client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="x", max_tokens=-1)
-    assert caught.value.body["param"] == "max_tokens"
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == "max_tokens"
     status, answer = post_raw(f"{server.url}/v1/embeddings", b"{}")
     assert status == 404 and "error" in answer
     # The server still serves.

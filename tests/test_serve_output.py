@@ -75,25 +75,29 @@ def test_streamed_text_equals_decoding_everything(ids: list[int], cuts: list[int
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.lists(IDS, min_size=1, max_size=120), TEXT_IDS),
        st.lists(st.integers(0, 120), max_size=40),
-       st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
+       st.lists(st.text(st.characters(blacklist_characters="\ufffd"), min_size=1, max_size=4),
+                min_size=1, max_size=3))
 def test_stop_strings_cut_where_full_decoding_finds_them(
     ids: list[int], cuts: list[int], stop: list[str]
 ) -> None:
+    """Stop strings are checked token by token, however the steps group the tokens (no stop
+    string holds U+FFFD: a byte token's text then comes a character at a time)."""
     full = TOKENIZER.decode(ids)
-    found = [i for i in (full.find(s) for s in stop) if i >= 0]
+    found = _first_stop(full, stop)
     text, _, stopped = _run(ids, cuts, stop)
     # The incomplete character at the very end (U+FFFD, flushed at the finish) may only match
     # a stop string once it is final: as full decoding sees it.
-    assert text == (full[: min(found)] if found else full)
+    assert text == (full[: found[0]] if found else full)
     assert stopped == bool(found)
 
 
 def _first_stop(text: str, stop: list[str], end_after: int = 0) -> tuple[int, str] | None:
-    """The first stop string in ``text`` that ends past ``end_after`` characters (ties: the
-    first listed)."""
-    found = [(i, k, s) for k, s in enumerate(stop)
+    """``(start, stop string)`` of the stop string a token-by-token check meets first in
+    ``text``: of those that end past ``end_after`` characters, the one that ends first (ties:
+    the one that starts first, then the first listed)."""
+    found = [(i + len(s), i, k, s) for k, s in enumerate(stop)
              if (i := text.find(s, max(0, end_after - len(s) + 1))) >= 0]
-    return min(found)[::2] if found else None
+    return (min(found)[1], min(found)[3]) if found else None
 
 
 ASCII_IDS = st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1,
@@ -108,16 +112,32 @@ def test_min_tokens_and_include_stop_str_as_vllm(
     ids: list[int], cuts: list[int], stop: list[str], min_tokens: int, include: bool
 ) -> None:
     """A stop string counts only where it ends past the first ``min_tokens`` tokens' text;
-    ``include_stop_str_in_output`` keeps it; ``stop_reason`` names it."""
+    ``include_stop_str_in_output`` keeps it; ``stop_reason`` names it; the output's tokens end
+    with the one that completes it, however the steps group them (ASCII: a token a character)."""
     full = TOKENIZER.decode(ids)
     text, assembler, stopped = _run(ids, cuts, stop, include_stop=include, min_tokens=min_tokens)
     found = _first_stop(full, stop, len(TOKENIZER.decode(ids[:min_tokens])))
     if found is None:
         assert (text, stopped, assembler.stop_reason) == (full, False, None)
+        assert assembler.token_ids == ids
     else:
         at, matched = found
         assert text == full[: at + len(matched) if include else at]
         assert stopped and assembler.stop_reason == matched
+        assert assembler.token_ids == ids[: at + len(matched)]
+
+
+def test_tokens_after_a_stop_string_in_the_same_step_are_dropped() -> None:
+    """One step of several tokens in which a stop string ends (``;``, the third): the tokens
+    after it are neither output nor counted (usage counts :attr:`TextAssembler.token_ids`) nor
+    given log-probabilities. Before, all five counted and had log-probabilities."""
+    ids = list(b"ab;cd")
+    logprobs = [{token: -0.5} for token in ids]
+    assembler = TextAssembler(TOKENIZER.decode, [";"])
+    piece = assembler.feed(Delta(ids, logprobs))
+    assert (piece.text, piece.finish_reason, piece.stopped) == ("ab", "stop", True)
+    assert piece.token_ids == assembler.token_ids == list(b"ab;")
+    assert piece.logprobs == assembler.logprobs == logprobs[:3]
 
 
 def test_a_stop_tokens_text_is_left_out_unless_asked() -> None:

@@ -16,8 +16,9 @@ import aiohttp
 import pytest
 import uvicorn
 
-from kvoffload.engine import Engine
-from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.engine import Engine, RequestOutput
+from kvoffload.serving.api import build_app
+from kvoffload.serving.context import ServingContext
 from kvoffload.serving.loop import EngineLoop
 from kvoffload.serving.prompts import PromptTokenizer
 from kvoffload.serving.server import max_model_len
@@ -69,7 +70,7 @@ def test_a_failed_engine_answers_503_now_and_later() -> None:
         engine = Engine("tiny", num_device_blocks=64)
         loop = EngineLoop(engine)
 
-        def broken_step() -> None:
+        def broken_step() -> list[RequestOutput]:
             raise RuntimeError("device lost")
 
         engine.step = broken_step  # type: ignore[method-assign]

@@ -38,13 +38,16 @@ from tier_cases import (
     slot_bytes,
 )
 
+from kvoffload.keys import OffloadKey
+from kvoffload.load_store_specs import CPULoadStoreSpec
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
 from kvoffload.tiers.disk.files import file_bytes
 from kvoffload.tiers.disk.ledger import MEASURE
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 MISS, HIT, HIT_PENDING, RETRY = (
     LookupResult.MISS,
@@ -96,19 +99,19 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.ctx = ReqContext("machine")
         self.next_job = 0
         self.free_slots = list(range(POOL_SLOTS))
-        self.jobs: dict[int, tuple[bool, list[bytes], list[int]]] = {}  # unreported
+        self.jobs: dict[int, tuple[bool, list[OffloadKey], list[int]]] = {}  # unreported
         self.reported: set[int] = set()
-        self.pending: Counter[bytes] = Counter()  # keys a store of ours is writing
-        self.stored: set[bytes] = set()  # reported stored at least once (may be evicted since)
-        self.pins: Counter[bytes] = Counter()  # keys read by unreported loads
-        self.damaged: set[bytes] = set()
-        self.writes: dict[int, list[bytes]] = {}  # store job -> keys it writes (absent at submit)
+        self.pending: Counter[OffloadKey] = Counter()  # keys a store of ours is writing
+        self.stored: set[OffloadKey] = set()  # reported stored at least once (may be evicted since)
+        self.pins: Counter[OffloadKey] = Counter()  # keys read by unreported loads
+        self.damaged: set[OffloadKey] = set()
+        self.writes: dict[int, list[OffloadKey]] = {}  # store job -> keys it writes (absent at submit)
 
     def teardown(self) -> None:
         self.tier.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _job(self, is_store: bool, keys: list[bytes]) -> TierJob | None:
+    def _job(self, is_store: bool, keys: list[OffloadKey]) -> TierJob | None:
         if len(keys) > len(self.free_slots):
             return None
         slots = [self.free_slots.pop() for _ in keys]
@@ -117,7 +120,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         return TierJob(self.next_job, keys, slots)
 
     @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4))
-    def store(self, keys: list[bytes]) -> None:
+    def store(self, keys: list[OffloadKey]) -> None:
         new = [k for k in dict.fromkeys(keys) if self.tier.lookup(k, self.ctx) is MISS]
         job = self._job(True, keys)
         if job is None:
@@ -146,7 +149,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.pins.update(keys)
 
     @rule(k=st.sampled_from(UNIVERSE), how=st.sampled_from(["flip", "delete"]))
-    def damage(self, k: bytes, how: str) -> None:
+    def damage(self, k: OffloadKey, how: str) -> None:
         """Another process (or the disk) changes a file behind the tier's back."""
         if self.tier.lookup(k, self.ctx) is not HIT or self.pins[k] or k in self.damaged:
             return
@@ -160,7 +163,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.damaged.add(k)
 
     @rule(keys=st.lists(st.sampled_from(UNIVERSE), max_size=4))
-    def touch(self, keys: list[bytes]) -> None:
+    def touch(self, keys: list[OffloadKey]) -> None:
         self.tier.touch(keys, self.ctx)
 
     @rule()
@@ -248,13 +251,13 @@ class TieringMachine(RuleBasedStateMachine):
             min_reuse=self.MIN_REUSE,
         )
         #: key -> the requests that looked it up or offered it (the manager's reuse signal)
-        self.seen: dict[bytes, set[str]] = {}
+        self.seen: dict[OffloadKey, set[str]] = {}
         self.ctxs = [_request(f"req-{i}") for i in range(4)]
-        self.device_pins: list[tuple[ReqContext, list[bytes]]] = []
-        self.stores: list[tuple[ReqContext, list[bytes]]] = []  # prepared device stores
-        self.in_host: set[bytes] = set()  # replayed from host events
-        self.on_disk: set[bytes] = set()  # replayed from disk events
-        self.may_cascade: set[bytes] = set()  # written into the host by a request allowing disk
+        self.device_pins: list[tuple[ReqContext, list[OffloadKey]]] = []
+        self.stores: list[tuple[ReqContext, list[OffloadKey]]] = []  # prepared device stores
+        self.in_host: set[OffloadKey] = set()  # replayed from host events
+        self.on_disk: set[OffloadKey] = set()  # replayed from disk events
+        self.may_cascade: set[OffloadKey] = set()  # written into the host by a request allowing disk
 
     def teardown(self) -> None:
         try:
@@ -280,7 +283,7 @@ class TieringMachine(RuleBasedStateMachine):
         assert not held, f"host blocks left pinned or pending: {held}"
 
     @rule(r=st.integers(0, 3), keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=4))
-    def lookup_chain(self, r: int, keys: list[bytes]) -> None:
+    def lookup_chain(self, r: int, keys: list[OffloadKey]) -> None:
         """The connector's scan: on past RETRY answers, stop at MISS / HIT_PENDING."""
         ctx = self.ctxs[r]
         for k in keys:
@@ -295,7 +298,7 @@ class TieringMachine(RuleBasedStateMachine):
         keys=st.lists(st.sampled_from(UNIVERSE[:7]), min_size=1, max_size=3),
         now=st.sampled_from([True, True, False]),
     )
-    def device_store(self, r: int, keys: list[bytes], now: bool) -> None:
+    def device_store(self, r: int, keys: list[OffloadKey], now: bool) -> None:
         """Prepare a device -> host store; complete it at once (``now``) or in a later rule."""
         ctx = self.ctxs[r]
         for k in keys:
@@ -303,6 +306,7 @@ class TieringMachine(RuleBasedStateMachine):
         out = self.manager.prepare_store(keys, ctx)
         if out is None or not out.keys_to_store:
             return
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
         for k, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
             write_slot(self.pool, slot, content(k))  # the worker's device -> host copy
         if now:
@@ -319,11 +323,11 @@ class TieringMachine(RuleBasedStateMachine):
         if ok:
             self._stored(ctx, keys)
 
-    def _lookup(self, k: bytes, ctx: ReqContext) -> LookupResult:
+    def _lookup(self, k: OffloadKey, ctx: ReqContext) -> LookupResult:
         self.seen.setdefault(k, set()).add(ctx.req_id)
         return self.manager.lookup(k, ctx)
 
-    def _stored(self, ctx: ReqContext, keys: list[bytes]) -> None:
+    def _stored(self, ctx: ReqContext, keys: list[OffloadKey]) -> None:
         if ctx.kv_transfer_params.get("kv_store_tiers") != []:
             self.may_cascade.update(keys)
 
@@ -335,9 +339,10 @@ class TieringMachine(RuleBasedStateMachine):
             keys = data.draw(st.lists(st.sampled_from(readable), min_size=1, max_size=3))
             self._device_load(ctx, keys)
 
-    def _device_load(self, ctx: ReqContext, keys: list[bytes]) -> None:
+    def _device_load(self, ctx: ReqContext, keys: list[OffloadKey]) -> None:
         """Load host hits ``keys`` to the device (completed by a later rule)."""
         spec = self.manager.prepare_load(keys, ctx)
+        assert isinstance(spec, CPULoadStoreSpec)
         for k, slot in zip(keys, spec.block_ids, strict=True):
             assert slot_bytes(self.pool, slot) == content(k), "a host block holds wrong bytes"
         self.device_pins.append((ctx, keys))
@@ -382,7 +387,9 @@ class TieringMachine(RuleBasedStateMachine):
         probe = ReqContext("probe")
         for k in UNIVERSE:
             if self.host.lookup(k, probe) is HIT:
-                slot = self.host.policy.get(k).slot
+                block = self.host.policy.get(k)
+                assert block is not None
+                slot = block.slot
                 assert slot_bytes(self.pool, slot) == content(k), f"host block {k.hex()} is wrong"
         assert self.disk.stats()["used_blocks"] <= DISK_BLOCKS
         # A block reaches the disk only if a request that allowed it wrote it into the host.

@@ -17,7 +17,8 @@ from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
 from kvoffload.tiers import TierJob
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 PROBE = ReqContext("probe")

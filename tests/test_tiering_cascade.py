@@ -12,7 +12,8 @@ from tier_cases import host_pool, key, layout
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import CASCADE_MODES, TieringOffloadingManager
-from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import DiskTier
 
 HOST_BLOCKS = 8
 

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_cases import require_vllm
+from vllm_cases import as_vllm_keys, require_vllm
 
 require_vllm()
 
+from vllm.v1.kv_offload.base import OffloadKey as VllmOffloadKey  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext as VllmReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager  # noqa: E402
 
@@ -66,7 +67,7 @@ class Side:
             return ReqContext(req_id, offload_key_positions=dict(positions))
         ctx = VllmReqContext(req_id=req_id)
         for k, position in positions.items():
-            ctx.set_offload_key_position(k, position)
+            ctx.set_offload_key_position(VllmOffloadKey(k), position)
         self.manager.on_new_request(ctx)
         return ctx
 
@@ -158,7 +159,11 @@ class Stream:
         """Look the span up to its first non-hit and load the hits (as a scheduler does)."""
         hits = []
         for k in span:
-            if self.each(req, lambda side, ctx, k=k: side.lookup(k, ctx)) != "HIT":
+
+            def look(side: Side, ctx: Any, k: OffloadKey = k) -> str:
+                return side.lookup(k, ctx)
+
+            if self.each(req, look) != "HIT":
                 break
             hits.append(k)
         if hits:
@@ -186,9 +191,17 @@ class Stream:
         self.each(req, lambda side, ctx: side.finish(ctx))
         # vLLM's scheduler may complete a request's transfers after its finish.
         for keys in req.pending:
-            self.each(req, lambda side, ctx, keys=keys: side.manager.complete_store(keys, ctx))
+
+            def stored(side: Side, ctx: Any, keys: list[OffloadKey] = keys) -> Any:
+                return side.manager.complete_store(keys, ctx)
+
+            self.each(req, stored)
         for keys in req.pinned:
-            self.each(req, lambda side, ctx, keys=keys: side.manager.complete_load(keys, ctx))
+
+            def loaded(side: Side, ctx: Any, keys: list[OffloadKey] = keys) -> Any:
+                return side.manager.complete_load(keys, ctx)
+
+            self.each(req, loaded)
         self.slots[slot] = None
         self.same([side.events() for side in self.sides])
 
@@ -260,7 +273,7 @@ def test_a_trace_replayed_inside_vllm_gives_vllms_hit_ratio(policy: str) -> None
     trace against vLLM's ``arc`` at 0.0746; on a generated multi-tenant trace the figures are now
     one and the same."""
     requests = [r["hash_ids"] for r in traces.generate("tenants", num_requests=600)]
-    keys = block_keys(requests)
+    keys = as_vllm_keys(block_keys(requests))
     capacity = len(keys) // 20
     theirs = hit_ratio(requests, keys, policy, capacity)
     ours = hit_ratio(requests, keys, OURS[policy], capacity, POLICY_MODULE)

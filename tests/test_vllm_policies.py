@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_cases import require_vllm, vllm_keys
+from vllm_cases import as_vllm_keys, require_vllm, vllm_keys
 
 require_vllm()
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
 from kvoffload.benchmark import traces  # noqa: E402
@@ -30,8 +30,8 @@ from kvoffload.integrations.vllm.replay import POLICY_MODULE, hit_ratio  # noqa:
 
 CAPACITY = 6
 UNIVERSE = vllm_keys(16)
-VLLM_POLICIES = [("lru", None), ("arc", None)]
-OUR_POLICIES = [
+VLLM_POLICIES: list[tuple[str, str | None]] = [("lru", None), ("arc", None)]
+OUR_POLICIES: list[tuple[str, str | None]] = [
     (name, POLICY_MODULE)
     for name in (
         "KVOffloadLRU",
@@ -61,11 +61,11 @@ class OpStream:
         self.manager = CPUOffloadingManager(
             num_chunks=CAPACITY, cache_policy=policy, cache_policy_module_path=module
         )
-        self.pending: list[tuple[ReqContext, list[bytes]]] = []  # prepared, not completed
-        self.pinned: list[tuple[ReqContext, list[bytes]]] = []  # loading, not completed
+        self.pending: list[tuple[ReqContext, list[OffloadKey]]] = []  # prepared, not completed
+        self.pinned: list[tuple[ReqContext, list[OffloadKey]]] = []  # loading, not completed
         self._n = 0
 
-    def request(self, keys: list[bytes]) -> ReqContext:
+    def request(self, keys: list[OffloadKey]) -> ReqContext:
         self._n += 1
         ctx = ReqContext(req_id=f"r{self._n}")
         for i, key in enumerate(keys):
@@ -105,7 +105,7 @@ class OpStream:
             ctx, keys = self.pinned.pop(0)
             m.complete_load(keys, ctx)
 
-    def held_keys(self) -> set[bytes]:
+    def held_keys(self) -> set[OffloadKey]:
         return {
             k
             for k in UNIVERSE
@@ -161,7 +161,7 @@ class AdmitReusedLRU(LRUPolicy):
         super().__init__(capacity)
         self.offered: set[bytes] = set()
 
-    def admit(self, keys: list, chain: Sequence, ctx: object) -> list:  # type: ignore[override]
+    def admit(self, keys: list, chain: Sequence, ctx: object) -> list:
         admitted = [k for k in keys if k in self.offered]
         self.offered.update(chain)
         return admitted
@@ -207,7 +207,7 @@ def test_probation_chunks_being_loaded_are_not_evicted() -> None:
 
 def test_our_policies_beat_vllm_lru_on_a_multi_tenant_trace() -> None:
     requests = [r["hash_ids"] for r in traces.generate("tenants", num_requests=1500)]
-    keys = block_keys(requests)
+    keys = as_vllm_keys(block_keys(requests))
     capacity = len(keys) // 20
     vllm_lru = hit_ratio(requests, keys, "lru", capacity)
     prefix = hit_ratio(requests, keys, "KVOffloadPrefix", capacity, POLICY_MODULE)

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +24,6 @@ require_vllm()
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     Medium,
-    OffloadKey,
     ReqContext,
     ScheduleEndContext,
 )
@@ -53,11 +52,6 @@ def worker_region(spec: Any) -> SharedOffloadRegion:
         kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
         cpu_page_size=spec.cpu_page_size_per_worker,
     )
-
-
-def offload_keys(n: int, start: int = 0) -> list[OffloadKey]:
-    """``vllm_keys`` typed as vLLM's keys."""
-    return cast("list[OffloadKey]", vllm_keys(n, start))
 
 
 class SpecHarness:
@@ -118,7 +112,7 @@ def make_harness() -> Iterator[Any]:
 def test_spec_serves_requests_with_our_policy(make_harness: Any) -> None:
     h = make_harness({"eviction_policy": "prefix"})
     assert h.manager.inner.policy.name == "prefix"
-    keys = offload_keys(4)
+    keys = vllm_keys(4)
     assert serve_request(h.manager, keys, "a") == 0
     assert serve_request(h.manager, keys, "b") == 4  # stored by the first, loaded by the second
     events = list(h.manager.take_events())
@@ -130,7 +124,7 @@ def test_spec_serves_requests_with_our_policy(make_harness: Any) -> None:
 def test_reuse_filter_counts_requests_not_lookups(make_harness: Any) -> None:
     h = make_harness({"store_threshold": 2})
     assert isinstance(h.manager.inner, FilterReusedOffloadingManager)
-    keys = offload_keys(3, start=10)
+    keys = vllm_keys(3, start=10)
     ctx = h.request()
     for _ in range(5):  # one request looking a block up on five steps: one request
         assert h.manager.lookup(keys[0], ctx) is LookupResult.MISS
@@ -150,7 +144,7 @@ def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path:
         },
         num_chunks=4,
     )
-    keys = offload_keys(4, start=20)
+    keys = vllm_keys(4, start=20)
     rng = np.random.default_rng(0)
     payloads = {k: rng.integers(-128, 128, CHUNK, dtype=np.int8) for k in keys}
     ctx = h.request()
@@ -163,7 +157,7 @@ def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path:
     h.settle()
     h.settle()  # the cascade to disk is done and applied
 
-    others = offload_keys(4, start=40)  # a full CPU pool of other blocks evicts ours
+    others = vllm_keys(4, start=40)  # a full CPU pool of other blocks evicts ours
     assert serve_request(h.manager, others, "others") == 0
     h.settle()
     h.settle()
@@ -263,7 +257,7 @@ def test_pool_file_leaves_dev_shm_once_the_scheduler_mapped_it(make_harness: Any
     h = make_harness({})
     path = region_path(h.spec.config.engine_id)
     assert not os.path.exists(path)
-    keys = offload_keys(1, start=90)
+    keys = vllm_keys(1, start=90)
     assert serve_request(h.manager, keys, "a") == 0
     assert serve_request(h.manager, keys, "b") == 1
 

@@ -12,7 +12,7 @@ at ``on_schedule_end``; our tier's I/O threads are waited for with ``drain_jobs`
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,11 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
     LookupResult,
     Medium,
+    OffloadKey,
     ReqContext,
     ScheduleEndContext,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
@@ -98,11 +100,11 @@ class Harness:
         self.tier.drain_jobs()
         self.manager.on_schedule_end(STEP_END)
 
-    def store(self, keys: list[bytes], payloads: dict[bytes, np.ndarray]) -> None:
+    def store(self, keys: list[OffloadKey], payloads: Mapping[OffloadKey, np.ndarray]) -> None:
         """One request computes ``keys``: GPU->CPU store (bytes written), cascade to disk."""
         ctx = self.new_request()
         out = self.manager.prepare_store(keys, ctx)
-        assert out is not None
+        assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
         for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
             self.pool[chunk] = payloads[key]
         self.manager.complete_store(out.keys_to_store, ctx)
@@ -110,7 +112,9 @@ class Harness:
         self.end_step()  # the cascade is submitted: wait for it, release the CPU chunks
         self.end_step()
 
-    def lookup_until_settled(self, key: bytes, ctx: ReqContext, steps: int = 4) -> LookupResult:
+    def lookup_until_settled(
+        self, key: OffloadKey, ctx: ReqContext, steps: int = 4
+    ) -> LookupResult:
         """Look ``key`` up step after step while it is being promoted (as vLLM's scheduler).
 
         ``RETRY`` (a remote lookup still running on the tier's thread) does not count as a step:
@@ -128,9 +132,10 @@ class Harness:
             steps -= 1
             self.end_step()
 
-    def load(self, keys: list[bytes], ctx: ReqContext) -> list[bytes]:
+    def load(self, keys: list[OffloadKey], ctx: ReqContext) -> list[bytes]:
         """CPU->GPU load of ``keys`` (all HIT): their bytes, read from the pool."""
         spec = self.manager.prepare_load(keys, ctx)
+        assert isinstance(spec, CPULoadStoreSpec)
         data = [self.pool[chunk].tobytes() for chunk in spec.chunk_ids]
         self.manager.complete_load(keys, ctx)
         return data
@@ -147,7 +152,7 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
     h.close()
 
 
-def payloads_for(keys: list[bytes], seed: int) -> dict[bytes, np.ndarray]:
+def payloads_for(keys: list[OffloadKey], seed: int) -> dict[OffloadKey, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {k: rng.integers(-128, 128, CHUNK, dtype=np.int8) for k in keys}
 
@@ -264,7 +269,7 @@ def test_events_and_stats_come_out_in_vllm_types(harness: Harness) -> None:
 def test_metric_definitions_cover_what_the_tier_reports(harness: Harness) -> None:
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    definitions = TieringOffloadingSpec.build_metric_definitions(harness.spec.extra_config)
+    definitions = TieringOffloadingSpec.build_metric_definitions(dict(harness.spec.extra_config))
     keys = vllm_keys(1)
     harness.store(keys, payloads_for(keys, seed=5))
     stats = harness.tier.get_stats()

@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+from kvoffload.integrations.vllm.manager import KVOffloadManager  # noqa: E402
 from kvoffload.integrations.vllm.worker import KVOffloadCPUWorker  # noqa: E402
 
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm.spec"}
@@ -139,6 +140,7 @@ def test_disk_tier_views_do_not_block_the_pools_unmapping(
     while manager.has_pending_work() and time.monotonic() < deadline:
         manager.lookup(keys[0], ctx)  # the step's first call applies finished cascades
         manager.on_schedule_end(_step_end())
+    assert isinstance(manager, KVOffloadManager)
     assert manager.inner.stats()["disk_stored_blocks"] == 3
     manager.shutdown()
     assert len(mappings) == 1 and mappings[0].closed

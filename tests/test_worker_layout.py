@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from worker_cases import DEVICES, LAYOUTS, make_cache
@@ -152,7 +154,7 @@ def test_interleaved_views_of_one_storage_are_kept_apart():
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, field):
-    args = {
+    args: dict[str, Any] = {
         "kv_caches": [torch.zeros(8, 4), torch.zeros(8, 4)],
         "block_size_factor": 1,
         "num_blocks": 8,

@@ -15,7 +15,8 @@ import pytest
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers import KVLayout, SecondaryTier, TierJobResult
 from kvoffload.tiers.disk.files import file_bytes
-from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier, DiskTierSettings
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.tier import LEDGER_BYTES, DiskTier
 
 BLOCK_BYTES = 2048
 
@@ -39,14 +40,19 @@ def disk_tier(
     return DiskTier(pool, layout(), DiskTierSettings(path, bound, **settings), enable_events)
 
 
+def _slot_size(pool: memoryview) -> int:
+    """Bytes of one slot of ``pool`` (slots x block bytes, as :func:`host_pool` makes it)."""
+    return pool.nbytes // len(pool)
+
+
 def slot_bytes(pool: memoryview, slot: int) -> bytes:
-    b = pool.shape[1]
+    b = _slot_size(pool)
     return bytes(pool.cast("B")[slot * b : (slot + 1) * b])
 
 
 def fill_slot(pool: memoryview, slot: int, seed: int) -> bytes:
     """Fill ``slot`` with bytes derived from ``seed``; returns them."""
-    b = pool.shape[1]
+    b = _slot_size(pool)
     data = random.Random(seed).randbytes(b)
     pool.cast("B")[slot * b : (slot + 1) * b] = data
     return data

@@ -12,9 +12,15 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadKey as VllmOffloadKey
+
+    from kvoffload.keys import OffloadKey
 
 #: Set by ``make test-vllm``: a missing or broken vLLM then FAILS these tests instead of skipping
 #: them, so that a run whose install failed cannot pass.
@@ -131,8 +137,14 @@ def offloading_config(
     )
 
 
-def vllm_keys(n: int, start: int = 0) -> list[bytes]:
+def vllm_keys(n: int, start: int = 0) -> list[VllmOffloadKey]:
     """``n`` distinct vLLM offload keys (32-byte hashes, group 0)."""
     from vllm.v1.kv_offload.base import make_offload_key
 
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
+
+
+def as_vllm_keys(keys: Mapping[int, OffloadKey]) -> dict[int, VllmOffloadKey]:
+    """``keys`` (ours) as vLLM's: both are the same bytes (each a ``NewType`` of ``bytes``), so
+    this is only a cast for the type checker; ``keys`` must be a dict."""
+    return cast("dict[int, VllmOffloadKey]", keys)

@@ -1,8 +1,9 @@
 """What an operator sees: Prometheus metrics, the periodic stats line, and the one definition of
 tokens by source and hit rates that every output reads (``docs/metrics.md``)."""
 
+from kvoffload.metrics.engine_collector import Snapshot
 from kvoffload.metrics.logline import StatsLogger, format_stats_line
-from kvoffload.metrics.prometheus import EngineMetrics, Snapshot
+from kvoffload.metrics.prometheus import EngineMetrics
 from kvoffload.metrics.server import MetricsServer
 from kvoffload.metrics.stats import (
     OFFLOAD_SOURCES,

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from kvoffload.metrics.prometheus import Snapshot
+from kvoffload.metrics.engine_collector import Snapshot
 from kvoffload.metrics.stats import hit_rates, stats_delta, tokens_by_source
 
 __all__ = ["StatsLogger", "format_stats_line"]

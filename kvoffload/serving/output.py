@@ -8,7 +8,8 @@ U+FFFD (an incomplete UTF-8 sequence) it is held back until the next tokens comp
 request ends. While streaming, the last ``len(longest stop string) - 1`` characters are held back
 too, so a stop string is never sent before it is recognised; the output ends before the stop
 string (OpenAI's rule; vLLM's ``include_stop_str_in_output`` keeps it) and the request is
-aborted at once. As vLLM: no stop string ends the output before ``min_tokens`` tokens; a stop
+aborted at once; its tokens end with the one whose text completes the stop string (a step's
+later tokens are neither counted in usage nor given log-probabilities). As vLLM: no stop string ends the output before ``min_tokens`` tokens; a stop
 token's (or EOS's) own text is left out unless ``include_stop_str_in_output``; ``stop_reason`` is
 the stop string or stop token id that ended the request (``None`` for EOS and length).
 """
@@ -172,14 +173,13 @@ class TextAssembler:
             if self._ends_on_stop_token(finished) and not self._include_stop:
                 ids = ids[:-1]  # the stop token's own text is not output (vLLM)
         before = len(self.token_ids) - len(delta.token_ids)
+        head = 0
         if before < self._min_tokens <= before + len(ids):
             # min_tokens is reached inside this delta: note where its text ends
             head = self._min_tokens - before
             self._unsent += self._decoder.add(ids[:head])
             self._stop_end_min = self._sent_chars + len(self._unsent)
-            ids = ids[head:]
-        self._unsent += self._decoder.add(ids, final=finished is not None)
-        found = self._find_stop()
+        found = self._decode_until_stop(delta, ids, head, finished is not None)
         if found is not None:
             cut, stop = found
             self.stop_reason = stop
@@ -188,6 +188,27 @@ class TextAssembler:
         if finished is not None:
             return self._emit(len(self._unsent), finish_reason_of(finished))
         return self._emit(max(0, len(self._unsent) - self._hold), None)
+
+    def _decode_until_stop(
+        self, delta: Delta, ids: Sequence[int], start: int, final: bool
+    ) -> tuple[int, str] | None:
+        """Decode ``ids[start:]`` (of ``delta``) into the held-back text; the first stop string
+        found, if any. While a stop string can match, a token at a time: the output ends with
+        the token whose text completes the stop string, and the delta's later tokens are
+        dropped (neither counted in usage nor given log-probabilities), as if never sampled."""
+        step = 1 if self._stop and self._stop_end_min != float("inf") else len(ids)
+        at = start
+        while True:
+            end = min(len(ids), at + max(1, step))
+            self._unsent += self._decoder.add(ids[at:end], final=final and end == len(ids))
+            found = self._find_stop()
+            if found is not None or end == len(ids):
+                break
+            at = end
+        if found is not None:  # the delta's tokens past ``end`` go (``ids`` is a head of them)
+            _drop_last(len(delta.token_ids) - end, self.token_ids, self._pending_ids)
+            _drop_last(len(delta.logprobs) - end, self.logprobs, self._pending_lps)
+        return found
 
     def _ends_on_stop_token(self, output: RequestOutput) -> bool:
         """Whether EOS or a stop token ended ``output`` (sets :attr:`stop_reason` for the
@@ -224,6 +245,13 @@ class TextAssembler:
             self._sent.append(piece.text)
             self._sent_chars += len(piece.text)
         return piece
+
+
+def _drop_last(count: int, *lists: list[Any]) -> None:
+    """Remove the last ``count`` items of each of ``lists`` (none when ``count`` <= 0)."""
+    if count > 0:
+        for items in lists:
+            del items[len(items) - count :]
 
 
 #: OpenAI's stand-in for a log-probability of ``-inf`` (JSON has no infinity), as vLLM sends.

@@ -27,7 +27,8 @@ from prometheus_client import CollectorRegistry
 
 from kvoffload.engine import Engine, EngineConfig
 from kvoffload.errors import ConfigError
-from kvoffload.serving.api import ServingContext, build_app
+from kvoffload.serving.api import build_app
+from kvoffload.serving.context import ServingContext
 from kvoffload.serving.drain import Drain
 from kvoffload.serving.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKey
 from kvoffload.serving.loop import EngineLoop

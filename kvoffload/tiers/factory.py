@@ -83,7 +83,8 @@ def build_secondary_tiers(
     """The secondary tiers ``settings`` ask for, nearest first (empty when none)."""
     tiers: list[SecondaryTier] = []
     if settings.kv_disk_path is not None:
-        from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+        from kvoffload.tiers.disk.settings import DiskTierSettings
+        from kvoffload.tiers.disk.tier import DiskTier
 
         validate_disk_settings(settings.kv_disk_path, settings.kv_disk_size)
         disk = DiskTierSettings(

@@ -333,7 +333,8 @@ def build_disk_tier(
     ``rescan_interval`` (seconds, 2.0; 0 = never), ``compression`` ("none"; ``lossless``,
     ``auto``; ``fp8`` needs a head size, which vLLM's layouts do not carry). Errors name
     ``<setting>.<option>``."""
-    from kvoffload.tiers.disk.tier import DiskTier, DiskTierSettings
+    from kvoffload.tiers.disk.settings import DiskTierSettings
+    from kvoffload.tiers.disk.tier import DiskTier
     from kvoffload.tiers.factory import validate_disk_settings
 
     options = dict(options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 from pathlib import Path
 
@@ -22,7 +23,10 @@ __all__ = [
     "free_bytes",
     "prepare_namespace",
     "superseded_namespaces",
+    "warn_if_filesystem_smaller",
 ]
+
+logger = logging.getLogger(__name__)
 
 _GIB = 2**30
 
@@ -101,6 +105,25 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes an unprivileged writer can still put on the filesystem of ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def warn_if_filesystem_smaller(root: Path, namespace: Path, bound: int, capacity: int, used: int) -> None:
+    """Warn when the filesystem of ``namespace`` cannot hold ``capacity`` bytes of block files
+    (``used`` of them there already; ``bound``: the tier's whole ``kv_disk_size`` in bytes, for
+    the message): the tier then holds what fits (a write that finds it full lowers the tier's
+    limit, see :mod:`~kvoffload.tiers.disk.jobs`)."""
+    holds = used + free_bytes(namespace)
+    if capacity > holds:
+        logger.warning(
+            "kv_disk_size: %.4g GiB is more than the filesystem of %r can hold for the disk "
+            "tier (%.4g GiB: %.4g GiB free + %.4g GiB of its files): the tier holds what "
+            "fits and evicts when the filesystem is full",
+            bound / _GIB,
+            str(root),
+            holds / _GIB,
+            (holds - used) / _GIB,
+            used / _GIB,
+        )
 
 
 def check_o_direct(namespace: Path, pool: memoryview, block_bytes: int) -> None:

@@ -24,8 +24,9 @@ See ``docs/disk-tier.md``. In short:
   ledger counts each file's measured bytes (more blocks in the same bound).
 
 This module is the scheduler-thread side: the in-memory index and the decisions. The modules
-beside it do the rest: ``diskjobs`` (the I/O threads), ``diskfiles`` (one block file),
-``diskledger`` (the shared byte count), ``diskscan`` (finding files), ``diskdir`` (the directory).
+beside it do the rest: ``jobs`` (the I/O threads), ``files`` (one block file), ``ledger`` (the
+shared byte count), ``sizes`` (a compressed tier's file sizes), ``scan`` (finding files),
+``upkeep`` (the rescan thread's periodic work), ``directory`` (the directory).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.errors import ConfigError
@@ -46,76 +46,33 @@ from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.tiers.codec import BlockCodec
 from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.disk.counters import counter_stats
 from kvoffload.tiers.disk.directory import (
     check_o_direct,
-    free_bytes,
     prepare_namespace,
     superseded_namespaces,
+    warn_if_filesystem_smaller,
 )
-from kvoffload.tiers.disk.files import BlockFiles, FaultHook, file_bytes
+from kvoffload.tiers.disk.files import BlockFiles, file_bytes
 from kvoffload.tiers.disk.jobs import DiskJobRunner, Items, RunningJob
-from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger, measured_bytes
+from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger
 from kvoffload.tiers.disk.reclaim import OldNamespaces
-from kvoffload.tiers.disk.scan import (
-    NamespaceScanner,
-    Rescanner,
-    census_files,
-    count_file_bytes,
-    count_files,
-)
+from kvoffload.tiers.disk.scan import NamespaceScanner, Rescanner, count_file_bytes, count_files
+from kvoffload.tiers.disk.settings import DiskTierSettings
+from kvoffload.tiers.disk.sizes import MIN_FILE, FileSizes, files_that_fit, measure_file
 from kvoffload.tiers.disk.spares import SparePool, remove_all
+from kvoffload.tiers.disk.upkeep import LedgerUpkeep
 
-__all__ = ["LEDGER_BYTES", "DiskTier", "DiskTierSettings"]
+__all__ = ["LEDGER_BYTES", "DiskTier"]
 
 logger = logging.getLogger(__name__)
 
 _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 #: The ledger file's share of the bound.
 LEDGER_BYTES = 4096
-#: The smallest block file: its header page and one page of payload.
-MIN_FILE = 8192
 _DROP_CAUSES = frozenset(("missing", "checksum", "corrupt", "layout"))
-_CAUSES = ("missing", "checksum", "corrupt", "layout", "io", "timeout", "full")
-#: Empty files kept ready for writes (made while idle; see ``diskspares``).
+#: Empty files kept ready for writes (made while idle; see ``spares``).
 SPARE_FILES = 64
-#: Rescan ticks between two ledger reconciliations when nothing asked for one sooner.
-RECONCILE_EVERY_TICKS = 30
-_COUNTERS = (
-    "filesystem_full_stores",
-    "stored_blocks",
-    "loaded_blocks",
-    "evicted_blocks",
-    "failed_load_blocks",
-    "failed_store_blocks",
-    "rejected_stores",
-    "scanned_blocks",
-    "discovered_blocks",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class DiskTierSettings:
-    """How a :class:`DiskTier` is built.
-
-    ``path``: the directory (created if missing); ``capacity_bytes``: the bound on disk, ledger
-    included; ``eviction_policy``: a registry name or a policy; ``num_threads``: I/O threads;
-    ``o_direct``: bypass the page cache (needs 4 KiB aligned pool and block size and a
-    filesystem that supports it); ``rescan_interval``: seconds between looks for other
-    processes' new files (0: never); ``fault_hook``: injects OS errors (tests);
-    ``compression``: the tier's codec (``none`` by default).
-    """
-
-    path: str | os.PathLike[str]
-    capacity_bytes: int
-    eviction_policy: str | EvictionPolicy = "adaptive"
-    num_threads: int = 4
-    o_direct: bool = False
-    rescan_interval: float = 2.0
-    fault_hook: FaultHook | None = None
-    #: ``kv_disk_compression``: ``none``, ``lossless``, ``auto`` or ``fp8`` (lossy; opt-in). A
-    #: compressed tier keeps its files in a namespace of its own (``<fingerprint>.z``), each
-    #: counted by its own size (:mod:`kvoffload.tiers.codec`).
-    compression: str = "none"
 
 
 class DiskTier(EventQueueMixin, SecondaryTier):
@@ -156,10 +113,8 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self.capacity_bytes = int(capacity_bytes)
         # A compressed tier's index may hold as many blocks as the smallest files fit.
         self.capacity_blocks = (self.capacity_bytes - LEDGER_BYTES) // (MIN_FILE if sized else fb)
-        #: Bytes of each indexed block's file (compressed tiers; an estimate for other
-        #: processes' files until one is measured) and their sum.
-        self._sizes: dict[OffloadKey, int] = {}
-        self._stored_bytes = 0
+        #: Bytes of each indexed block's file (compressed tiers) and their sum.
+        self._sizes = FileSizes(fb)
         self.root = Path(settings.path)
         self.namespace = prepare_namespace(self.root, stored_layout, ".z" if sized else "")
         superseded = superseded_namespaces(self.namespace, layout)
@@ -205,12 +160,16 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._dir_used = 0
         self._dir_submitted = 0
         self._closed = False
-        # Rescan ticks since the last reconciliation (rescan thread only).
-        self._ticks_unreconciled = 0
+        self._upkeep = LedgerUpkeep(
+            self.namespace, self._ledger, self._runner, self._old_namespaces, fb, sized
+        )
         self._scanner = NamespaceScanner(self.namespace, self._ledger, MEASURE if sized else fb)
         self.scan_seconds = self._warm_start()
-        self._warn_if_filesystem_smaller()
-        self._rescanner = Rescanner(self._scanner, settings.rescan_interval, self._upkeep)
+        # Once at start (the tier then holds what fits: see ``jobs``).
+        warn_if_filesystem_smaller(
+            self.root, self.namespace, self.capacity_bytes, self._ledger.capacity, self._dir_used
+        )
+        self._rescanner = Rescanner(self._scanner, settings.rescan_interval, self._upkeep.tick)
 
     # ------------------------------------------------------------------ start-up
 
@@ -223,13 +182,16 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         if alone:
             remove_all(self.namespace)  # spare files of processes that are gone
         found = [(key, path) for key, path, _ in self._scanner.walk()]
-        sizes = [self._measure(path) for _, path in found] if self.sized else [fb] * len(found)
-        room = self._room_at_start(sizes)
+        sizes = [measure_file(path) for _, path in found] if self.sized else [fb] * len(found)
+        # As many as the index holds and (compressed) their bytes fit the bound.
+        room = self.capacity_blocks - len(self._policy)
+        if self.sized:
+            room = files_that_fit(sizes, room, self._ledger.capacity)
         on_disk = sum(sizes)
         indexed = self._index_ready([k for k, _ in found[:room]])
         if self.sized:
             for (key, _), size in zip(found[:room], sizes, strict=False):
-                self._resize(key, size)
+                self._sizes.resize(key, size)
         self._counters["scanned_blocks"] = len(indexed)
         if alone:
             # Files beyond the bound (the directory was used with a larger size) are removed
@@ -244,99 +206,14 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._ledger.share()
         return time.perf_counter() - start
 
-    def _room_at_start(self, sizes: list[int]) -> int:
-        """How many of the files found at start (of ``sizes`` bytes) the index takes: as many
-        as the index holds and (compressed) their bytes fit the bound."""
-        room = self.capacity_blocks - len(self._policy)
-        if not self.sized:
-            return room
-        budget = self._ledger.capacity
-        for i, size in enumerate(sizes[:room]):
-            budget -= size
-            if budget < 0:
-                return i
-        return min(room, len(sizes))
-
-    @staticmethod
-    def _measure(path: str) -> int:
-        """A block file's counted bytes (0 if it vanished)."""
-        try:
-            return measured_bytes(os.stat(path).st_size)
-        except FileNotFoundError:
-            return 0
-
-    def _resize(self, key: OffloadKey, size: int) -> None:
-        """Record the bytes of ``key``'s file (compressed tiers)."""
-        self._stored_bytes += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
-
-    def _unsize(self, keys: Sequence[OffloadKey]) -> int:
-        """Forget the sizes of ``keys`` (out of the index); returns their bytes."""
-        pop, freed = self._sizes.pop, 0
-        for key in keys:
-            freed += pop(key, 0)
-        self._stored_bytes -= freed
-        return freed
-
     def _mean_file_bytes(self) -> int:
         """The bytes a new block's file is expected to take (compressed: the mean so far)."""
-        if not self.sized or not self._sizes:
-            return self.file_bytes
-        return max(MIN_FILE, self._stored_bytes // len(self._sizes))
-
-    def _warn_if_filesystem_smaller(self) -> None:
-        """Warn once at start when the filesystem cannot hold the bound (the tier then holds
-        what fits: a write that finds it full lowers the tier's limit, see ``diskjobs``)."""
-        holds = self._dir_used + free_bytes(self.namespace)
-        if self._ledger.capacity > holds:
-            logger.warning(
-                "kv_disk_size: %.4g GiB is more than the filesystem of %r can hold for the disk "
-                "tier (%.4g GiB: %.4g GiB free + %.4g GiB of its files): the tier holds what "
-                "fits and evicts when the filesystem is full",
-                self.capacity_bytes / 2**30,
-                str(self.root),
-                holds / 2**30,
-                (holds - self._dir_used) / 2**30,
-                self._dir_used / 2**30,
-            )
-
-    def _upkeep(self) -> None:
-        """The rescan thread's other periodic work: the limit after a full filesystem, the
-        older formats' namespaces that were in use at the last try, and the ledger's
-        reconciliation when it is due (:meth:`reconcile_ledger`)."""
-        self._refit_filesystem_when_idle()
-        if self._old_namespaces.in_use:
-            self._old_namespaces.reclaim()
-        self._ticks_unreconciled += 1
-        due = self._ticks_unreconciled >= RECONCILE_EVERY_TICKS or self._runner.missing_files
-        if due or self._ledger.census().dead_slots:  # a dead process: one locked read a tick
-            self.reconcile_ledger()
+        return self._sizes.mean() if self.sized else self.file_bytes
 
     def reconcile_ledger(self) -> bool:
-        """Make the shared ledger count the namespace's block files, if no process (this one
-        included) has a write in flight: a killed writer's reservations, and the bytes of files
-        removed by hand, leave the count; killed writers' temporaries and spares, and the spares
-        of processes that are gone, are removed. The walk runs unlocked; the count is set only
-        if no ledger step of any process came between (else False: the next tick tries again).
-        Runs on the rescan thread (each tick it is due: a dead process's slot, a load that
-        found a file missing, or every :data:`RECONCILE_EVERY_TICKS` ticks), and at close."""
-        census = self._ledger.census()
-        if not census.quiescent:
-            return False
-        counted, garbage = census_files(self.namespace, census.live_owners, measure=self.sized)
-        on_disk = counted if self.sized else counted * self.file_bytes
-        if not self._ledger.settle_census(census, on_disk, garbage):
-            return False
-        self._ticks_unreconciled = 0
-        self._runner.missing_files = False
-        return True
-
-    def _refit_filesystem_when_idle(self) -> None:
-        """After the filesystem filled, raise the limit again as space comes back (rescan
-        thread; only while no job is in flight, so no write of ours is half counted)."""
-        ledger = self._ledger
-        if ledger.limit < ledger.capacity and self._runner.idle:
-            ledger.refit(lambda: free_bytes(self.namespace), self.file_bytes)
+        """Make the shared ledger count the namespace's block files, if no process has a write
+        in flight (else False: the rescan thread tries again): :meth:`LedgerUpkeep.reconcile`."""
+        return self._upkeep.reconcile()
 
     def _index_ready(self, keys: list[OffloadKey]) -> list[OffloadKey]:
         """Index ``keys`` found on disk as ready blocks, up to the capacity; returns the keys
@@ -356,7 +233,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         if self.sized:  # other processes' files: sized as the mean until measured
             estimate = self._mean_file_bytes()
             for key in indexed:
-                self._resize(key, estimate)
+                self._sizes.resize(key, estimate)
         if indexed and self._events is not None:
             self._events.append(OffloadingEvent(indexed, self.medium, False, self.locality))
         return indexed
@@ -397,7 +274,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             block.slot, block.ref_cnt = -1, PENDING
             policy.insert(key, block)
         if self.sized:
-            running.reserved = len(todo) * self._mean_file_bytes() - self._unsize(victims)
+            running.reserved = len(todo) * self._mean_file_bytes() - self._sizes.forget(victims)
         else:
             running.reserved = (len(todo) - len(victims)) * self.file_bytes
         self._dir_submitted += running.reserved
@@ -480,12 +357,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
                 continue  # skipped (already held) or not ours
             if key in failed:
                 policy.remove(key)
-                self._unsize((key,))
+                self._sizes.forget((key,))
             else:
                 block.ref_cnt = 0
                 stored.append(key)
                 if self.sized:
-                    self._resize(key, running.sizes.get(key, self.file_bytes))
+                    self._sizes.resize(key, running.sizes.get(key, self.file_bytes))
         counters["stored_blocks"] += len(stored)
         counters["failed_store_blocks"] += len(failed)
         counters["filesystem_full_stores"] += running.filesystem_full
@@ -510,7 +387,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             if block is not None and cause in _DROP_CAUSES and block.ref_cnt == 0:
                 policy.remove(key)
                 dropped.append(key)
-        self._unsize(dropped)
+        self._sizes.forget(dropped)
         if dropped and self._events is not None:
             self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
 
@@ -553,13 +430,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         self._dir_used, self._dir_submitted = self._ledger.last_seen, 0
         self._policy.clear()
         self._sizes.clear()
-        self._stored_bytes = 0
         if keys and self._events is not None:
             self._events.append(OffloadingEvent(keys, self.medium, True, self.locality))
 
     def stats(self) -> dict[str, int]:
         used = len(self._policy)
-        stored = self._stored_bytes if self.sized else used * self.file_bytes
+        stored = self._sizes.total if self.sized else used * self.file_bytes
         out = {
             "capacity_bytes": self.capacity_bytes,
             "capacity_blocks": min(
@@ -570,12 +446,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             "dir_used_bytes": self._dir_used + LEDGER_BYTES,
             "scan_ms": int(self.scan_seconds * 1000),
         }
-        counters = self._counters
-        for name in _COUNTERS:
-            out[name] = counters[name]
-        for cause in _CAUSES:
-            out[f"failed_load_{cause}"] = counters[f"failed_load_{cause}"]
-            out[f"failed_store_{cause}"] = counters[f"failed_store_{cause}"]
+        out.update(counter_stats(self._counters))
         out.update(self.codec.stats.as_stats())
         return out
 

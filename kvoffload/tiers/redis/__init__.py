@@ -7,8 +7,10 @@ Two halves, importing downward only:
 * **The tier** (what it stores and knows): :mod:`~kvoffload.tiers.redis.tier` (:class:`RedisTier`,
   the tier contract), :mod:`~kvoffload.tiers.redis.config` (:class:`RemoteTierConfig`, key
   prefixes), :mod:`~kvoffload.tiers.redis.blocks` (blocks as values),
-  :mod:`~kvoffload.tiers.redis.answers` (what it knows of the server's keys) and
-  :mod:`~kvoffload.tiers.redis.admin` (dropping a namespace).
+  :mod:`~kvoffload.tiers.redis.answers` (what it knows of the server's keys),
+  :mod:`~kvoffload.tiers.redis.admin` (dropping a namespace) and
+  :mod:`~kvoffload.tiers.redis.clear` (dropping one layout's blocks), both over
+  :mod:`~kvoffload.tiers.redis.unlink` (``SCAN`` then ``UNLINK`` on every master).
 * **The wire** (how it talks): :mod:`~kvoffload.tiers.redis.transport` (pipelines, pooling,
   fan-out), :mod:`~kvoffload.tiers.redis.connection` (RESP over one socket),
   :mod:`~kvoffload.tiers.redis.topology` (Cluster slots), :mod:`~kvoffload.tiers.redis.url`
