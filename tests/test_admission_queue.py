@@ -1,10 +1,13 @@
-"""``CacheAwareQueue`` on its own: filings of aborted requests, and a stateful test that drives
-every operation of the queue's protocol at random and checks its invariants after each one."""
+"""``CacheAwareQueue`` on its own: its rank (aging by admitted work, host-held blocks weighed by
+what loading them saves), filings of aborted requests, and a stateful test that drives every
+operation of the queue's protocol at random and checks its invariants after each one."""
 
 from __future__ import annotations
 
 import itertools
+import zlib
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -24,13 +27,95 @@ def _request(request_id: str, tokens: list[int]) -> Request:
 
 
 class _Held:
-    """A host tier whose holdings the test sets: the leading ``n`` blocks of every request."""
+    """A host tier whose holdings the test sets: the leading ``n`` blocks of every request, or
+    of the requests in ``only`` when set; each held block is worth ``worth``."""
 
     def __init__(self) -> None:
         self.n = 0
+        self.only: set[str] | None = None
+        self.worth = 1.0
 
     def __call__(self, req: Request, first: int, end: int) -> int:
+        if self.only is not None and req.request_id not in self.only:
+            return 0
         return max(0, min(self.n, end) - first)
+
+    def held_worth(self) -> float:
+        return self.worth
+
+
+def _blocks(request_id: str, n: int) -> Request:
+    """A request of ``n`` full blocks (and one token more); distinct ids share no block."""
+    return _request(request_id, [1 + zlib.crc32(request_id.encode()) % 250] * (BLOCK * n) + [255])
+
+
+def _admit_next(queue: CacheAwareQueue) -> str:
+    """One admission pass that admits the first candidate; returns its id."""
+    queue.begin_pass()
+    req = queue.next_candidate()
+    assert req is not None
+    queue.take(req)
+    queue.admitted(req, 0)
+    queue.end_pass()
+    queue.check_invariants()
+    return req.request_id
+
+
+@pytest.mark.parametrize(("lead", "first"), [(4, "cold"), (6, "cold"), (7, "warm")])
+def test_a_later_request_passes_an_older_one_only_by_a_lead_above_the_work_admitted_between(
+    lead: int, first: str
+) -> None:
+    """``cold`` arrives with ``early``, and ``early`` is admitted (6 prompt blocks of work).
+    Then ``warm`` arrives with ``lead`` blocks in the host tier: it goes before ``cold`` only if
+    ``lead`` > 6 (``cold`` waited through more work than the lead saves). Before aging, any
+    lead went first (a chat turn's round 1 passed by every warm later turn)."""
+    held = _Held()
+    held.n, held.only = lead, {"warm"}
+    queue = CacheAwareQueue(BlockPool(64), BLOCK, max_bypass=32, held=held)
+    queue.add(_blocks("early", 6))
+    queue.add(_blocks("cold", 6))
+    assert _admit_next(queue) == "early"
+    queue.add(_blocks("warm", 8))
+    assert _admit_next(queue) == first
+
+
+def test_requests_that_arrive_together_go_longest_held_prefix_first() -> None:
+    """No admission between their arrivals: pure longest-prefix order, whatever the lead."""
+    held = _Held()
+    held.n, held.only = 1, {"warm"}
+    queue = CacheAwareQueue(BlockPool(64), BLOCK, max_bypass=32, held=held)
+    queue.add(_blocks("early", 6))
+    assert _admit_next(queue) == "early"
+    queue.add(_blocks("cold", 6))
+    queue.add(_blocks("warm", 8))
+    assert [_admit_next(queue), _admit_next(queue)] == ["warm", "cold"]
+
+
+def test_held_blocks_count_by_what_loading_them_saves() -> None:
+    """Two requests arrive together: ``device`` with 3 blocks in the device cache, ``held`` with
+    4 in the host tier. Each held block worth 1: ``held`` first (4 > 3). Worth 0.5 (loading costs
+    half of computing): ``device`` first (2 < 3). Worth 0 (``load_policy`` never, or loads that
+    do not pay): a held run counts for nothing, arrival order among cold requests."""
+    order = {}
+    for worth in (1.0, 0.5, 0.0):
+        held = _Held()
+        held.n, held.only, held.worth = 4, {"held"}, worth
+        pool = BlockPool(64)
+        queue = CacheAwareQueue(pool, BLOCK, max_bypass=32, held=held, held_worth=held.held_worth)
+        cached = _blocks("device", 5)
+        blocks = pool.allocate(3)
+        assert blocks is not None
+        pool.cache(blocks, cached.block_hashes, 0, 3)
+        pool.free(blocks)
+        queue.add(_blocks("cold", 5))
+        queue.add(_blocks("held", 5))
+        queue.add(cached)
+        order[worth] = [_admit_next(queue) for _ in range(3)]
+    assert order == {
+        1.0: ["held", "device", "cold"],
+        0.5: ["device", "held", "cold"],
+        0.0: ["device", "cold", "held"],
+    }
 
 
 def test_aborted_requests_leave_no_filing_after_their_score_fell() -> None:
@@ -64,7 +149,9 @@ class CacheAwareQueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.held = _Held()
         self.pool = BlockPool(64)
-        self.queue = CacheAwareQueue(self.pool, BLOCK, max_bypass=3, held=self.held)
+        self.queue = CacheAwareQueue(
+            self.pool, BLOCK, max_bypass=3, held=self.held, held_worth=self.held.held_worth
+        )
         self.ids = itertools.count()
         self.running: list[Request] = []
 
@@ -102,9 +189,11 @@ class CacheAwareQueueMachine(RuleBasedStateMachine):
         self.running.remove(req)
         self.queue.released(req)
 
-    @rule(n=st.integers(0, 3))
-    def host_tier_changes(self, n: int) -> None:
+    @rule(n=st.integers(0, 3), worth=st.sampled_from([0.0, 0.5, 1.0]))
+    def host_tier_changes(self, n: int, worth: float) -> None:
+        """The host tier holds other blocks; what loading one saves changes (read next pass)."""
         self.held.n = n
+        self.held.worth = worth
 
     @rule(actions=st.lists(st.sampled_from(["take", "defer", "stop"]), max_size=6))
     def admission_pass(self, actions: list[str]) -> None:
