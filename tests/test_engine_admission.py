@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.scheduler import StepPlan
 
 MAX_STEPS = 3000
 ROUNDS = cycling_rounds(num_prefixes=4, prefix_blocks=6, num_rounds=3)
@@ -284,7 +285,7 @@ def _no_reuse_schedule(policy: str) -> list[tuple[tuple[str, int], ...]]:
         scheduler, steps = engine.scheduler, []
         schedule = scheduler.schedule
 
-        def logged() -> object:
+        def logged() -> StepPlan:
             plan = schedule()
             steps.append(tuple((r.request_id, n) for r, n in plan.scheduled))
             return plan
