@@ -18,7 +18,7 @@ from engine_cases import (
 )
 
 import kvoffload
-from kvoffload.engine import SamplingParams
+from kvoffload.engine import RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler.policy import STORE_POLICIES
 
@@ -145,7 +145,7 @@ def test_per_request_transfer_params(reference: list) -> None:
             engine.add_request(p, greedy(), kv_transfer_params={"max_load_tokens": 2 * BLOCK_SIZE})
             for p in ROUNDS[1]
         ]
-        done = {}
+        done: dict[str, RequestOutput] = {}
         while len(done) < len(capped):
             done.update((o.request_id, o) for o in engine.step())
         outputs = [done[i] for i in capped]
