@@ -302,3 +302,19 @@ def test_no_reuse_runs_the_fcfs_schedule_step_for_step() -> None:
     """With nothing resident cache-aware order is FCFS: the same requests and token counts in
     every step (preemptions and late stores included), so it costs no steps and no tokens."""
     assert _no_reuse_schedule("cache_aware") == _no_reuse_schedule("fcfs")
+
+
+def test_host_held_blocks_weigh_what_their_load_would_save() -> None:
+    """The cache-aware order counts a host-held block as 1 (``always``), 0 (``never``), or under
+    ``auto`` as computing it less loading it, over computing it (pinned estimates): 0.75 when a
+    load costs a quarter of computing, 0 when it costs more than computing."""
+    for policy, worth in (("always", 1.0), ("never", 0.0)):
+        with tiny_engine(kv_offloading_size=host_gib(16), load_policy=policy) as engine:
+            assert engine.scheduler._held_block_worth() == worth
+    compute_block_s = 1e-3 * BLOCK_SIZE
+    with tiny_engine(kv_offloading_size=host_gib(16), load_policy="auto") as engine:
+        costs = engine.connector.costs  # type: ignore[union-attr]
+        costs.pin({"token_s": 1e-3, "host": compute_block_s / 4})
+        assert engine.scheduler._held_block_worth() == pytest.approx(0.75)
+        costs.pin({"token_s": 1e-3, "host": compute_block_s * 2})
+        assert engine.scheduler._held_block_worth() == 0.0

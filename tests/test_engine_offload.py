@@ -18,7 +18,7 @@ from engine_cases import (
 )
 
 import kvoffload
-from kvoffload.engine import SamplingParams
+from kvoffload.engine import RequestOutput, SamplingParams
 from kvoffload.errors import ConfigError
 from kvoffload.scheduler.policy import STORE_POLICIES
 
@@ -94,12 +94,16 @@ def test_all_at_once_matches_reference(reference: list) -> None:
 
 
 def test_block_size_factor_two_matches_reference(reference: list) -> None:
-    """Offloaded blocks of two engine blocks (8 tokens): loads start at an offloaded-block boundary."""
+    """Offloaded blocks of two engine blocks (8 tokens): loads start at an offloaded-block boundary.
+    In arrival order, so that every request of rounds 2+ loads (some after a partial device hit);
+    the cache-aware order runs first the requests whose prefix is still in the device, which then
+    load nothing."""
     with tiny_engine(
         num_device_blocks=24,
         max_num_seqs=2,
         block_size_factor=2,
         kv_offloading_size=host_gib(32, factor=2),
+        scheduling_policy="fcfs",
     ) as engine:
         rounds = run_rounds(engine, ROUNDS, greedy())
         assert_same_outputs([o for r in rounds for o in r], reference)
@@ -141,7 +145,7 @@ def test_per_request_transfer_params(reference: list) -> None:
             engine.add_request(p, greedy(), kv_transfer_params={"max_load_tokens": 2 * BLOCK_SIZE})
             for p in ROUNDS[1]
         ]
-        done: dict[str, kvoffload.engine.RequestOutput] = {}
+        done: dict[str, RequestOutput] = {}
         while len(done) < len(capped):
             done.update((o.request_id, o) for o in engine.step())
         outputs = [done[i] for i in capped]

@@ -34,6 +34,7 @@ from kvoffload.metrics.prometheus import EngineMetrics
 from kvoffload.scheduler.costs import (
     PRIOR_LOAD_FRACTION,
     PRIOR_TOKEN_S,
+    PROBE_AFTER_DECLINES,
     LoadCosts,
     PayingPrefix,
     PerBlock,
@@ -308,6 +309,55 @@ def test_load_costs_priors_then_measurements() -> None:
     costs.pin({"token_s": 1.0})
     assert costs.token_s == 1.0
     assert math.isclose(costs.host_block_s(block), 5e-4)  # not pinned: still measured
+
+
+def _decide(costs: LoadCosts, hit_blocks: int, block: int = 16) -> int:
+    """The blocks of a ``hit_blocks`` host hit that a fresh decision loads."""
+    pay = costs.decision(block)
+    for _ in range(hit_blocks):
+        pay.host()
+    return pay.best
+
+
+def test_a_stale_slow_load_estimate_is_probed_and_re_measured() -> None:
+    """A first copy that stalled (1 s a block, computing a block takes 1.6 ms) makes every hit
+    recomputed, and a recomputed hit measures no load: without probes the estimate would never
+    change. After ``PROBE_AFTER_DECLINES`` declined hits the next one is priced at the prior and
+    loaded; once its copy is measured fast, hits are loaded from then on."""
+    costs = LoadCosts()
+    for tokens in (10, 100, 1000):
+        costs.observe_step(tokens, tokens * 1e-4)
+    costs.observe_load(1.0, 1)
+    assert [_decide(costs, 8) for _ in range(PROBE_AFTER_DECLINES)] == [0] * PROBE_AFTER_DECLINES
+    assert _decide(costs, 8) == 8  # the probe
+    costs.observe_load(8e-5, 8)  # its copy: 10 us a block
+    assert [_decide(costs, 8) for _ in range(3 * PROBE_AFTER_DECLINES)] == [8] * (
+        3 * PROBE_AFTER_DECLINES
+    )
+
+
+def test_a_slow_tier_is_probed_once_per_declines() -> None:
+    """Loading really costs more than computing: one hit in ``PROBE_AFTER_DECLINES + 1`` is
+    loaded (the probe re-measures it slow), the rest are recomputed; hits that were loaded or
+    that had no host blocks do not count towards a probe, and pinned estimates are never probed."""
+    costs = LoadCosts()
+    for tokens in (10, 100, 1000):
+        costs.observe_step(tokens, tokens * 1e-4)
+    costs.observe_load(1.0, 1)
+    loaded = []
+    for _ in range(3):
+        decisions = [_decide(costs, 4) for _ in range(PROBE_AFTER_DECLINES + 1)]
+        loaded.append(decisions.count(4))
+        assert decisions[-1] == 4
+        costs.observe_load(1.0, 4)  # the probe measured slow again
+    assert loaded == [1, 1, 1]
+    for _ in range(2 * PROBE_AFTER_DECLINES):
+        assert _decide(costs, 0) == 0  # no hit: nothing declined, no probe due
+    assert _decide(costs, 4) == 0
+    costs.pin({"token_s": 1e-4, "host": 1.0})
+    assert [_decide(costs, 4) for _ in range(3 * PROBE_AFTER_DECLINES)] == [0] * (
+        3 * PROBE_AFTER_DECLINES
+    )
 
 
 def test_step_cost_model_fits_a_line() -> None:

@@ -10,24 +10,31 @@ from __future__ import annotations
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.cache_aware_queue import CacheAwareQueue
 from kvoffload.engine.setting_choices import SCHEDULING_POLICIES
-from kvoffload.engine.waiting_queue import FCFSQueue, HeldProbe, WaitingQueue
+from kvoffload.engine.waiting_queue import FCFSQueue, HeldProbe, HeldWorth, WaitingQueue
 
 __all__ = [
     "SCHEDULING_POLICIES",
     "CacheAwareQueue",
     "FCFSQueue",
     "HeldProbe",
+    "HeldWorth",
     "WaitingQueue",
     "make_waiting_queue",
 ]
 
 
 def make_waiting_queue(
-    policy: str, pool: BlockPool, block_size: int, max_bypass: int, held: HeldProbe | None
+    policy: str,
+    pool: BlockPool,
+    block_size: int,
+    max_bypass: int,
+    held: HeldProbe | None,
+    held_worth: HeldWorth | None = None,
 ) -> WaitingQueue:
-    """The waiting queue of ``policy`` (one of :data:`SCHEDULING_POLICIES`)."""
+    """The waiting queue of ``policy`` (one of :data:`SCHEDULING_POLICIES`); ``held`` and
+    ``held_worth`` describe the host tier's blocks to the cache-aware order."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "cache_aware":
-        return CacheAwareQueue(pool, block_size, max_bypass, held)
+        return CacheAwareQueue(pool, block_size, max_bypass, held, held_worth)
     raise ValueError(f"unknown scheduling policy {policy!r}; choose from {SCHEDULING_POLICIES}")

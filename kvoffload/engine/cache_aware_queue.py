@@ -1,16 +1,34 @@
 """The cache-aware waiting queue: its order, kept by events, and its bound on unfairness.
 
 :class:`CacheAwareQueue` (``"cache_aware"``, the default): SGLang's longest-prefix-match order
-(``lpm``, long SGLang's default), kept by events rather than rescans. A request's *score* is the
-leading run of its prompt blocks that are *resident*: in the device prefix cache, being computed or
-loaded by an admitted request, or held by the host tier (the offloading connector's pure probe).
-Requests are tried preempted first, then by score (highest first, ties in arrival order), then the
-rest in arrival order. So requests that share a prefix run together and share its device blocks.
+(``lpm``, long SGLang's default), with aging, kept by events rather than rescans. A request's
+*score* is the leading run of its prompt blocks that are *resident*: in the device prefix cache,
+being computed or loaded by an admitted request, or held by the host tier (the offloading
+connector's pure probe). Requests are tried preempted first, then by *rank*, lowest first (ties in
+arrival order), a pair compared in order::
+
+    rank = (-device-resident blocks of the run, age - worth x host-held blocks of the run)
+
+* Device-resident blocks first (pure longest-prefix order where nothing is held, as without
+  offloading): they are free to use and volatile (any admission may evict them), so requests
+  that share them run together, before they go.
+* Then host-held blocks, aged. ``worth`` (:data:`~kvoffload.engine.waiting_queue.HeldWorth`, read
+  once per pass): what a held block saves as a share of a device-resident one, by the
+  connector's ``load_policy`` and cost estimates (0 where it would not be loaded: it then counts
+  for nothing). ``age``: the prompt blocks of all requests admitted from the queue before this
+  one arrived (a clock that runs with admitted work). Held blocks keep (the host tier is far
+  larger), so a request passes an older one on them only by a held lead larger than the prompts
+  admitted between their arrivals: requests that arrive together are in longest-held-prefix
+  order, while a warm chat turn that arrives later no longer jumps every cold turn that has
+  waited through admissions (issue 28: other users' round-1 turns 0.54x and P99 0.55x against
+  no offloading).
+
+The rank is fixed at arrival but for the score and ``worth``: one heap push per change.
 Scores only rise by events: each waiting request is filed under its *frontier* (the hash of its
 first non-resident block), and a block entering the device cache or an admission's in-flight set
 advances the requests filed under it (``O(blocks that changed)`` per step, no rescan of the queue).
-A score that fell (blocks evicted) is corrected when the request comes up: its run is re-walked
-then, once per pass. A request whose first non-cached block an admitted request is computing right
+A score that fell (blocks evicted) or a rank made with another ``worth`` is corrected when the
+request comes up: its run is re-walked then, once per pass. A request whose first non-cached block an admitted request is computing right
 now is passed over for this step (in-batch prefix sharing: once cached, it is a hit; admitted now,
 the request would compute it a second time).
 
@@ -33,7 +51,7 @@ from typing import Any
 
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.request import Request
-from kvoffload.engine.waiting_queue import HeldProbe, WaitingQueue
+from kvoffload.engine.waiting_queue import HeldProbe, HeldWorth, WaitingQueue
 from kvoffload.errors import ContractError
 from kvoffload.keys import BlockHash
 
@@ -42,16 +60,18 @@ __all__ = ["CacheAwareQueue"]
 
 class _Entry:
     """A waiting request of a :class:`CacheAwareQueue`: arrival ticket, the most blocks that can
-    be hits (``limit``: never the last prompt token), its score, whether it still waits, and the
-    frontier hash it is filed under (``None``: not filed)."""
+    be hits (``limit``: never the last prompt token), its age, score and rank (module docstring),
+    whether it still waits, and the frontier hash it is filed under (``None``: not filed)."""
 
-    __slots__ = ("filed", "limit", "live", "req", "score", "ticket", "walked")
+    __slots__ = ("age", "filed", "limit", "live", "rank", "req", "score", "ticket", "walked")
 
-    def __init__(self, req: Request, ticket: int, limit: int) -> None:
+    def __init__(self, req: Request, ticket: int, limit: int, age: int) -> None:
         self.req = req
         self.ticket = ticket
         self.limit = limit
+        self.age = age
         self.score = 0
+        self.rank: tuple[int, float] = (0, age)
         self.live = True
         self.walked = -1  # the pass that last re-walked its run
         self.filed: BlockHash | None = None
@@ -62,8 +82,18 @@ class CacheAwareQueue(WaitingQueue):
     any waiting request (module docstring). ``held``: the host tier's probe, if offloading."""
 
     def __init__(
-        self, pool: BlockPool, block_size: int, max_bypass: int, held: HeldProbe | None = None
+        self,
+        pool: BlockPool,
+        block_size: int,
+        max_bypass: int,
+        held: HeldProbe | None = None,
+        held_worth: HeldWorth | None = None,
     ) -> None:
+        self._held_worth = held_worth
+        self._held_weight = 1.0
+        self._read_worth()
+        #: prompt blocks of every request admitted from the queue so far (the age clock)
+        self._admitted_blocks = 0
         self._pool = pool
         self._block_size = block_size
         self._max_bypass = max_bypass
@@ -71,8 +101,9 @@ class CacheAwareQueue(WaitingQueue):
         self._caching = pool.enable_caching
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # arrival order
         self._preempted: deque[Request] = deque()
-        #: (-score, ticket, push number, entry); stale items are skipped when popped
-        self._heap: list[tuple[int, int, int, _Entry]] = []
+        #: (rank, ticket, push number, entry) of every waiting entry; stale items (rank changed,
+        #: taken, aborted) are skipped when popped
+        self._heap: list[tuple[tuple[int, float], int, int, _Entry]] = []
         self._pushes = itertools.count()
         #: frontier hash -> the entries filed under it, by ticket
         self._frontier: dict[BlockHash, dict[int, _Entry]] = {}
@@ -90,7 +121,6 @@ class CacheAwareQueue(WaitingQueue):
         self._tried_entries: list[_Entry] = []
         self._taken: list[_Entry] = []
         self._deferred_preempted: list[Request] = []
-        self._cold: Iterator[_Entry] | None = None
         self._current: _Entry | Request | None = None
         self._urgent = False
         self._stopped = False
@@ -98,9 +128,10 @@ class CacheAwareQueue(WaitingQueue):
     # ------------------------------------------------------------------ membership
 
     def add(self, req: Request) -> None:
-        entry = _Entry(req, next(self._tickets), (req.num_tokens - 1) // self._block_size)
+        limit = (req.num_tokens - 1) // self._block_size
+        entry = _Entry(req, next(self._tickets), limit, self._admitted_blocks)
         self._entries[req.request_id] = entry
-        self._set_score(entry, self._walk(entry, 0))
+        self._set_score(entry, *self._walk(entry, 0))
 
     def add_preempted(self, req: Request) -> None:
         self._preempted.appendleft(req)
@@ -138,8 +169,10 @@ class CacheAwareQueue(WaitingQueue):
            under ``block_hashes[score]`` (``entry.filed``), one at ``limit`` is not filed.
         4. ``_frontier`` holds exactly those filings: every entry in it is waiting and filed
            under that hash (an aborted or admitted request leaves no filing); no empty lists.
-        5. Every entry with a score above 0 has a current item ``(-score, ticket, _, entry)`` in
-           ``_heap``, and ``_heap`` is a heap (stale items of other scores may remain).
+        5. Every entry has a current item ``(rank, ticket, _, entry)`` in ``_heap``, and
+           ``_heap`` is a heap (stale items of other ranks may remain); every rank is
+           ``(-device, held part)`` with ``0 <= device <= score`` and the held part within
+           ``age - (score - device) .. age`` (``worth`` in ``[0, 1]``).
         6. ``_in_flight`` counts, per hash, the ``_flight_ranges`` that cover it (no zeros).
         7. ``_passed`` is a min-heap of tickets.
         """
@@ -169,10 +202,14 @@ class CacheAwareQueue(WaitingQueue):
                 check(self._frontier.get(want, {}).get(e.ticket) is e, "4: filing recorded")
         check(all(self._frontier.values()), "4: no empty filing")
         check(sum(map(len, self._frontier.values())) == filed, "4: no stale filing")
-        current = {(-neg, e.ticket) for neg, _, _, e in self._heap if e.score == -neg}
+        current = {(rank, e.ticket) for rank, _, _, e in self._heap if e.rank == rank}
+        check(all((e.rank, e.ticket) in current for e in entries), "5: every entry in the heap")
         check(
-            all((e.score, e.ticket) in current for e in entries if e.score > 0),
-            "5: every scored entry in the heap",
+            all(
+                -e.score <= e.rank[0] <= 0 and e.age - e.score - e.rank[0] <= e.rank[1] <= e.age
+                for e in entries
+            ),
+            "5: ranks within bounds",
         )
         check(_is_heap(self._heap), "5: heap order")
         counts: dict[BlockHash, int] = {}
@@ -187,8 +224,12 @@ class CacheAwareQueue(WaitingQueue):
 
     def begin_pass(self) -> None:
         self._pass = next(self._passes)
-        self._cold = None
+        self._read_worth()  # ranks made with another worth are re-made as they pop
         self._stopped = False
+
+    def _read_worth(self) -> None:
+        if self._held_worth is not None:
+            self._held_weight = min(1.0, max(0.0, self._held_worth()))
 
     def next_candidate(self) -> Request | None:
         self._current, self._urgent = None, False
@@ -204,8 +245,6 @@ class CacheAwareQueue(WaitingQueue):
             self._current, self._urgent = front, True
             return self._try(front)
         entry = self._pop_scored()
-        if entry is None:
-            entry = self._next_cold()
         if entry is None:
             return None
         self._current = entry
@@ -223,6 +262,7 @@ class CacheAwareQueue(WaitingQueue):
         if front is not None and front is not current:
             heapq.heappush(self._passed, current.ticket)
         current.live = False
+        self._admitted_blocks += current.limit
         self._unfile(current)
         self._taken.append(current)
 
@@ -239,17 +279,17 @@ class CacheAwareQueue(WaitingQueue):
             del self._entries[entry.req.request_id]
         self._preempted.extendleft(reversed(self._deferred_preempted))
         for entry in self._tried_entries:
-            if entry.live and entry.score > 0:
+            if entry.live:
                 self._push(entry)
         self._tried.clear()
         self._tried_entries.clear()
         self._taken.clear()
         self._deferred_preempted.clear()
-        self._cold = self._current = None
+        self._current = None
         if len(self._heap) > 2 * len(self._entries) + 64:  # mostly stale: rebuild
             pushes = self._pushes
             self._heap = [
-                (-e.score, e.ticket, next(pushes), e) for e in self._entries.values() if e.score > 0
+                (e.rank, e.ticket, next(pushes), e) for e in self._entries.values()
             ]
             heapq.heapify(self._heap)
 
@@ -282,56 +322,52 @@ class CacheAwareQueue(WaitingQueue):
         return len(passed)
 
     def _pop_scored(self) -> _Entry | None:
-        """The untried request with the highest score (re-walked once per pass: a score that
-        fell since is corrected and the request re-filed)."""
+        """The untried request of the lowest rank (re-walked once per pass: a score that fell
+        or a rank made with another ``worth`` is corrected and the request re-filed)."""
         heap, tried = self._heap, self._tried
         while heap:
-            neg, _, _, entry = heapq.heappop(heap)
-            if not entry.live or -neg != entry.score or entry.req.request_id in tried:
+            rank, _, _, entry = heapq.heappop(heap)
+            if not entry.live or rank != entry.rank or entry.req.request_id in tried:
                 continue
             if entry.walked != self._pass:
                 entry.walked = self._pass
-                score = self._walk(entry, 0)
-                if score != entry.score:
-                    self._set_score(entry, score)
-                    if score < -neg:
-                        continue  # comes up again in its place (or among the rest)
+                score, held = self._walk(entry, 0)
+                if score != entry.score or self._rank(entry, score, held) != rank:
+                    self._set_score(entry, score, held)
+                    if entry.rank > rank:
+                        continue  # comes up again in its place
             return entry
-        return None
-
-    def _next_cold(self) -> _Entry | None:
-        """The next request in arrival order whose score is 0 (a scored one is tried by score)."""
-        if self._cold is None:
-            self._cold = iter(self._entries.values())
-        tried = self._tried
-        for entry in self._cold:
-            if entry.live and entry.score == 0 and entry.req.request_id not in tried:
-                return entry
         return None
 
     # ------------------------------------------------------------------ scores
 
-    def _walk(self, entry: _Entry, start: int) -> int:
-        """The end of ``entry``'s run of resident blocks from ``start`` (``start`` resident)."""
+    def _walk(self, entry: _Entry, start: int) -> tuple[int, int]:
+        """The end of ``entry``'s run of resident blocks from ``start`` (``start`` resident),
+        and how many of them the host tier holds (the run's tail)."""
         hashes, limit, i = entry.req.block_hashes, entry.limit, start
         if self._caching:
             in_flight, cached = self._in_flight, self._pool.is_cached
             while i < limit and (hashes[i] in in_flight or cached(hashes[i])):
                 i += 1
+        held = 0
         if i < limit and self._held is not None:
-            i += self._held(entry.req, i, limit)
-        return i
+            held = self._held(entry.req, i, limit)
+        return i + held, held
 
-    def _set_score(self, entry: _Entry, score: int) -> None:
-        """Record ``score``: file the entry under its frontier (only there), and in the heap if
-        above 0."""
+    def _rank(self, entry: _Entry, score: int, held: int) -> tuple[int, float]:
+        """``entry``'s rank with a run of ``score`` blocks, the last ``held`` of them host-held."""
+        return held - score, entry.age - self._held_weight * held
+
+    def _set_score(self, entry: _Entry, score: int, held: int) -> None:
+        """Record ``score`` (its last ``held`` blocks host-held) and the rank: file the entry
+        under its frontier (only there), and in the heap."""
         self._unfile(entry)
         entry.score = score
+        entry.rank = self._rank(entry, score, held)
         if score < entry.limit:
             frontier = entry.filed = entry.req.block_hashes[score]
             self._frontier.setdefault(frontier, {})[entry.ticket] = entry
-        if score > 0:
-            self._push(entry)
+        self._push(entry)
 
     def _unfile(self, entry: _Entry) -> None:
         """Take ``entry`` out of its frontier filing, if any."""
@@ -346,7 +382,7 @@ class CacheAwareQueue(WaitingQueue):
                 del self._frontier[frontier]
 
     def _push(self, entry: _Entry) -> None:
-        heapq.heappush(self._heap, (-entry.score, entry.ticket, next(self._pushes), entry))
+        heapq.heappush(self._heap, (entry.rank, entry.ticket, next(self._pushes), entry))
 
     def _became_resident(self, block_hash: BlockHash) -> None:
         """Advance the waiting requests whose frontier is ``block_hash``."""
@@ -355,7 +391,7 @@ class CacheAwareQueue(WaitingQueue):
             return
         for entry in waiters.values():
             entry.filed = None  # the filing was just popped
-            self._set_score(entry, self._walk(entry, entry.score + 1))
+            self._set_score(entry, *self._walk(entry, entry.score + 1))
 
     # ------------------------------------------------------------------ scheduler hooks
 

@@ -30,7 +30,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from kvoffload.engine.admission import HeldProbe, make_waiting_queue
+from kvoffload.engine.admission import HeldProbe, HeldWorth, make_waiting_queue
 from kvoffload.engine.block_pool import BlockPool, KVBlock
 from kvoffload.engine.request import Request, RequestStatus
 from kvoffload.errors import ContractError
@@ -79,8 +79,13 @@ class EngineScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.connector = connector
-        held: HeldProbe | None = connector.num_held_blocks if connector is not None else None
-        self.waiting = make_waiting_queue(scheduling_policy, pool, block_size, max_bypass, held)
+        held: HeldProbe | None = None
+        held_worth: HeldWorth | None = None
+        if connector is not None:
+            held, held_worth = connector.num_held_blocks, self._held_block_worth
+        self.waiting = make_waiting_queue(
+            scheduling_policy, pool, block_size, max_bypass, held, held_worth
+        )
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         # Block hashes being loaded into the engine right now (count of loads), and per loading
@@ -104,6 +109,22 @@ class EngineScheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
+
+    def _held_block_worth(self) -> float:
+        """What admitting a request saves per block the host tier holds, as a share of a
+        device-resident block (:data:`~kvoffload.engine.waiting_queue.HeldWorth`): by the
+        connector's ``load_policy``, 1 (``always``), 0 (``never``), or under ``auto`` computing
+        the block less loading it, by the current estimates (:mod:`~kvoffload.scheduler.costs`),
+        over computing it. O(1)."""
+        connector = self.connector
+        if connector is None or connector.config.load_policy == "never":
+            return 0.0
+        if connector.config.load_policy == "always":
+            return 1.0
+        costs, tokens = connector.costs, connector.config.groups[0].offloaded_block_size
+        compute = costs.token_s * tokens
+        keys = len(connector.config.groups)
+        return max(0.0, 1.0 - costs.host_block_s(tokens) * keys / compute) if compute > 0 else 0.0
 
     @property
     def has_work(self) -> bool:

@@ -20,11 +20,14 @@ from kvoffload.engine.request import Request
 from kvoffload.errors import ContractError
 from kvoffload.keys import BlockHash
 
-__all__ = ["FCFSQueue", "HeldProbe", "WaitingQueue"]
+__all__ = ["FCFSQueue", "HeldProbe", "HeldWorth", "WaitingQueue"]
 
 #: ``(request, first, end)`` -> how many of its blocks ``first, first+1, ...`` (``< end``), a
 #: leading run, the host tier holds. A pure probe (the connector's ``num_held_blocks``).
 HeldProbe = Callable[[Request, int, int], int]
+#: What a block the host tier holds saves when admitted, as a share of a device-resident block's
+#: saving, in ``[0, 1]`` (0: it would not be loaded). Read once per admission pass.
+HeldWorth = Callable[[], float]
 
 
 class WaitingQueue:

@@ -24,6 +24,13 @@ Priors until measured: :data:`PRIOR_TOKEN_S` per token, a host load of
 :data:`PRIOR_LOAD_FRACTION` of computing the block, a promotion of that fraction per tier, and
 no step wait (so an engine that has measured nothing loads every hit, as before).
 
+**Probes**: a host estimate that says loading does not pay is only re-measured by a load, which
+it stops. A slow first copy (a thread starting, a stall on a loaded machine) would then keep every
+later hit recomputed. So after :data:`PROBE_AFTER_DECLINES` decisions in a row that left blocks of
+a hit to recompute with no host load measured since, the host estimate is forgotten (back to the
+prior): the next hit is loaded, and its copy measured afresh. A tier that is really slow costs
+one load per :data:`PROBE_AFTER_DECLINES` declined hits. Pinned estimates are never forgotten.
+
 **The decision** (:class:`PayingPrefix`, ``load_policy="auto"``): loading the first ``k`` blocks
 of a hit takes ``max(load_k, step)`` (``load_k`` their summed load costs: the load runs beside the
 step, and the request waits at least that step) where computing them takes ``k x
@@ -44,6 +51,7 @@ __all__ = [
     "LOAD_POLICIES",
     "PRIOR_LOAD_FRACTION",
     "PRIOR_TOKEN_S",
+    "PROBE_AFTER_DECLINES",
     "LoadCosts",
     "PayingPrefix",
     "PerBlock",
@@ -58,6 +66,8 @@ PRIOR_TOKEN_S = 5e-4
 PRIOR_LOAD_FRACTION = {"host": 0.05, "disk": 0.3, "remote": 0.5}
 #: The prior of a secondary tier the table does not name.
 _PRIOR_SECONDARY_FRACTION = 0.5
+#: Declined decisions in a row (no host load measured since) before a probe (module docstring).
+PROBE_AFTER_DECLINES = 16
 
 
 def check_load_policy(value: object, setting: str = "load_policy") -> str:
@@ -155,6 +165,9 @@ class LoadCosts:
         self.step_charged = True
         self._promotion_totals: dict[str, tuple[float, float]] = {}
         self._pinned = dict(pinned) if pinned is not None else None
+        #: the last decision made, and the declined ones in a row since a host load was measured
+        self._last: PayingPrefix | None = None
+        self._declines = 0
 
     # ------------------------------------------------------------------ observations
 
@@ -162,6 +175,7 @@ class LoadCosts:
         """A host -> device load of ``blocks`` keys took ``seconds`` (its copy time)."""
         if blocks > 0:
             self._host.add(seconds, blocks)
+            self._declines = 0
 
     def observe_promotion(self, tier: str, seconds: float, blocks: float) -> None:
         """``tier``'s promotions of ``blocks`` keys into the host took ``seconds`` in all."""
@@ -243,13 +257,21 @@ class LoadCosts:
 
     def decision(self, block_tokens: int, keys_per_block: int = 1) -> PayingPrefix:
         """A fresh :class:`PayingPrefix` for blocks of ``block_tokens`` tokens, each made of
-        ``keys_per_block`` keys (one per KV-cache group)."""
-        return PayingPrefix(
+        ``keys_per_block`` keys (one per KV-cache group). When a probe is due, the host
+        estimate is forgotten first (module docstring)."""
+        last = self._last
+        if last is not None and last.best < last.blocks:
+            self._declines += 1
+        if self._declines >= PROBE_AFTER_DECLINES:
+            self._declines = 0
+            self._host = PerBlock(self.alpha)  # forgotten: the prior until the probe's copy
+        pay = self._last = PayingPrefix(
             compute_block_s=self.token_s * block_tokens,
             step_s=self.step_s,
             host_block_s=self.host_block_s(block_tokens) * keys_per_block,
             promoted_block_s=self.promoted_block_s(block_tokens) * keys_per_block,
         )
+        return pay
 
     def snapshot(self, block_tokens: int) -> dict[str, float]:
         """The estimates as stats (gauges): ``cost_token_s`` (computing one token),
