@@ -139,7 +139,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _engine_flag("max_num_seqs", "requests per engine step", parse=int_in(1), unit="N"),
     _engine_flag(
         "scheduling_policy",
-        "order of admission: fcfs, or cache_aware (longest held prefix first, bounded bypass)",
+        "order of admission: fcfs, or cache_aware (longest device-resident prefix first, then the "
+        "held prefix worth loading, aged; bounded bypass)",
         choices=SCHEDULING_POLICIES,
     ),
     _engine_flag(

@@ -54,7 +54,8 @@ class EngineConfig:
 
     Device cache: ``num_device_blocks`` engine blocks of ``block_size`` tokens, or, when it is
     ``None``, as many as ``kv_cache_memory`` GiB hold. ``scheduling_policy`` orders the waiting
-    requests (``cache_aware``, the default: longest resident prefix first, with at most
+    requests (``cache_aware``, the default: longest device-resident prefix first, then
+    the held prefix worth loading, aged by arrival; at most
     ``scheduling_max_bypass`` later arrivals admitted before any request; or ``fcfs``, vLLM's
     arrival order; :mod:`kvoffload.engine.admission`). Offloading is on when
     ``kv_offloading_size`` (GiB of host memory) is > 0; an offloaded block is
