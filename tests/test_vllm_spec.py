@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvoffload.errors import ConfigError  # noqa: E402
 from kvoffload.integrations.vllm.manager import STATS_METRIC, KVOffloadManager  # noqa: E402
@@ -169,6 +170,10 @@ def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path:
         h.settle()  # our tiering manager promotes from disk meanwhile (RETRY = ask next step)
     assert result is LookupResult.HIT
     spec = h.manager.prepare_load([keys[0]], reader)
+    # vLLM asks each loaded key's source after prepare_load: a promoted block counts as disk
+    # (vLLM's hit counters by source), a block the host held all along as host.
+    assert h.manager.get_load_source(keys[0], reader) is CacheHitSource.DISK
+    assert h.manager.get_load_source(others[-1], reader) is CacheHitSource.HOST
     (chunk,) = spec.chunk_ids
     assert h.pool[chunk].tobytes() == payloads[keys[0]].tobytes()
     h.manager.complete_load([keys[0]], reader)

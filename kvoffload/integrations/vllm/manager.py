@@ -28,6 +28,9 @@ policy, our tiering manager with our tiers, our reuse filter) and translates per
   tiers' promotion times (``tier_stats``, every 16 steps). The host -> device load is vLLM's
   worker's copy, timed in the worker process only: it is priced at its prior, a fraction
   (``PRIOR_LOAD_FRACTION["host"]``) of computing the block;
+* ``get_load_source``: the tier a loaded block came from (``host``; ``disk`` for a block our
+  tiering manager promoted from the disk tier for this load; vLLM's ``EXTERNAL_UNSPECIFIED`` for
+  the Redis tier), so vLLM's hit counters by source split host and disk hits;
 * events: medium ``"CPU"``/``"STORAGE"`` and locality to vLLM's ``Medium``/``Locality``;
 * stats: every counter and gauge of our ``stats()`` as one gauge ``kvoffload:manager`` labelled
   by ``stat``, with how long lookups that answered ``RETRY``/``HIT_PENDING`` kept the request
@@ -78,6 +81,9 @@ __all__ = ["STATS_METRIC", "KVOffloadManager"]
 STATS_METRIC = "kvoffload:manager"
 _LOOKUP = {result: LookupResult[result.name] for result in KVOLookupResult}
 _FINAL = (KVOLookupResult.HIT, KVOLookupResult.MISS)
+#: Our tier names as vLLM's cache-hit sources; another tier (``remote``: Redis) is vLLM's
+#: ``EXTERNAL_UNSPECIFIED`` ("uninstrumented connector or remote store").
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 class KVOffloadManager(OffloadingManager):
@@ -156,7 +162,11 @@ class KVOffloadManager(OffloadingManager):
         return _LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.HOST  # every load is from the host pool (promotions land there)
+        # vLLM asks after prepare_load; our tiering manager remembers, for a promoted block's
+        # first load, the tier it came from (vLLM's per-source hit counters then show disk hits
+        # as disk, as vLLM's own tiering manager reports them).
+        source = self.inner.load_source(our_key(key), kvoffload_context(req_context))
+        return _SOURCES.get(source, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.inner.prepare_load(our_keys(keys), kvoffload_context(req_context))
