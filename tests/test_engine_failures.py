@@ -54,9 +54,11 @@ def test_failed_loads_are_recomputed(reference: list, which: str) -> None:
     """Whether a later request loads depends on when earlier transfers completed (a finished
     request's device blocks are freed only once its stores landed, and the order they return to
     the free queue decides which prefixes the device cache still holds), so every job is
-    reported two steps after its submission: the run is the same step for step on any machine."""
+    reported two steps after its submission: the run is the same step for step on any machine.
+    Requests are admitted in arrival order: ``cache_aware`` would run the requests whose prefix
+    the device still holds first, and fewer would load."""
     fail = (lambda job_id: True) if which == "all" else (lambda job_id: job_id % 2 == 0)
-    with tiny_engine(**CYCLING) as engine:
+    with tiny_engine(**CYCLING, scheduling_policy="fcfs") as engine:
         delay_completions(engine, lambda job_id: 2)
         injected = _inject(engine, ("CPU", "GPU"), fail)
         rounds = run_rounds(engine, ROUNDS, greedy())
