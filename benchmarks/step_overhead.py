@@ -1,0 +1,138 @@
+"""Where the host tier's per-step overhead goes: the sessions workload in-process, in real time.
+
+`make bench-sessions` shows `kvoffload serve` with a host tier spending more engine time per
+run than without one, for fewer tokens computed. This runs the same closed-loop workload
+(N users x R rounds, each turn re-sending its conversation with the engine's answers; think
+times skipped: a user's next turn is added when its last one finishes) against an in-process
+:class:`~kvoffload.engine.Engine` without HTTP, with and without a host tier, interleaved, and
+prints per configuration: steps, tokens computed, engine seconds (wall time inside
+``Engine.step``) and seconds per step, as median [min-max] over the repeats. ``--profile NAME``
+writes a cProfile of one more run of configuration NAME (``none`` or ``host``) and prints its
+top functions by cumulative and by own time.
+
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --repeats 5
+    python benchmarks/step_overhead.py --repeats 1 --profile host
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from kvoffload.engine import Engine, SamplingParams
+
+
+@dataclass
+class Run:
+    """One run's engine time, steps and tokens computed."""
+
+    engine_s: float
+    steps: int
+    tokens: int
+
+    @property
+    def per_step_ms(self) -> float:
+        return 1e3 * self.engine_s / self.steps
+
+
+def run(args: argparse.Namespace, offload: bool) -> Run:
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 250) for _ in range(n)]  # byte-level ids, never EOS
+
+    system = tokens(args.system_len)
+    history = [system + tokens(args.context_len) for _ in range(args.users)]
+    settings: dict[str, object] = {"block_size": 16, "num_device_blocks": args.num_device_blocks}
+    if offload:
+        settings["kv_offloading_size"] = args.host_gib
+    engine = Engine(args.model, **settings)
+    try:
+        params = SamplingParams(max_tokens=args.answer_len, ignore_eos=True)
+        live: dict[str, tuple[int, int, list[int]]] = {}
+        for user in range(args.users):
+            prompt = history[user] + tokens(args.question_len)
+            live[engine.add_request(prompt, params)] = (user, 0, prompt)
+        engine_s = 0.0
+        for _ in range(1_000_000):
+            if not live:
+                break
+            started = time.perf_counter()
+            finished = engine.step()
+            engine_s += time.perf_counter() - started
+            for done in finished:
+                user, rnd, prompt = live.pop(done.request_id)
+                history[user] = prompt + list(done.output_token_ids)
+                if rnd + 1 < args.rounds:
+                    nxt = history[user] + tokens(args.question_len)
+                    live[engine.add_request(nxt, params)] = (user, rnd + 1, nxt)
+        else:
+            raise RuntimeError("the run did not finish in 1,000,000 steps")
+        if offload:
+            engine.drain()
+        stats = engine.stats()
+        return Run(engine_s, int(stats["steps"]), int(stats["forward_tokens"]))
+    finally:
+        engine.close()
+
+
+def _summary(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=128)
+    p.add_argument("--context-len", type=int, default=384)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--answer-len", type=int, default=32)
+    p.add_argument("--num-device-blocks", type=int, default=64)
+    p.add_argument("--host-gib", type=float, default=0.01)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", choices=("none", "host"), default=None)
+    p.add_argument("--profile-out", default="step_overhead.prof")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args()
+    configs = (("none", False), ("host", True))
+    runs: dict[str, list[Run]] = {name: [] for name, _ in configs}
+    loads = [os.getloadavg()[0]]
+    for _ in range(args.repeats):
+        for name, offload in configs:
+            runs[name].append(run(args, offload))
+        loads.append(os.getloadavg()[0])
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+          f"{args.repeats} interleaved repeats, load {min(loads):.1f}-{max(loads):.1f}")
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        print(
+            f"{name:4s} engine s {_summary([r.engine_s for r in rs], '.3f')}, "
+            f"steps {_summary([float(r.steps) for r in rs], '.0f')}, "
+            f"tokens {_summary([float(r.tokens) for r in rs], '.0f')}, "
+            f"ms/step {_summary([r.per_step_ms for r in rs], '.3f')}"
+        )
+    if runs["none"] and runs["host"]:
+        ratios = [h.per_step_ms / n.per_step_ms for n, h in zip(runs["none"], runs["host"], strict=True)]
+        print(f"host / none ms per step: {_summary(ratios, '.3f')}")
+    if args.profile is not None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run(args, args.profile == "host")
+        profiler.disable()
+        profiler.dump_stats(args.profile_out)
+        stats = pstats.Stats(args.profile_out)
+        stats.sort_stats("cumulative").print_stats(args.top)
+        stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
