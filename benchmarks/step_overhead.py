@@ -6,9 +6,11 @@ run than without one, for fewer tokens computed. This runs the same closed-loop 
 times skipped: a user's next turn is added when its last one finishes) against an in-process
 :class:`~kvoffload.engine.Engine` without HTTP, with and without a host tier, interleaved, and
 prints per configuration: steps, tokens computed, engine seconds (wall time inside
-``Engine.step``) and seconds per step, as median [min-max] over the repeats. ``--profile NAME``
+``Engine.step``), seconds per step and microseconds per step outside the model's forward
+(``ModelRunner.execute``), as median [min-max] over the repeats. ``--profile NAME``
 writes a cProfile of one more run of configuration NAME (``none`` or ``host``) and prints its
-top functions by cumulative and by own time.
+top functions by cumulative and by own time. ``--phases`` times the step's phases
+(:data:`PHASES`) and prints microseconds per step for each, summed over the repeats.
 
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --repeats 5
     python benchmarks/step_overhead.py --repeats 1 --profile host
@@ -24,8 +26,48 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvoffload.engine import Engine, SamplingParams
+
+#: The engine step's phases timed with ``--phases`` (object path from the engine, method): the
+#: connector's lookup and the held probe run inside ``schedule``, and are counted there too.
+PHASES = (
+    ("worker", "get_finished"),
+    ("connector", "update_connector_output"),
+    ("scheduler", "apply_connector_update"),
+    ("scheduler", "schedule"),
+    ("connector", "get_num_new_matched_tokens"),
+    ("connector", "num_held_blocks"),
+    ("connector", "build_connector_meta"),
+    ("worker", "handle_preemptions"),
+    ("worker", "start_load_kv"),
+    ("worker", "wait_for_save"),
+    ("connector.costs", "observe_step"),
+    ("scheduler", "cache_computed_blocks"),
+)
+
+
+def _time_phases(engine: Engine, totals: dict[str, list[float]]) -> None:
+    """Wrap each of :data:`PHASES` the engine has to add its calls and seconds to ``totals``."""
+    for path, method in PHASES:
+        owner: Any = engine
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        if owner is None:
+            continue
+        inner = getattr(owner, method)
+        tally = totals.setdefault(f"{path}.{method}", [0.0, 0.0])
+
+        def timed(*a: Any, _inner: Any = inner, _tally: list[float] = tally, **kw: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                _tally[0] += 1
+                _tally[1] += time.perf_counter() - started
+
+        setattr(owner, method, timed)
 
 
 @dataclass
@@ -33,6 +75,7 @@ class Run:
     """One run's engine time, steps and tokens computed."""
 
     engine_s: float
+    forward_s: float
     steps: int
     tokens: int
 
@@ -40,8 +83,15 @@ class Run:
     def per_step_ms(self) -> float:
         return 1e3 * self.engine_s / self.steps
 
+    @property
+    def outside_us(self) -> float:
+        """Microseconds per step outside the model's forward (scheduling, the tier, sampling)."""
+        return 1e6 * (self.engine_s - self.forward_s) / self.steps
 
-def run(args: argparse.Namespace, offload: bool) -> Run:
+
+def run(
+    args: argparse.Namespace, offload: bool, phases: dict[str, list[float]] | None = None
+) -> Run:
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:
@@ -53,6 +103,20 @@ def run(args: argparse.Namespace, offload: bool) -> Run:
     if offload:
         settings["kv_offloading_size"] = args.host_gib
     engine = Engine(args.model, **settings)
+    forward_s = 0.0
+    execute = engine.runner.execute
+
+    def timed_execute(*a: Any, **kw: Any) -> Any:
+        nonlocal forward_s
+        started = time.perf_counter()
+        try:
+            return execute(*a, **kw)
+        finally:
+            forward_s += time.perf_counter() - started
+
+    engine.runner.execute = timed_execute  # type: ignore[method-assign]
+    if phases is not None:
+        _time_phases(engine, phases)
     try:
         params = SamplingParams(max_tokens=args.answer_len, ignore_eos=True)
         live: dict[str, tuple[int, int, list[int]]] = {}
@@ -77,7 +141,7 @@ def run(args: argparse.Namespace, offload: bool) -> Run:
         if offload:
             engine.drain()
         stats = engine.stats()
-        return Run(engine_s, int(stats["steps"]), int(stats["forward_tokens"]))
+        return Run(engine_s, forward_s, int(stats["steps"]), int(stats["forward_tokens"]))
     finally:
         engine.close()
 
@@ -98,16 +162,18 @@ def main() -> None:
     p.add_argument("--num-device-blocks", type=int, default=64)
     p.add_argument("--host-gib", type=float, default=0.01)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--phases", action="store_true", help="time the step's phases (PHASES)")
     p.add_argument("--profile", choices=("none", "host"), default=None)
     p.add_argument("--profile-out", default="step_overhead.prof")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     configs = (("none", False), ("host", True))
     runs: dict[str, list[Run]] = {name: [] for name, _ in configs}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name, _ in configs}
     loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for name, offload in configs:
-            runs[name].append(run(args, offload))
+            runs[name].append(run(args, offload, phases[name] if args.phases else None))
         loads.append(os.getloadavg()[0])
     print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"{args.repeats} interleaved repeats, load {min(loads):.1f}-{max(loads):.1f}")
@@ -118,11 +184,21 @@ def main() -> None:
             f"{name:4s} engine s {_summary([r.engine_s for r in rs], '.3f')}, "
             f"steps {_summary([float(r.steps) for r in rs], '.0f')}, "
             f"tokens {_summary([float(r.tokens) for r in rs], '.0f')}, "
-            f"ms/step {_summary([r.per_step_ms for r in rs], '.3f')}"
+            f"ms/step {_summary([r.per_step_ms for r in rs], '.3f')}, "
+            f"us/step outside the forward {_summary([r.outside_us for r in rs], '.0f')}, "
+            f"forward ms/step {_summary([1e3 * r.forward_s / r.steps for r in rs], '.3f')}"
         )
     if runs["none"] and runs["host"]:
         ratios = [h.per_step_ms / n.per_step_ms for n, h in zip(runs["none"], runs["host"], strict=True)]
         print(f"host / none ms per step: {_summary(ratios, '.3f')}")
+    for name, totals in phases.items():
+        steps = sum(r.steps for r in runs[name])
+        for phase, (calls, seconds) in totals.items():
+            if calls:
+                print(
+                    f"{name:4s} {phase:40s} {calls / steps:5.2f} calls/step "
+                    f"{1e6 * seconds / steps:6.1f} us/step"
+                )
     if args.profile is not None:
         profiler = cProfile.Profile()
         profiler.enable()
