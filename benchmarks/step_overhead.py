@@ -7,7 +7,7 @@ times skipped: a user's next turn is added when its last one finishes) against a
 :class:`~kvoffload.engine.Engine` without HTTP, with and without a host tier, interleaved, and
 prints per configuration: steps, tokens computed, engine seconds (wall time inside
 ``Engine.step``), seconds per step and microseconds per step outside the model's forward
-(``ModelRunner.execute``), as median [min-max] over the repeats. ``--profile NAME``
+(``ModelRunner.execute``; also in the engine thread's CPU time), as median [min-max] over the repeats. ``--profile NAME``
 writes a cProfile of one more run of configuration NAME (``none`` or ``host``) and prints its
 top functions by cumulative and by own time. ``--phases`` times the step's phases
 (:data:`PHASES`) and prints microseconds per step for each, summed over the repeats.
@@ -76,6 +76,8 @@ class Run:
 
     engine_s: float
     forward_s: float
+    engine_cpu_s: float
+    forward_cpu_s: float
     steps: int
     tokens: int
 
@@ -87,6 +89,11 @@ class Run:
     def outside_us(self) -> float:
         """Microseconds per step outside the model's forward (scheduling, the tier, sampling)."""
         return 1e6 * (self.engine_s - self.forward_s) / self.steps
+
+    @property
+    def outside_cpu_us(self) -> float:
+        """The same in the engine thread's CPU time (what other processes' load does not add)."""
+        return 1e6 * (self.engine_cpu_s - self.forward_cpu_s) / self.steps
 
 
 def run(
@@ -103,16 +110,17 @@ def run(
     if offload:
         settings["kv_offloading_size"] = args.host_gib
     engine = Engine(args.model, **settings)
-    forward_s = 0.0
+    forward_s = forward_cpu_s = 0.0
     execute = engine.runner.execute
 
     def timed_execute(*a: Any, **kw: Any) -> Any:
-        nonlocal forward_s
-        started = time.perf_counter()
+        nonlocal forward_s, forward_cpu_s
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             return execute(*a, **kw)
         finally:
             forward_s += time.perf_counter() - started
+            forward_cpu_s += time.thread_time() - started_cpu
 
     engine.runner.execute = timed_execute  # type: ignore[method-assign]
     if phases is not None:
@@ -123,13 +131,14 @@ def run(
         for user in range(args.users):
             prompt = history[user] + tokens(args.question_len)
             live[engine.add_request(prompt, params)] = (user, 0, prompt)
-        engine_s = 0.0
+        engine_s = engine_cpu_s = 0.0
         for _ in range(1_000_000):
             if not live:
                 break
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             finished = engine.step()
             engine_s += time.perf_counter() - started
+            engine_cpu_s += time.thread_time() - started_cpu
             for done in finished:
                 user, rnd, prompt = live.pop(done.request_id)
                 history[user] = prompt + list(done.output_token_ids)
@@ -141,7 +150,7 @@ def run(
         if offload:
             engine.drain()
         stats = engine.stats()
-        return Run(engine_s, forward_s, int(stats["steps"]), int(stats["forward_tokens"]))
+        return Run(engine_s, forward_s, engine_cpu_s, forward_cpu_s, int(stats["steps"]), int(stats["forward_tokens"]))
     finally:
         engine.close()
 
@@ -185,7 +194,8 @@ def main() -> None:
             f"steps {_summary([float(r.steps) for r in rs], '.0f')}, "
             f"tokens {_summary([float(r.tokens) for r in rs], '.0f')}, "
             f"ms/step {_summary([r.per_step_ms for r in rs], '.3f')}, "
-            f"us/step outside the forward {_summary([r.outside_us for r in rs], '.0f')}, "
+            f"us/step outside the forward {_summary([r.outside_us for r in rs], '.0f')} "
+            f"(CPU {_summary([r.outside_cpu_us for r in rs], '.0f')}), "
             f"forward ms/step {_summary([1e3 * r.forward_s / r.steps for r in rs], '.3f')}"
         )
     if runs["none"] and runs["host"]:
