@@ -17,7 +17,9 @@ repeats, load 1.4-2.8; at 8de5d12): engine thread CPU outside the forward 140 us
 host tier against 62 without (159 before 1db7e8c); ~30 of the difference is the connector's
 lookup of the waiting request at the queue's head, which is re-asked every step while it does
 not fit (939 lookups for 32 requests), ~15 the held-prefix probe of the cache-aware order, ~12
-planning stores, ~10 each collecting and submitting transfers. The forward itself is ~4%
+planning stores (``build_connector_meta``), ~15 the worker's per-step calls (``wait_for_save``,
+``handle_preemptions``, ``start_load_kv``, ``get_finished``; ``--phases`` adds ~1-2 us of timer
+to each). The forward itself is ~4%
 slower with a host tier (decode steps with a copy in flight take ~1.5x: the copy thread shares
 the 2 cores).
 
