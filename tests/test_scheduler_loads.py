@@ -256,3 +256,21 @@ def test_convoy_on_a_prefix_still_being_written() -> None:
     engine.run()
     assert set(keys) <= engine.ready_keys()
     engine.check_drained()
+
+
+def test_held_probe_reads_a_looked_up_requests_keys_only_for_that_request() -> None:
+    """``num_held_blocks`` reuses the keys a lookup made for the request: the same answer as a
+    probe of a request never looked up, and a request object that only shares the id (its
+    state is another request's) is probed on its own blocks."""
+    engine = FakeEngine(single_group(4), num_engine_blocks=40)
+    prompt = make_tokens(33, 1)
+    offload(engine, prompt)
+    connector = engine.connector
+    fresh = engine.add_request(prompt, req_id="fresh")
+    looked_up = engine.add_request(prompt, req_id="looked-up")
+    connector.get_num_new_matched_tokens(looked_up, 0)
+    assert connector.num_held_blocks(fresh, 0, 9) == 8
+    assert connector.num_held_blocks(looked_up, 0, 9) == 8
+    assert connector.num_held_blocks(looked_up, 2, 5) == 3
+    other = FakeRequest("looked-up", make_tokens(33, 2), 1, None, engine.hasher, 1, 0)
+    assert connector.num_held_blocks(other, 0, 9) == 0

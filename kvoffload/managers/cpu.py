@@ -117,6 +117,11 @@ class CPUOffloadingManager(EventQueueMixin, OffloadingManager):
             return _MISS
         return _HIT if block.ref_cnt >= 0 else _HIT_PENDING
 
+    def holds(self, key: OffloadKey, ctx: ReqContext) -> bool:
+        """Whether ``lookup`` is not ``MISS``, without its answer (the admission order probes
+        every waiting request's blocks each step)."""
+        return self._get(key) is not None
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         spec = self.pin(keys)
         self._loaded += len(keys)

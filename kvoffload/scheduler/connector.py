@@ -47,7 +47,7 @@ from typing import Any
 
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import BlockRemoved, BlockStored
-from kvoffload.keys import make_offload_key
+from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.scheduler.costs import LoadCosts
 from kvoffload.scheduler.events import OffloadEventDescriber
@@ -230,10 +230,16 @@ class OffloadingConnectorScheduler:
             return 0
         per = group.offloaded_block_size // self.config.hash_block_size
         hashes, holds = request.block_hashes, self.manager.holds
+        # The keys a lookup of the request made already (the same keys), else made here.
+        state = self._requests.get(request.request_id)
+        known: Sequence[OffloadKey] = ()
+        if state is not None and state.request is request:
+            known = state.group_states[0].offload_keys
         last = min(end, len(hashes))
         j = first // per
         while j * per < last and (j + 1) * per <= len(hashes):
-            if not holds(make_offload_key(hashes[(j + 1) * per - 1], 0), _PROBE):
+            key = known[j] if j < len(known) else make_offload_key(hashes[(j + 1) * per - 1], 0)
+            if not holds(key, _PROBE):
                 break
             j += 1
         return max(0, min(j * per, last) - first)

@@ -115,8 +115,10 @@ class StepCostModel:
         self.steps = 0
         self.seconds = 0.0
         self.tokens = 0
+        self._fit: tuple[float, float] | None = None  # fit() since the last observe
 
     def observe(self, tokens: int, seconds: float) -> None:
+        self._fit = None
         d = self.decay
         self._w = self._w * d + 1
         self._x = self._x * d + tokens
@@ -128,7 +130,14 @@ class StepCostModel:
         self.tokens += tokens
 
     def fit(self) -> tuple[float, float]:
-        """``(base_s, per_token_s)``, both >= 0 (``(0, 0)`` before any step)."""
+        """``(base_s, per_token_s)``, both >= 0 (``(0, 0)`` before any step); computed once
+        per observation (a decision reads it several times)."""
+        fit = self._fit
+        if fit is None:
+            fit = self._fit = self._solve()
+        return fit
+
+    def _solve(self) -> tuple[float, float]:
         if self._x <= 0:
             return 0.0, 0.0
         through_origin = 0.0, max(self._xy / self._xx, 0.0)

@@ -74,7 +74,7 @@ class HitSearch:
         if end <= num_computed:
             return num_computed
         full_end = self._full_groups_end(state, num_computed, end, wait)
-        if full_end is None or full_end <= num_computed:
+        if full_end is None or full_end <= num_computed or not self._window_groups:
             return full_end
         return self._window_groups_end(state, num_computed, full_end)
 

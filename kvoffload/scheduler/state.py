@@ -154,7 +154,10 @@ class SchedulerOffloadConfig:
     @property
     def load_alignment(self) -> int:
         """Loads cover a multiple of this many tokens: whole offloaded blocks of every group."""
-        return math.lcm(*(g.offloaded_block_size for g in self.groups))
+        groups = self.groups
+        if len(groups) == 1:  # read per lookup: the common case without a generator
+            return groups[0].offloaded_block_size
+        return math.lcm(*(g.offloaded_block_size for g in groups))
 
     @classmethod
     def single_group(

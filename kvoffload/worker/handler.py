@@ -97,6 +97,10 @@ class OffloadingWorker:
         self._unreported: list[TransferResult] = []  # results not reported yet
         self._broken: list[OffloadingHandler] = []
         self._state = WorkerState.RUNNING
+        # The registered handlers, once each; while no handler was replaced (so every job in
+        # flight is on one of them) and none broke, they are the active ones: no per-step rebuild.
+        self._registered: list[OffloadingHandler] = []
+        self._replaced = False
 
     @property
     def state(self) -> WorkerState:
@@ -110,7 +114,9 @@ class OffloadingWorker:
         key = (src_medium, dst_medium)
         if key in self._handlers and not replace:
             raise ContractError(f"a handler for {src_medium} -> {dst_medium} is already registered")
+        self._replaced = self._replaced or key in self._handlers
         self._handlers[key] = handler
+        self._registered = list({id(h): h for h in self._handlers.values()}.values())
 
     def handler(self, src_medium: str, dst_medium: str) -> OffloadingHandler:
         """The handler registered for ``(src_medium, dst_medium)`` (``KeyError`` if none)."""
@@ -118,6 +124,8 @@ class OffloadingWorker:
 
     def _active_handlers(self) -> list[OffloadingHandler]:
         """Registered handlers and handlers with jobs in flight (replaced ones too), once each."""
+        if not self._replaced and not self._broken:
+            return self._registered
         handlers = [*self._handlers.values(), *(h for h, _ in self._in_flight.values())]
         return [
             h
