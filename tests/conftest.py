@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -11,6 +12,13 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvoffload import OffloadKey, ReqContext, make_offload_key
+
+# A runner started in the background (`make test &`, nohup, a CI script's `&`) inherits SIGINT
+# ignored, and so would every process a test starts: the Ctrl-C tests' CLIs would never see their
+# SIGINT (hang, or exit 0). A handled signal is reset to its default on exec, an ignored one is
+# not: handling it here gives the children the default disposition a terminal gives them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
