@@ -26,6 +26,8 @@ import random
 import statistics
 from dataclasses import dataclass
 
+from sessions_workload import add_sessions_args, first_contexts, random_tokens
+
 from kvoffload.engine import Engine, SamplingParams
 from kvoffload.servebench.sessions import think_times
 from kvoffload.worker import DelayedCompletionHandler
@@ -58,14 +60,11 @@ def _deterministic_transfers(engine: Engine) -> None:
 
 def replay(args: argparse.Namespace, offload: bool, policy: str, seed: int) -> Replay:
     rng = random.Random(seed)
-    vocab = 250  # byte-level ids, never EOS (256)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(1, vocab) for _ in range(n)]
-
-    system = tokens(args.system_len)
-    history = [system + tokens(args.context_len) for _ in range(args.users)]
-    questions = [[tokens(args.question_len) for _ in range(args.rounds)] for _ in range(args.users)]
+    history = first_contexts(args, rng)
+    questions = [
+        [random_tokens(rng, args.question_len) for _ in range(args.rounds)]
+        for _ in range(args.users)
+    ]
     thinks = think_times(args.users, args.rounds, args.think_time, "exponential", seed)
     settings: dict[str, object] = {
         "block_size": 16,
@@ -122,16 +121,8 @@ def replay(args: argparse.Namespace, offload: bool, policy: str, seed: int) -> R
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=128)
-    p.add_argument("--context-len", type=int, default=384)
-    p.add_argument("--question-len", type=int, default=32)
-    p.add_argument("--answer-len", type=int, default=32)
+    add_sessions_args(p)
     p.add_argument("--think-time", type=float, default=0.5)
-    p.add_argument("--num-device-blocks", type=int, default=64)
-    p.add_argument("--host-gib", type=float, default=0.01)
     p.add_argument("--step-base-s", type=float, default=1.9e-3)
     p.add_argument("--token-s", type=float, default=7.7e-6)
     p.add_argument("--policies", default="cache_aware,fcfs")

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sessions_workload import add_sessions_args, first_contexts, random_tokens
+
 from kvoffload.engine import Engine, SamplingParams
 
 #: The engine step's phases timed with ``--phases`` (object path from the engine, method): the
@@ -111,12 +113,7 @@ def run(
     args: argparse.Namespace, offload: bool, phases: dict[str, list[float]] | None = None
 ) -> Run:
     rng = random.Random(0)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(1, 250) for _ in range(n)]  # byte-level ids, never EOS
-
-    system = tokens(args.system_len)
-    history = [system + tokens(args.context_len) for _ in range(args.users)]
+    history = first_contexts(args, rng)
     settings: dict[str, object] = {"block_size": 16, "num_device_blocks": args.num_device_blocks}
     if offload:
         settings["kv_offloading_size"] = args.host_gib
@@ -140,7 +137,7 @@ def run(
         params = SamplingParams(max_tokens=args.answer_len, ignore_eos=True)
         live: dict[str, tuple[int, int, list[int]]] = {}
         for user in range(args.users):
-            prompt = history[user] + tokens(args.question_len)
+            prompt = history[user] + random_tokens(rng, args.question_len)
             live[engine.add_request(prompt, params)] = (user, 0, prompt)
         engine_s = engine_cpu_s = 0.0
         for _ in range(1_000_000):
@@ -154,14 +151,21 @@ def run(
                 user, rnd, prompt = live.pop(done.request_id)
                 history[user] = prompt + list(done.output_token_ids)
                 if rnd + 1 < args.rounds:
-                    nxt = history[user] + tokens(args.question_len)
+                    nxt = history[user] + random_tokens(rng, args.question_len)
                     live[engine.add_request(nxt, params)] = (user, rnd + 1, nxt)
         else:
             raise RuntimeError("the run did not finish in 1,000,000 steps")
         if offload:
             engine.drain()
         stats = engine.stats()
-        return Run(engine_s, forward_s, engine_cpu_s, forward_cpu_s, int(stats["steps"]), int(stats["forward_tokens"]))
+        return Run(
+            engine_s,
+            forward_s,
+            engine_cpu_s,
+            forward_cpu_s,
+            int(stats["steps"]),
+            int(stats["forward_tokens"]),
+        )
     finally:
         engine.close()
 
@@ -172,15 +176,7 @@ def _summary(values: list[float], fmt: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=128)
-    p.add_argument("--context-len", type=int, default=384)
-    p.add_argument("--question-len", type=int, default=32)
-    p.add_argument("--answer-len", type=int, default=32)
-    p.add_argument("--num-device-blocks", type=int, default=64)
-    p.add_argument("--host-gib", type=float, default=0.01)
+    add_sessions_args(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--phases", action="store_true", help="time the step's phases (PHASES)")
     p.add_argument("--profile", choices=("none", "host"), default=None)
@@ -195,8 +191,10 @@ def main() -> None:
         for name, offload in configs:
             runs[name].append(run(args, offload, phases[name] if args.phases else None))
         loads.append(os.getloadavg()[0])
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-          f"{args.repeats} interleaved repeats, load {min(loads):.1f}-{max(loads):.1f}")
+    print(
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+        f"{args.repeats} interleaved repeats, load {min(loads):.1f}-{max(loads):.1f}"
+    )
     for name, rs in runs.items():
         if not rs:
             continue
@@ -210,7 +208,9 @@ def main() -> None:
             f"forward ms/step {_summary([1e3 * r.forward_s / r.steps for r in rs], '.3f')}"
         )
     if runs["none"] and runs["host"]:
-        ratios = [h.per_step_ms / n.per_step_ms for n, h in zip(runs["none"], runs["host"], strict=True)]
+        ratios = [
+            h.per_step_ms / n.per_step_ms for n, h in zip(runs["none"], runs["host"], strict=True)
+        ]
         print(f"host / none ms per step: {_summary(ratios, '.3f')}")
     for name, totals in phases.items():
         steps = sum(r.steps for r in runs[name])
