@@ -45,7 +45,7 @@ from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.tiers.codec import BlockCodec
-from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.contract import KVLayout, ResultSignal, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.disk.counters import counter_stats
 from kvoffload.tiers.disk.directory import (
     check_o_direct,
@@ -155,6 +155,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             settings.num_threads,
             self._spares,
             codec if sized else None,
+            self.result_signal,
         )
         self._counters: dict[str, int] = collections.defaultdict(int)
         # The ledger's count (every process's files) as the scheduler thread saw it at the last
@@ -321,6 +322,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             self._runner.finish(running)
             return
         self._runner.load(running, todo)
+
+    def set_result_signal(self, signal: ResultSignal) -> None:
+        super().set_result_signal(signal)
+        self._runner.result_signal = signal
 
     def get_finished_jobs(self) -> list[TierJobResult]:
         discovered = self._rescanner.discovered
