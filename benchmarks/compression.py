@@ -92,8 +92,15 @@ def kv_blocks(model: DecoderModel, ids: list[int]) -> tuple[list[bytes], KVLayou
     nblocks = len(ids) // BLOCK_TOKENS
     cache = model.allocate_kv_cache(nblocks + 1, BLOCK_TOKENS)
     prefill(model, ids[: nblocks * BLOCK_TOKENS], cache, list(range(nblocks + 1)))
+    raw, layout = cache_blocks(model, cache, nblocks)
+    return [bytes(row.numpy().tobytes()) for row in raw], layout
+
+
+def cache_blocks(
+    model: DecoderModel, cache: torch.Tensor, nblocks: int
+) -> tuple[torch.Tensor, KVLayout]:
+    """The first ``nblocks`` blocks of ``cache`` as rows of bytes (a copy), and their layout."""
     raw = cache[:nblocks].contiguous().view(torch.uint8).reshape(nblocks, -1)
-    blocks = [bytes(row.numpy().tobytes()) for row in raw]
     c = model.config
     layout = KVLayout(
         "bench",
@@ -102,9 +109,9 @@ def kv_blocks(model: DecoderModel, ids: list[int]) -> tuple[list[bytes], KVLayou
         c.num_layers,
         c.num_kv_heads,
         c.head_dim,
-        len(blocks[0]),
+        raw.shape[1],
     )
-    return blocks, layout
+    return raw, layout
 
 
 Codec = tuple[Callable[[bytes], bytes], Callable[[bytes], object]]
@@ -192,17 +199,7 @@ def lossy_cost(
         prefill(model, prefix, cache, table)
         exact_logits = prefill(model, rest, cache.clone(), table, cached=prefix_tokens)
         nprefix = prefix_tokens // BLOCK_TOKENS
-        raw = cache[:nprefix].contiguous().view(torch.uint8).reshape(nprefix, -1)
-        c = model.config
-        layout = KVLayout(
-            "bench",
-            str(cache.dtype),
-            BLOCK_TOKENS,
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            raw.shape[1],
-        )
+        raw, layout = cache_blocks(model, cache, nprefix)
         fp8 = BlockCodec("fp8", layout)
         lossy_cache = cache.clone()
         flat = lossy_cache.view(torch.uint8).reshape(lossy_cache.shape[0], -1)

@@ -16,7 +16,9 @@ For each batch size ``B`` (blocks per job), interleaved repeats (the order rotat
   by default it reads one key, always hot in cache, or nothing when that key is missing).
   In Cluster mode redis-benchmark's own timing includes a start-up of about 0.25 s (measured:
   256 requests 0.284 s, 1,024 requests 0.334 s), so at small batches it understates the
-  Cluster's limit: read the Cluster rows at 256-block batches, or raise ``--rounds``;
+  Cluster's limit: read the Cluster rows at 256-block batches, or raise ``--rounds``. It times
+  a run in whole milliseconds: a run under 1 ms prints ``n/a``, and runs under 20 ms (median)
+  are flagged as coarse;
 * ``redis-py SET`` / ``GET``: one redis-py pipeline (``RedisCluster`` pipeline on a Cluster) of
   ``B`` values (new keys each round), ``rounds`` times.
 
@@ -121,8 +123,22 @@ def redis_benchmark(
     if setup.mode == "cluster":
         command.append("--cluster")
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
-    rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0].upper() == test.upper()]
-    return n / float(rows[-1][1])
+    return benchmark_seconds(out, test, n)
+
+
+#: redis-benchmark times a run in whole milliseconds (its requests per second are the requests
+#: over that count): a run shorter than 1 ms reports ``inf``, one of a few ms is coarse.
+BENCHMARK_TICK_S = 0.001
+#: Below this many ticks (the median run), the report says redis-benchmark's figures are coarse.
+COARSE_TICKS = 20
+
+
+def benchmark_seconds(csv_out: str, test: str, n: int) -> float:
+    """Seconds of a redis-benchmark run of ``n`` requests from its ``--csv`` output (``n`` over
+    its requests per second); 0.0 for a run shorter than its tick (it reports ``inf``)."""
+    rows = [r for r in csv.reader(io.StringIO(csv_out)) if r and r[0].upper() == test.upper()]
+    rps = float(rows[-1][1])
+    return n / rps if math.isfinite(rps) and rps > 0 else 0.0
 
 
 def benchmark_key_prefixes(setup: Setup) -> list[tuple[redis.Redis, bytes]]:
@@ -299,6 +315,9 @@ def clients_of(setup: Setup) -> Iterator[redis.Redis]:
 
 
 def gbps(seconds: list[float], num_bytes: int) -> str:
+    """GB/s as median [min-max]; ``n/a`` when a run was too short to time (0 s)."""
+    if min(seconds) <= 0:
+        return "  n/a (a run under the timer's tick)"
     med = statistics.median(seconds)
     return (
         f"{num_bytes / med / 1e9:5.2f} [{num_bytes / max(seconds) / 1e9:4.2f}-"
@@ -307,6 +326,9 @@ def gbps(seconds: list[float], num_bytes: int) -> str:
 
 
 def share(tier: list[float], limit: list[float]) -> str:
+    """The tier's share of ``limit``'s rate per repeat, median [min-max]; ``n/a`` as :func:`gbps`."""
+    if min(tier + limit) <= 0:
+        return " n/a"
     ratios = [b / a for a, b in zip(tier, limit, strict=True)]
     return f"{100 * statistics.median(ratios):4.0f}% [{100 * min(ratios):.0f}-{100 * max(ratios):.0f}%]"
 
@@ -349,6 +371,15 @@ def report(setup: Setup, batch: int, b_value: int, rounds: int, t: dict[str, lis
             f"tier/redis-benchmark {share(secs[tier_op], secs[limit_op])}",
             flush=True,
         )
+        median_ms = 1e3 * statistics.median(secs[limit_op])
+        if median_ms < COARSE_TICKS * BENCHMARK_TICK_S * 1e3:
+            took = f"{median_ms:.0f} ms" if median_ms else "under 1 ms"
+            print(
+                f"    {limit_op} runs took {took} (median): it times in whole ms (n/a: a run "
+                f"under 1 ms), so its figures are coarse; "
+                f"raise --rounds for runs of {COARSE_TICKS} ms or more",
+                flush=True,
+            )
         for op in ops:
             print(
                 f"    {op:20s} cpu s/GB: client {per_gb([r.client_cpu_s for r in t[op]], n)}, "

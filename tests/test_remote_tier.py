@@ -27,6 +27,7 @@ from kvoffload import ReqContext
 from kvoffload.errors import ConfigError
 from kvoffload.manager_contract import LookupResult
 from kvoffload.tiers.blockformat import encode_header, payload_checksum
+from kvoffload.tiers.contract import ResultSignal
 from kvoffload.tiers.redis.answers import RemoteAnswers
 from kvoffload.tiers.redis.tier import VALUE_ALIGN, RedisTier, RemoteTierConfig, remote_key_prefix
 
@@ -342,3 +343,16 @@ def test_an_unexpected_error_fails_the_job_and_the_tier_goes_on(two_tiers) -> No
     assert bad.failed_keys == {keys[0]: "io"}
     assert run_job(a, False, keys, [2, 3]).success
     assert torch.equal(pool_a[2:4], pool_a[0:2])
+
+
+def test_every_result_notifies_the_result_signal(two_tiers) -> None:
+    """A job's result notifies the signal the tier was given (from the job thread, and at once
+    for a job with nothing to do), so the tiering manager's wait never misses one."""
+    (a, _), _ = two_tiers
+    signal = ResultSignal()
+    a.set_result_signal(signal)
+    a.submit_store(job(keys_for(2, salt=7), [0, 1]))
+    assert signal.wait_past(0, 60)  # the store's result is ready (no timing: a 60 s bound)
+    a.submit_load(job([], []))  # nothing to read: reported at once
+    assert signal.count == 2
+    assert sorted(r.success for r in wait_jobs(a, 2)) == [True, True]

@@ -6,6 +6,7 @@ one lookup when the manager may wait for it."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,13 @@ import pytest
 from tier_cases import host_pool, key, layout
 
 from kvoffload.errors import ConfigError
+from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import LookupResult, ReqContext
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.tiering import TieringOffloadingManager
-from kvoffload.tiers import TierJob
+from kvoffload.tiers import TierJob, TierJobResult
+from kvoffload.tiers.contract import ResultSignal
+from kvoffload.tiers.disk.files import FaultHook
 from kvoffload.tiers.disk.settings import DiskTierSettings
 from kvoffload.tiers.disk.tier import DiskTier
 
@@ -25,11 +29,17 @@ PROBE = ReqContext("probe")
 
 
 class RecordingDiskTier(DiskTier):
-    """A real disk tier that records the order in which jobs reach it."""
+    """A real disk tier that records the order in which jobs reach it, and counts the calls
+    asking it for results."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.submitted: list[tuple[str, list[bytes]]] = []
+        self.result_polls = 0
+
+    def get_finished_jobs(self) -> list[TierJobResult]:
+        self.result_polls += 1
+        return super().get_finished_jobs()
 
     def submit_store(self, job: TierJob, ctx: ReqContext | None = None) -> None:
         self.submitted.append(("store", list(job.keys)))
@@ -41,10 +51,10 @@ class RecordingDiskTier(DiskTier):
 
 
 def _tiering(
-    tmp_path: Path, host_blocks: int = 4, **bounds: object
+    tmp_path: Path, host_blocks: int = 4, fault_hook: FaultHook | None = None, **bounds: object
 ) -> tuple[TieringOffloadingManager, RecordingDiskTier]:
     host = CPUOffloadingManager(host_blocks, "lru")
-    settings = DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0)
+    settings = DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0, fault_hook=fault_hook)
     disk = RecordingDiskTier(host_pool(host_blocks), layout(), settings)
     return TieringOffloadingManager(host, [disk], **bounds), disk  # type: ignore[arg-type]
 
@@ -163,6 +173,20 @@ def test_write_through_waits_until_a_second_request_sees_a_block(tmp_path: Path)
         manager.close()
 
 
+def _disk_hits(manager: TieringOffloadingManager) -> tuple[list[OffloadKey], ReqContext]:
+    """Blocks k0, k1 stored, then evicted from the host by four others (on disk only); request
+    A's lookup pass answers RETRY for both (their promotion queued)."""
+    k0, k1, *fillers = (key(i) for i in range(6))
+    writer = ReqContext("writer")
+    _store(manager, [k0, k1], writer)
+    manager.drain()
+    _store(manager, fillers, writer)
+    manager.drain()
+    a = ReqContext("a")
+    assert [manager.lookup(k, a) for k in (k0, k1)] == [RETRY, RETRY]
+    return [k0, k1], a
+
+
 @pytest.mark.parametrize(("wait_s", "landed"), [(60.0, True), (0.0, False)])
 def test_await_promotions_lands_a_disk_hit_within_the_lookup(
     tmp_path: Path, wait_s: float, landed: bool
@@ -173,14 +197,7 @@ def test_await_promotions_lands_a_disk_hit_within_the_lookup(
     promotion goes out at the step's end as before."""
     manager, _ = _tiering(tmp_path, promotion_wait_s=wait_s)
     try:
-        k0, k1, *fillers = (key(i) for i in range(6))
-        writer = ReqContext("writer")
-        _store(manager, [k0, k1], writer)
-        manager.drain()
-        _store(manager, fillers, writer)
-        manager.drain()
-        a = ReqContext("a")
-        assert [manager.lookup(k, a) for k in (k0, k1)] == [RETRY, RETRY]
+        (k0, k1), a = _disk_hits(manager)
         assert manager.await_promotions(a) is landed
         expected = [HIT, HIT] if landed else [RETRY, RETRY]
         assert [manager.lookup(k, a) for k in (k0, k1)] == expected
@@ -192,6 +209,55 @@ def test_await_promotions_lands_a_disk_hit_within_the_lookup(
         manager.check_invariants()
     finally:
         manager.close()
+
+
+def test_await_promotions_sleeps_until_a_tier_reports_within_its_bound(tmp_path: Path) -> None:
+    """A's promotion is held on the disk tier's I/O thread (its read waits for ``release``):
+    ``await_promotions`` asks the tier for results as it submits and once more, sleeps (no tier
+    reports anything), asks once more at its bound and answers it did not land; released, the promotion lands and
+    A's next pass answers HIT. (Polling would have asked the tier many times meanwhile.)"""
+    release = threading.Event()
+
+    def hold_reads(op: str, k: OffloadKey) -> None:
+        if op == "read":
+            release.wait(60)
+
+    manager, disk = _tiering(tmp_path, fault_hook=hold_reads, promotion_wait_s=0.3)
+    try:
+        (k0, k1), a = _disk_hits(manager)
+        polls = disk.result_polls
+        assert manager.await_promotions(a) is False
+        # once at the submission, once before the sleep, once at the bound
+        assert disk.result_polls - polls == 3
+        release.set()
+        manager.step_end()
+        manager.drain()
+        assert [manager.lookup(k, a) for k in (k0, k1)] == [HIT, HIT]
+        assert manager.stats()["awaited_promotions_landed"] == 0
+        manager.request_finished(a)
+        manager.drain()
+        manager.check_invariants()
+    finally:
+        release.set()
+        manager.close()
+
+
+def test_a_disk_tier_notifies_its_result_signal_once_per_result(tmp_path: Path) -> None:
+    """Every job result a tier has to report notifies the signal it was given (from its I/O
+    threads, and at once for a job with nothing to do), so a waiter never misses one."""
+    disk = DiskTier(host_pool(4), layout(), DiskTierSettings(tmp_path, 1 << 20, rescan_interval=0))
+    signal = ResultSignal()
+    disk.set_result_signal(signal)
+    try:
+        disk.submit_store(TierJob(1, [key(0), key(1)], [0, 1]))
+        assert signal.wait_past(0, 60)  # the store landed: notified (no timing: 60 s bound)
+        disk.drain_jobs()
+        disk.submit_load(TierJob(2, [], []))  # nothing to read: reported at once
+        assert signal.count == 2
+        assert sorted(r.job_id for r in disk.get_finished_jobs()) == [1, 2]
+        assert not signal.wait_past(2, 0)
+    finally:
+        disk.close()
 
 
 @pytest.mark.parametrize(

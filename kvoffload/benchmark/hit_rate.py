@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 
 from kvoffload.benchmark.trace_file import read_trace
@@ -71,14 +71,19 @@ def infinite_hits(requests: Sequence[Sequence[int]]) -> list[int]:
     seen: set[int] = set()
     out = []
     for ids in requests:
-        hits = 0
-        for block_id in ids:
-            if block_id not in seen:
-                break
-            hits += 1
-        out.append(hits)
+        out.append(_prefix_hits(ids, seen))
         seen.update(ids)
     return out
+
+
+def _prefix_hits(ids: Sequence[int], cached: Container[int]) -> int:
+    """How many of ``ids``, from the first, are in ``cached`` up to the first that is not."""
+    hits = 0
+    for block_id in ids:
+        if block_id not in cached:
+            break
+        hits += 1
+    return hits
 
 
 def belady_hit_ratio(requests: Sequence[Sequence[int]], capacity: int) -> float:
@@ -103,12 +108,7 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> list[int]:
     heap: list[tuple[int, int]] = []
     out = []
     for i, ids in enumerate(requests):
-        hits = 0
-        for block_id in ids:
-            if block_id not in cached:
-                break
-            hits += 1
-        out.append(hits)
+        out.append(_prefix_hits(ids, cached))
         for block_id, t in next_use[i].items():
             cached[block_id] = t
             heapq.heappush(heap, (-t, block_id))

@@ -25,6 +25,7 @@ from kvoffload.engine.admin import EngineAdmin
 from kvoffload.engine.block_pool import BlockPool
 from kvoffload.engine.config import RENAMED_SETTINGS, EngineConfig
 from kvoffload.engine.device_events import DeviceEventRecorder
+from kvoffload.engine.intake import RequestIntake, generate_params
 from kvoffload.engine.loader import load_model, model_identity, resolve_device, resolve_dtype
 from kvoffload.engine.offload_stack import DeviceCache, build_offload_stack
 from kvoffload.engine.request import Request, RequestOutput, RequestStatus
@@ -36,9 +37,7 @@ from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events import create_event_publisher
 from kvoffload.events.messages import KVEventBatch
 from kvoffload.keys import BlockHasher
-from kvoffload.managers.tiering import validate_tier_params
 from kvoffload.metrics import Snapshot
-from kvoffload.scheduler.connector import parse_kv_transfer_params
 from kvoffload.validation import renamed_settings
 
 __all__ = ["Engine"]
@@ -147,6 +146,7 @@ class Engine:
         self.metrics_server = telemetry.metrics_server
         self._stats_logger = telemetry.stats_logger
         self._admin: EngineAdmin | None = None
+        self._intake = RequestIntake.of(self)
 
     def _device_cache_blocks(self) -> int:
         """``num_device_blocks``, or as many blocks as ``kv_cache_memory`` GiB hold."""
@@ -206,32 +206,7 @@ class Engine:
         """Queue a request; returns its id. Bad request data (a prompt that is not text or token
         ids, or can never fit; sampling or transfer parameters of the wrong kind; an id in use)
         raises :class:`ConfigError` naming it."""
-        if sampling is None:
-            sampling = SamplingParams()
-        elif not isinstance(sampling, SamplingParams):
-            raise ConfigError("sampling", f"must be a SamplingParams or None, got {sampling!r}")
-        if request_id is not None and not isinstance(request_id, str):
-            raise ConfigError("request_id", f"must be a str or None, got {request_id!r}")
-        token_ids = self._token_ids(prompt)
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ConfigError("prompt", f"token ids must be in [0, {vocab})")
-        max_len = len(token_ids) + sampling.max_tokens
-        capacity = self.num_device_blocks * self.config.block_size
-        if max_len > capacity:
-            raise ConfigError(
-                "prompt",
-                f"prompt + max_tokens = {max_len} tokens exceeds the device KV cache ({capacity} tokens)",
-            )
-        if max_len > self.model_config.max_position_embeddings:
-            raise ConfigError(
-                "prompt",
-                f"{max_len} tokens exceed the model's {self.model_config.max_position_embeddings} positions",
-            )
-        if kv_transfer_params is not None:
-            parse_kv_transfer_params(kv_transfer_params, self.config.store_policy)
-            if self.tiering is not None:
-                validate_tier_params(kv_transfer_params, self.tiering.tier_names)
+        token_ids, sampling = self._intake.check(prompt, sampling, request_id, kv_transfer_params)
         req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if req_id in self._requests or req_id in self.scheduler.held:
             # A finished request whose transfers still use its blocks keeps its id until they end.
@@ -247,24 +222,7 @@ class Engine:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """``prompt``'s token ids as :meth:`add_request` makes them (text encoded; ids checked);
         an empty prompt raises :class:`ConfigError`."""
-        return self._token_ids(prompt)
-
-    def _token_ids(self, prompt: Any) -> list[int]:
-        """The prompt's token ids: text is encoded, a sequence must hold ints (not bools)."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            token_ids = list(prompt)
-            bad = next(
-                (t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None
-            )
-            if bad is not None:
-                raise ConfigError("prompt", f"token ids must be integers, got {bad!r}")
-        else:
-            raise ConfigError("prompt", f"must be a str or a sequence of token ids, got {prompt!r}")
-        if not token_ids:
-            raise ConfigError("prompt", "must not be empty")
-        return token_ids
+        return self._intake.token_ids(prompt)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed once no transfer uses them."""
@@ -403,21 +361,7 @@ class Engine:
         progress: Any = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order. ``progress``: a tqdm-like bar."""
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
-            raise ConfigError("prompts", f"must be a list of prompts, got {prompts!r}")
-        prompts = list(prompts)
-        if isinstance(sampling, list | tuple):
-            params = list(sampling)
-        elif sampling is None or isinstance(sampling, SamplingParams):
-            params = [sampling or SamplingParams()] * len(prompts)
-        else:
-            raise ConfigError(
-                "sampling", f"must be a SamplingParams, a list of them or None, got {sampling!r}"
-            )
-        if len(params) != len(prompts):
-            raise ConfigError(
-                "sampling", f"{len(params)} sampling params for {len(prompts)} prompts"
-            )
+        prompts, params = generate_params(prompts, sampling)
         ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}

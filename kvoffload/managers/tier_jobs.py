@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import ReqContext
-from kvoffload.tiers.contract import SecondaryTier
+from kvoffload.tiers.contract import ResultSignal, SecondaryTier
 
 __all__ = ["NO_REQUEST", "BackgroundJob", "BackgroundJobs"]
 
@@ -37,10 +37,14 @@ class BackgroundJob:
 
 
 class BackgroundJobs:
-    """Job ids (unique per tiering manager) and the jobs not yet reported by their tier."""
+    """Job ids (unique per tiering manager) and the jobs not yet reported by their tier;
+    :attr:`signal` is notified by every tier whenever it has a result to report."""
 
     def __init__(self, tiers: Sequence[SecondaryTier]) -> None:
         self._tiers = tiers
+        self.signal = ResultSignal()
+        for tier in tiers:
+            tier.set_result_signal(self.signal)
         self._jobs: dict[int, BackgroundJob] = {}
         self._next_id = 0
 

@@ -76,9 +76,6 @@ _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 _RETRY = LookupResult.RETRY
-#: :meth:`TieringOffloadingManager.await_promotions` polls the tiers' results with a backoff
-#: from 0.1 ms to 1 ms (so it adds at most ~1 ms to a wait; as the worker's ``wait_for_any``)
-_MIN_POLL_S, _MAX_POLL_S = 0.0001, 0.001
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -251,7 +248,8 @@ class TieringOffloadingManager(OffloadingManager):
         had promotions and all of them finished: its next lookup pass then answers ``HIT`` for
         the landed blocks (pinned for it) and ``MISS`` for failed ones, so the disk hit loads in
         the step it was found. Called by the scheduler after a lookup pass that answered
-        ``RETRY``; other requests' promotions are submitted too, never waited for."""
+        ``RETRY``; other requests' promotions are submitted too, never waited for. It sleeps
+        until a tier has a result to report (the tiers' shared ``ResultSignal``), never polls."""
         if self._promotion_wait_s <= 0:
             return False
         self._submit_promotions()
@@ -263,17 +261,16 @@ class TieringOffloadingManager(OffloadingManager):
         if self._wait_step != self._step:  # one budget per step, shared by its lookups
             self._wait_step = self._step
             self._wait_deadline = time.monotonic() + self._promotion_wait_s
-        deadline = self._wait_deadline
-        delay = _MIN_POLL_S
+        deadline, signal = self._wait_deadline, jobs.signal
         while True:
+            seen = signal.count  # before taking the results: one made ready after wakes the wait
             jobs.apply_finished()
             if not any(job_id in jobs for job_id in pending):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            time.sleep(min(delay, left))
-            delay = min(2 * delay, _MAX_POLL_S)
+            signal.wait_past(seen, left)  # until a tier has a result (any job's), or the bound
         self._awaited[1] += 1
         state = ctx.get_state(RequestTiers)
         if state is not None:

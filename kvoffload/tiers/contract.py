@@ -14,7 +14,8 @@ Calls come from the scheduler's one thread and must never block on I/O:
   call answers ``HIT`` or ``MISS``. A key being written by this tier is ``HIT_PENDING``.
 * :meth:`SecondaryTier.submit_store` / :meth:`SecondaryTier.submit_load` queue a job and return at
   once; the bytes move on the tier's own threads; :meth:`SecondaryTier.get_finished_jobs` reports
-  each job exactly once.
+  each job exactly once. A tier notifies its :attr:`SecondaryTier.result_signal` (any thread)
+  whenever a result becomes ready to report, so a waiter sleeps until then instead of polling.
 
 Invariants (``docs/tiers.md``; checked by the tier state machine tests):
 
@@ -32,6 +33,7 @@ Invariants (``docs/tiers.md``; checked by the tier state machine tests):
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ import xxhash
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import LookupResult, OffloadingEvent, ReqContext
 
-__all__ = ["KVLayout", "SecondaryTier", "TierJob", "TierJobResult"]
+__all__ = ["KVLayout", "ResultSignal", "SecondaryTier", "TierJob", "TierJobResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,35 @@ class TierJobResult:
         return not self.failed_keys
 
 
+class ResultSignal:
+    """How many tier results were made ready so far, and a wait for more: a tier calls
+    :meth:`notify` (from any thread) once a job's result is ready for
+    :meth:`SecondaryTier.get_finished_jobs`; a waiter reads :attr:`count`, takes the results,
+    then waits past that count (:meth:`wait_past`), so a result made ready in between is never
+    slept through."""
+
+    __slots__ = ("_changed", "_count")
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def notify(self) -> None:
+        with self._changed:
+            self._count += 1
+            self._changed.notify_all()
+
+    def wait_past(self, seen: int, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for :attr:`count` to differ from ``seen``; whether
+        it does."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count != seen, timeout)
+
+
 class SecondaryTier(ABC):
     """One tier behind the host tier (see the module docstring for the contract).
 
@@ -133,6 +164,8 @@ class SecondaryTier(ABC):
             )
         self.pool = pool
         self.layout = layout
+        #: Notified whenever a result becomes ready to report (:meth:`set_result_signal`).
+        self.result_signal = ResultSignal()
 
     @abstractmethod
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -162,6 +195,11 @@ class SecondaryTier(ABC):
     def drain_jobs(self) -> None:
         """Block until every submitted job finished; their results are still reported by
         :meth:`get_finished_jobs`. Never aborts a copy halfway."""
+
+    def set_result_signal(self, signal: ResultSignal) -> None:
+        """Notify ``signal`` from now on (a manager waiting on several tiers gives each the
+        same one). A tier that keeps its own reference to the signal overrides this too."""
+        self.result_signal = signal
 
     def wait_for_answers(self) -> None:  # noqa: B027
         """Wait, at most for the tier's own bound, for the answers to the lookups it answered

@@ -15,12 +15,14 @@ from pathlib import Path
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.codec import lossy_layout
 from kvoffload.tiers.contract import KVLayout
+from kvoffload.tiers.disk.ledger import SpaceLedger
 
 __all__ = [
     "check_disk_path",
     "check_disk_size",
     "check_o_direct",
     "free_bytes",
+    "join_namespace",
     "prepare_namespace",
     "superseded_namespaces",
     "warn_if_filesystem_smaller",
@@ -34,6 +36,8 @@ _GIB = 2**30
 #: layout names its model by content (``kvoffload.identity``); ``v1`` named it by its path, and
 #: its namespaces are removed once unused (``diskreclaim``).
 FORMAT_DIR = "kvoffload-v2"
+#: Times a namespace is made again when other processes' reclaims keep removing it meanwhile.
+_REMAKE_TRIES = 100
 
 
 def check_disk_path(root: Path) -> Path:
@@ -79,17 +83,50 @@ def prepare_namespace(root: Path, layout: KVLayout, suffix: str = "") -> Path:
     (its name: the layout's fingerprint in hex, then ``suffix``)."""
     check_disk_path(root)
     namespace = root / FORMAT_DIR / (layout.fingerprint().hex() + suffix)
-    try:
-        namespace.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError("kv_disk_path", f"cannot create {str(namespace)!r}: {exc}") from exc
-    probe = namespace / f".probe.{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError("kv_disk_path", f"{str(root)!r} is not writable: {exc}") from exc
-    return namespace
+    for _ in range(_REMAKE_TRIES):
+        try:
+            namespace.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("kv_disk_path", f"cannot create {str(namespace)!r}: {exc}") from exc
+        probe = namespace / f".probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+            return namespace
+        except FileNotFoundError:
+            continue  # reclaimed by another process since it was made: made again
+        except OSError as exc:
+            raise ConfigError("kv_disk_path", f"{str(root)!r} is not writable: {exc}") from exc
+    raise _remade_too_often(namespace)
+
+
+def join_namespace(
+    root: Path, layout: KVLayout, suffix: str, capacity: int
+) -> tuple[Path, SpaceLedger, bool]:
+    """Make ``layout``'s namespace (:func:`prepare_namespace`) and open its ledger, holding its
+    ``users`` lock (:meth:`SpaceLedger.join`); returns them and whether this process is alone
+    there (the lock exclusive until :meth:`SpaceLedger.share`). A namespace that another
+    process reclaimed (:mod:`~kvoffload.tiers.disk.reclaim`: a tier of the other
+    ``kv_disk_compression`` removes it while no process holds the lock) between its making and
+    the lock is made again; once the lock is held, no reclaim removes it."""
+    for _ in range(_REMAKE_TRIES):
+        namespace = prepare_namespace(root, layout, suffix)
+        try:
+            ledger = SpaceLedger(namespace / "ledger", capacity)
+        except FileNotFoundError:
+            continue  # reclaimed since it was made
+        alone = ledger.join()
+        if alone is not None:
+            return namespace, ledger, alone
+        ledger.close()
+    raise _remade_too_often(root / FORMAT_DIR / (layout.fingerprint().hex() + suffix))
+
+
+def _remade_too_often(namespace: Path) -> ConfigError:
+    return ConfigError(
+        "kv_disk_path",
+        f"{str(namespace)!r} was removed by other processes {_REMAKE_TRIES} times as it was made",
+    )
 
 
 def superseded_namespaces(namespace: Path, layout: KVLayout) -> list[Path]:
@@ -107,7 +144,9 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def warn_if_filesystem_smaller(root: Path, namespace: Path, bound: int, capacity: int, used: int) -> None:
+def warn_if_filesystem_smaller(
+    root: Path, namespace: Path, bound: int, capacity: int, used: int
+) -> None:
     """Warn when the filesystem of ``namespace`` cannot hold ``capacity`` bytes of block files
     (``used`` of them there already; ``bound``: the tier's whole ``kv_disk_size`` in bytes, for
     the message): the tier then holds what fits (a write that finds it full lowers the tier's

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.blockformat import CorruptBlockError
-from kvoffload.tiers.contract import TierJob
+from kvoffload.tiers.contract import ResultSignal, TierJob
 from kvoffload.tiers.disk.directory import free_bytes
 from kvoffload.tiers.disk.files import BlockFiles, TemporaryRemovedError, file_bytes, is_no_space
 from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger
@@ -82,7 +82,8 @@ class DiskJobRunner:
     the filesystem full (before the tier's bound) fails ``"full"`` and lowers the ledger's limit
     to what the filesystem holds (:meth:`SpaceLedger.refit`), so later stores evict instead;
     that is logged once per runner, not per block. A load's blocks are split over the threads.
-    Every job lands in :attr:`done` exactly once; :meth:`drain` waits for all of them.
+    Every job lands in :attr:`done` exactly once, and :attr:`result_signal` is notified then;
+    :meth:`drain` waits for all of them.
 
     With ``spares``, writes go into files made ahead (``diskspares``): the victims' own files,
     recycled by the ledger step while this process is alone on the directory, then empty files
@@ -103,7 +104,10 @@ class DiskJobRunner:
         num_threads: int,
         spares: SparePool | None = None,
         codec: BlockCodec | None = None,
+        result_signal: ResultSignal | None = None,
     ) -> None:
+        #: Notified whenever a job lands in :attr:`done` (the tier's, replaced with it).
+        self.result_signal = ResultSignal() if result_signal is None else result_signal
         self._files = files
         self._codec = codec
         self._spares = spares
@@ -149,6 +153,7 @@ class DiskJobRunner:
     def finish(self, running: RunningJob) -> None:
         """Report a job that needs no I/O at the next poll."""
         self.done.append(running)
+        self.result_signal.notify()
 
     def drain(self) -> None:
         """Block until every submitted job is in :attr:`done` (and the spare files it left to
@@ -358,6 +363,7 @@ class DiskJobRunner:
             last = running.remaining == 0
         if last:
             self.done.append(running)
+            self.result_signal.notify()
             spares = self._spares
             with self._idle:
                 self._inflight -= 1

@@ -74,8 +74,9 @@ class SpaceLedger:
     when its own ``unlink`` succeeded (``ENOENT``: another process already removed and counted it).
 
     Every process using the namespace holds a shared ``flock`` on a second file (``users``) for
-    its lifetime; a process that gets it exclusively at start (:meth:`claim_alone`) knows no other
-    process is using the directory, so it may reset the count from a scan. Locks die with their
+    its lifetime, taken before anything reads the namespace (:meth:`join`); a process that gets it
+    exclusively at start knows no other process is using the directory, so it may reset the count
+    from a scan. Locks die with their
     process (also on SIGKILL), so a killed process never blocks that.
 
     Every user also holds an OFD read lock on the ``users`` file, so a process can ask at any
@@ -108,7 +109,8 @@ class SpaceLedger:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         # flock excludes other processes only: threads sharing the descriptor need this too.
         self._thread_lock = threading.Lock()
-        self._users_fd = os.open(path.with_name("users"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._users_path = path.with_name("users")
+        self._users_fd = os.open(self._users_path, os.O_RDWR | os.O_CREAT, 0o644)
         # Guarded by _thread_lock: victims (path, bytes) a step has yet to unlink, and the bytes
         # by which the count file is off after a failed write (added at the next step).
         self._owed: list[tuple[str, int]] = []
@@ -156,6 +158,20 @@ class SpaceLedger:
             return True
         except BlockingIOError:
             return False
+
+    def join(self) -> bool | None:
+        """Hold the users lock: exclusive when no other process holds it (True: alone, until
+        :meth:`share`), else shared (False; waits while a reclaim holds it). ``None`` when the
+        namespace was reclaimed before the lock was taken (its ``users`` is no longer the file
+        locked, :mod:`~kvoffload.tiers.disk.reclaim`): close this ledger and make it again."""
+        alone = self.claim_alone()
+        if not alone:
+            self.share()
+        try:
+            same = os.path.samestat(os.fstat(self._users_fd), os.stat(self._users_path))
+        except FileNotFoundError:
+            same = False
+        return alone if same else None
 
     def share(self) -> None:
         """Hold the users lock shared from now on (other processes may start)."""

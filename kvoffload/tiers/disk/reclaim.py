@@ -12,7 +12,10 @@ only when its ``users`` lock can be taken exclusively: every process that uses a
 of that format too, holds it shared for its lifetime (locks die with their process), so a
 namespace another live process reads is left alone and tried again later. The namespace is
 first renamed out of the way (no process can open a file of it by its name from then on), then
-deleted; a rename left behind by a process killed mid-way is deleted by the next reclaim.
+deleted; a rename left behind by a process killed mid-way is deleted by the next reclaim. A
+process starting on a namespace takes its lock before it reads anything there and checks that
+the file it locked is still the namespace's (``directory.join_namespace``): one removed in the
+meantime is made again, never used.
 """
 
 from __future__ import annotations

@@ -45,17 +45,17 @@ from kvoffload.eviction.base import PENDING
 from kvoffload.keys import OffloadKey
 from kvoffload.manager_contract import EventQueueMixin, LookupResult, OffloadingEvent, ReqContext
 from kvoffload.tiers.codec import BlockCodec
-from kvoffload.tiers.contract import KVLayout, SecondaryTier, TierJob, TierJobResult
+from kvoffload.tiers.contract import KVLayout, ResultSignal, SecondaryTier, TierJob, TierJobResult
 from kvoffload.tiers.disk.counters import counter_stats
 from kvoffload.tiers.disk.directory import (
     check_o_direct,
-    prepare_namespace,
+    join_namespace,
     superseded_namespaces,
     warn_if_filesystem_smaller,
 )
 from kvoffload.tiers.disk.files import BlockFiles, file_bytes
 from kvoffload.tiers.disk.jobs import DiskJobRunner, Items, RunningJob
-from kvoffload.tiers.disk.ledger import MEASURE, SpaceLedger
+from kvoffload.tiers.disk.ledger import MEASURE
 from kvoffload.tiers.disk.reclaim import OldNamespaces
 from kvoffload.tiers.disk.scan import NamespaceScanner, Rescanner, count_file_bytes, count_files
 from kvoffload.tiers.disk.settings import DiskTierSettings
@@ -116,7 +116,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
         #: Bytes of each indexed block's file (compressed tiers) and their sum.
         self._sizes = FileSizes(fb)
         self.root = Path(settings.path)
-        self.namespace = prepare_namespace(self.root, stored_layout, ".z" if sized else "")
+        # The namespace, held (shared, or exclusive while alone) before anything reads it.
+        self.namespace, self._ledger, alone = join_namespace(
+            self.root, stored_layout, ".z" if sized else "", self.capacity_bytes - LEDGER_BYTES
+        )
         superseded = superseded_namespaces(self.namespace, layout)
         self._old_namespaces = OldNamespaces(self.root, superseded)
         self._old_namespaces.reclaim()
@@ -132,7 +135,6 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             settings.fault_hook,
             codec if sized else None,
         )
-        self._ledger = SpaceLedger(self.namespace / "ledger", self.capacity_bytes - LEDGER_BYTES)
         policy = settings.eviction_policy
         self._policy = (
             create_eviction_policy(policy, self.capacity_blocks)
@@ -153,6 +155,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             settings.num_threads,
             self._spares,
             codec if sized else None,
+            self.result_signal,
         )
         self._counters: dict[str, int] = collections.defaultdict(int)
         # The ledger's count (every process's files) as the scheduler thread saw it at the last
@@ -164,7 +167,7 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             self.namespace, self._ledger, self._runner, self._old_namespaces, fb, sized
         )
         self._scanner = NamespaceScanner(self.namespace, self._ledger, MEASURE if sized else fb)
-        self.scan_seconds = self._warm_start()
+        self.scan_seconds = self._warm_start(alone)
         # Once at start (the tier then holds what fits: see ``jobs``).
         warn_if_filesystem_smaller(
             self.root, self.namespace, self.capacity_bytes, self._ledger.capacity, self._dir_used
@@ -173,12 +176,12 @@ class DiskTier(EventQueueMixin, SecondaryTier):
 
     # ------------------------------------------------------------------ start-up
 
-    def _warm_start(self) -> float:
-        """Index the namespace's block files (up to the capacity); reconcile the ledger.
+    def _warm_start(self, alone: bool) -> float:
+        """Index the namespace's block files (up to the capacity); reconcile the ledger (``alone``:
+        no other process uses the namespace, the users lock held exclusively till the end).
         Returns the seconds taken."""
         start = time.perf_counter()
         fb = self.file_bytes
-        alone = self._ledger.claim_alone()
         if alone:
             remove_all(self.namespace)  # spare files of processes that are gone
         found = [(key, path) for key, path, _ in self._scanner.walk()]
@@ -319,6 +322,10 @@ class DiskTier(EventQueueMixin, SecondaryTier):
             self._runner.finish(running)
             return
         self._runner.load(running, todo)
+
+    def set_result_signal(self, signal: ResultSignal) -> None:
+        super().set_result_signal(signal)
+        self._runner.result_signal = signal
 
     def get_finished_jobs(self) -> list[TierJobResult]:
         discovered = self._rescanner.discovered

@@ -256,6 +256,7 @@ class RedisTier(SecondaryTier):
         if not queued.work or self._closed:
             failed = dict.fromkeys((key for key, _ in queued.work), "io")
             self._done_now.append(self._finish_job(queued, JobOutcome(failed, 0, 0.0)))
+            self.result_signal.notify()
             return
         with self._lock:
             (self._stores if queued.is_store else self._loads).append(queued)
@@ -400,6 +401,7 @@ class RedisTier(SecondaryTier):
                 self._inbox.append(("job", (queued, outcome)))
                 self._in_flight -= 1
                 self._idle_cv.notify_all()
+            self.result_signal.notify()
 
     def _fail_queued(self) -> None:
         """On close (under the lock): every job not started fails ``"io"``."""
@@ -411,6 +413,8 @@ class RedisTier(SecondaryTier):
             self._inbox.append(("job", (queued, JobOutcome(failed, 0, 0.0))))
         self._in_flight -= len(queued_jobs)
         self._idle_cv.notify_all()
+        if queued_jobs:
+            self.result_signal.notify()
 
     def _lookup_loop(self) -> None:
         next_stats = time.monotonic() + self.config.stats_interval_s
