@@ -48,7 +48,6 @@ from typing import Any
 
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import BlockRemoved, BlockStored
-from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.scheduler.costs import LoadCosts
 from kvoffload.scheduler.counters import ConnectorCounters
@@ -72,9 +71,6 @@ logger = logging.getLogger(__name__)
 #: Steps between two reads of the secondary tiers' promotion times (``tier_stats`` asks every
 #: tier for its counters: not per step).
 PROMOTION_POLL_STEPS = 16
-
-#: The context of :meth:`OffloadingConnectorScheduler.num_held_blocks`'s probes (of no request).
-_PROBE = ReqContext("")
 
 
 class OffloadingConnectorScheduler:
@@ -198,30 +194,28 @@ class OffloadingConnectorScheduler:
         num_hit = max(0, hit_end - num_computed_tokens)
         return num_hit, num_hit > 0
 
+    def skip_lookup(self, request: OffloadRequest) -> bool:
+        """The engine could not admit ``request`` now whatever its lookup answered: whether it
+        may leave it unasked this step. Yes once its last lookup answered (not ``None``: one that
+        waits on promotions is asked again); its blocks are then touched as a lookup touches
+        them, so its hit ages in the tier as if asked. O(its blocks), no lookup."""
+        state = self._requests.get(request.request_id)
+        if state is None or state.request is not request or state.finished:
+            return False
+        if not state.answered or state.retry_since is not None:
+            return False
+        state.update_offload_keys()
+        self._hits.touch(state)
+        return True
+
     def num_held_blocks(self, request: OffloadRequest, first: int, end: int) -> int:
         """How many of the request's hash blocks ``first, first + 1, ...`` (below ``end``), a
-        leading run, the tier holds (:meth:`~kvoffload.manager_contract.OffloadingManager.holds`: for a
-        tiering manager, the host tier). A pure probe for the engine's admission order: nothing
-        is counted, touched or promoted, and no request state is made. Full attention only (0
-        when the first group has a sliding window)."""
-        group = self.config.groups[0]
-        if group.sliding_window_blocks is not None:
-            return 0
-        per = group.offloaded_block_size // self.config.hash_block_size
-        hashes, holds = request.block_hashes, self.manager.holds
-        # The keys a lookup of the request made already (the same keys), else made here.
+        leading run, the tier holds: a pure probe for the engine's admission order
+        (:meth:`~kvoffload.scheduler.lookup.HitSearch.num_held`)."""
         state = self._requests.get(request.request_id)
-        known: Sequence[OffloadKey] = ()
-        if state is not None and state.request is request:
-            known = state.group_states[0].offload_keys
-        last = min(end, len(hashes))
-        j = first // per
-        while j * per < last and (j + 1) * per <= len(hashes):
-            key = known[j] if j < len(known) else make_offload_key(hashes[(j + 1) * per - 1], 0)
-            if not holds(key, _PROBE):
-                break
-            j += 1
-        return max(0, min(j * per, last) - first)
+        return self._hits.num_held(
+            request, state if state is None or state.request is request else None, first, end
+        )
 
     def update_state_after_alloc(
         self, request: OffloadRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -240,6 +234,9 @@ class OffloadingConnectorScheduler:
             group_state.block_ids[:] = ids
             if ids and self._fence:
                 self._fence.reallocated(ids, self._jobs_to_flush)
+        if state.decision is not None:  # the engine acts on the lookup's answer
+            self.costs.decided(state.decision)
+            state.decision = None
         if num_external_tokens <= 0:
             return
         job = self._loads.plan(state, num_external_tokens)
