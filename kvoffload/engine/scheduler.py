@@ -305,7 +305,7 @@ class EngineScheduler:
         room = self.pool.num_free_blocks - promised
         if room > len(hits):
             return False
-        return room - sum(1 for b in hits if b.ref_cnt == 0) <= 0
+        return room <= [b.ref_cnt for b in hits].count(0)
 
     def _give_blocks(
         self, req: Request, hits: list[KVBlock], new: list[KVBlock], num_external: int
