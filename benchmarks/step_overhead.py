@@ -22,7 +22,12 @@ planning stores (``build_connector_meta``), ~15 the worker's per-step calls (``w
 ``handle_preemptions``, ``start_load_kv``, ``get_finished``; ``--phases`` adds ~1-2 us of timer
 to each). The forward itself is ~4%
 slower with a host tier (decode steps with a copy in flight take ~1.5x: the copy thread shares
-the 2 cores).
+the 2 cores). Since the waiting request is not looked up again while no block is left for it (74
+lookups; 10 rounds alternating the two trees, load 3.0-3.6): 123 us against 64 (146 against 64
+before), host - none 54 [46-69] us (80 [76-83] before); the process's CPU per step (copy threads
+included) host / none 1.13x [0.86-1.21] (1.16x [0.97-1.20]). Copying a small job on the thread
+that planned it (no second queue hop) changed neither that CPU nor the forward measurably, so it
+is not done.
 
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --repeats 5
     python benchmarks/step_overhead.py --repeats 1 --profile host
