@@ -7,7 +7,8 @@ times skipped: a user's next turn is added when its last one finishes) against a
 :class:`~kvoffload.engine.Engine` without HTTP, with and without a host tier, interleaved, and
 prints per configuration: steps, tokens computed, engine seconds (wall time inside
 ``Engine.step``), seconds per step and microseconds per step outside the model's forward
-(``ModelRunner.execute``; also in the engine thread's CPU time), as median [min-max] over the repeats. ``--profile NAME``
+(``ModelRunner.execute``; also in the engine thread's CPU time) and the process's CPU time per
+step (every thread: the copy threads too), as median [min-max] over the repeats. ``--profile NAME``
 writes a cProfile of one more run of configuration NAME (``none`` or ``host``) and prints its
 top functions by cumulative and by own time. ``--phases`` times the step's phases
 (:data:`PHASES`) and prints microseconds per step for each, summed over the repeats.
@@ -21,7 +22,12 @@ planning stores (``build_connector_meta``), ~15 the worker's per-step calls (``w
 ``handle_preemptions``, ``start_load_kv``, ``get_finished``; ``--phases`` adds ~1-2 us of timer
 to each). The forward itself is ~4%
 slower with a host tier (decode steps with a copy in flight take ~1.5x: the copy thread shares
-the 2 cores).
+the 2 cores). Since the waiting request is not looked up again while no block is left for it (74
+lookups; 10 rounds alternating the two trees, load 3.0-3.6): 123 us against 64 (146 against 64
+before), host - none 54 [46-69] us (80 [76-83] before); the process's CPU per step (copy threads
+included) host / none 1.13x [0.86-1.21] (1.16x [0.97-1.20]). Copying a small job on the thread
+that planned it (no second queue hop) changed neither that CPU nor the forward measurably, so it
+is not done.
 
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --repeats 5
     python benchmarks/step_overhead.py --repeats 1 --profile host
@@ -91,6 +97,7 @@ class Run:
     forward_s: float
     engine_cpu_s: float
     forward_cpu_s: float
+    process_cpu_s: float
     steps: int
     tokens: int
 
@@ -140,6 +147,7 @@ def run(
             prompt = history[user] + random_tokens(rng, args.question_len)
             live[engine.add_request(prompt, params)] = (user, 0, prompt)
         engine_s = engine_cpu_s = 0.0
+        process_started = time.process_time()
         for _ in range(1_000_000):
             if not live:
                 break
@@ -157,12 +165,14 @@ def run(
             raise RuntimeError("the run did not finish in 1,000,000 steps")
         if offload:
             engine.drain()
+        process_cpu_s = time.process_time() - process_started
         stats = engine.stats()
         return Run(
             engine_s,
             forward_s,
             engine_cpu_s,
             forward_cpu_s,
+            process_cpu_s,
             int(stats["steps"]),
             int(stats["forward_tokens"]),
         )
@@ -205,7 +215,8 @@ def main() -> None:
             f"ms/step {_summary([r.per_step_ms for r in rs], '.3f')}, "
             f"us/step outside the forward {_summary([r.outside_us for r in rs], '.0f')} "
             f"(CPU {_summary([r.outside_cpu_us for r in rs], '.0f')}), "
-            f"forward ms/step {_summary([1e3 * r.forward_s / r.steps for r in rs], '.3f')}"
+            f"forward ms/step {_summary([1e3 * r.forward_s / r.steps for r in rs], '.3f')}, "
+            f"process CPU ms/step {_summary([1e3 * r.process_cpu_s / r.steps for r in rs], '.3f')}"
         )
     if runs["none"] and runs["host"]:
         ratios = [

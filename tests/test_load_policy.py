@@ -278,8 +278,14 @@ def test_per_block_is_the_ratio_of_decayed_sums(
 
 
 @settings(max_examples=100, deadline=None)
-@given(alpha=st.floats(0.01, 1.0), cost=st.floats(1e-6, 1.0), blocks=st.lists(st.integers(1, 500), min_size=1, max_size=20))
-def test_per_block_of_a_steady_cost_is_that_cost(alpha: float, cost: float, blocks: list[int]) -> None:
+@given(
+    alpha=st.floats(0.01, 1.0),
+    cost=st.floats(1e-6, 1.0),
+    blocks=st.lists(st.integers(1, 500), min_size=1, max_size=20),
+)
+def test_per_block_of_a_steady_cost_is_that_cost(
+    alpha: float, cost: float, blocks: list[int]
+) -> None:
     per_block = PerBlock(alpha)
     for b in blocks:
         per_block.add(cost * b, b)
@@ -292,7 +298,9 @@ def test_load_costs_priors_then_measurements() -> None:
     assert costs.measured() == {"compute": False, "host": False, "disk": False}
     assert costs.token_s == PRIOR_TOKEN_S
     assert costs.step_s == 0.0
-    assert math.isclose(costs.host_block_s(block), PRIOR_LOAD_FRACTION["host"] * PRIOR_TOKEN_S * block)
+    assert math.isclose(
+        costs.host_block_s(block), PRIOR_LOAD_FRACTION["host"] * PRIOR_TOKEN_S * block
+    )
     for tokens in (10, 100, 1000):
         costs.observe_step(tokens, 0.01 + tokens * 1e-4)
     assert math.isclose(costs.token_s, 1e-4, rel_tol=1e-6)
@@ -369,9 +377,7 @@ def test_step_cost_model_fits_a_line() -> None:
     assert math.isclose(per_token, 2e-5, rel_tol=1e-6)
 
 
-def _brute_force_best(
-    compute: float, step: float, costs: list[float]
-) -> int:
+def _brute_force_best(compute: float, step: float, costs: list[float]) -> int:
     best, best_gain = 0, 0.0
     for k in range(1, len(costs) + 1):
         gain = k * compute - max(sum(costs[:k]), step)
@@ -387,11 +393,12 @@ def _brute_force_best(
     host=st.floats(0.0, 2.0),
     promoted=st.floats(0.0, 2.0),
     kinds=st.lists(st.booleans(), max_size=40),
+    lazy=st.booleans(),
 )
 def test_paying_prefix_is_the_best_leading_prefix(
-    compute: float, step: float, host: float, promoted: float, kinds: list[bool]
+    compute: float, step: float, host: float, promoted: float, kinds: list[bool], lazy: bool
 ) -> None:
-    pay = PayingPrefix(compute, step, host, promoted)
+    pay = PayingPrefix(compute, step, host, (lambda: promoted) if lazy else promoted)
     for is_promoted in kinds:
         if is_promoted:
             pay.promoted_block()

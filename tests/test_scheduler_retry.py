@@ -114,6 +114,27 @@ def test_the_retry_budget_bounds_the_wait(tmp_path: Path) -> None:
         manager.close()
 
 
+def test_only_an_answered_request_may_go_unasked(tmp_path: Path) -> None:
+    """The engine leaves a request it has no room for unasked (``skip_lookup``) only once the
+    connector answered it: one never asked, or waiting on a promotion (``None``), is asked
+    again, so its promotions and retry budget go on as before."""
+    connector, manager, disk = setup(tmp_path)
+    try:
+        req = request("a")
+        assert not connector.skip_lookup(req)  # never asked
+        assert connector.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert not connector.skip_lookup(req)  # its promotion is in flight
+        step(connector, disk)
+        assert connector.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, True)
+        lookups = connector.stats()["lookups"]
+        assert connector.skip_lookup(req)
+        assert connector.stats()["lookups"] == lookups
+        assert not connector.skip_lookup(request("a"))  # another request with that id
+        manager.check_invariants()
+    finally:
+        manager.close()
+
+
 def test_a_failed_promotion_means_recompute(tmp_path: Path) -> None:
     connector, manager, disk = setup(tmp_path)
     try:

@@ -21,7 +21,11 @@ hit is not known yet (the connector answers ``None``: blocks are being promoted 
 tier) is passed over the same way and asked again next step; the connector bounds how long. It
 keeps the free blocks its prompt will need for the rest of the step's admissions: the requests
 behind it are looked up and admitted only while the blocks left over fit them (so no lookup starts
-a promotion for a request that could not be admitted now anyway).
+a promotion for a request that could not be admitted now anyway). A request that not one free
+block would be left for once its prefix hits are taken is not asked again while it waits, once
+the connector has answered it (every answer needs a block: the pass would stop at it anyway); the
+connector touches its offloaded blocks instead, as an ask would, so its hit is not lost to
+eviction for want of asks.
 """
 
 from __future__ import annotations
@@ -249,6 +253,13 @@ class EngineScheduler:
                 # making a second copy. Later requests are not held up.
                 waiting.defer(req)
                 continue
+            if (
+                self.connector is not None
+                and self._no_room(hits, promised)
+                and not self._release_store_retries()
+                and self.connector.skip_lookup(req)
+            ):
+                break  # no answer could make it fit (the lookup would end the pass here too)
             num_local = len(hits) * bs
             num_external, load_async = 0, False
             if self.connector is not None:
@@ -286,6 +297,15 @@ class EngineScheduler:
             plan.scheduled.append((req, n))
             plan.connector_output.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _no_room(self, hits: list[KVBlock], promised: int) -> bool:
+        """Whether not one block would be left for a request with engine prefix hits ``hits``
+        once they are taken and ``promised`` kept: whatever the connector answers, admitting it
+        needs at least one new block (its first token to compute, or a block to load into)."""
+        room = self.pool.num_free_blocks - promised
+        if room > len(hits):
+            return False
+        return room <= [b.ref_cnt for b in hits].count(0)
 
     def _give_blocks(
         self, req: Request, hits: list[KVBlock], new: list[KVBlock], num_external: int

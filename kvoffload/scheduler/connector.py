@@ -1,6 +1,7 @@
 """The scheduler-side offloading connector: the engine protocol, request lifecycle and
 completions. Hit search (``lookup.py``), load and store planning (``loads.py``, ``stores.py``),
-the reuse fence (``fence.py``) and retried final offers (``retries.py``) are its parts.
+the reuse fence (``fence.py``), retried final offers (``retries.py``) and its counters
+(``counters.py``) are its parts.
 
 Engine protocol, per request (modelled on vLLM's KV connector):
 
@@ -47,9 +48,9 @@ from typing import Any
 
 from kvoffload.errors import ConfigError, ContractError
 from kvoffload.events.messages import BlockRemoved, BlockStored
-from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.manager_contract import OffloadingManager, ReqContext
 from kvoffload.scheduler.costs import LoadCosts
+from kvoffload.scheduler.counters import ConnectorCounters
 from kvoffload.scheduler.events import OffloadEventDescriber
 from kvoffload.scheduler.fence import ReuseFence
 from kvoffload.scheduler.interface import ConnectorUpdate, ScheduledRequest, SchedulerOutput
@@ -70,9 +71,6 @@ logger = logging.getLogger(__name__)
 #: Steps between two reads of the secondary tiers' promotion times (``tier_stats`` asks every
 #: tier for its counters: not per step).
 PROMOTION_POLL_STEPS = 16
-
-#: The context of :meth:`OffloadingConnectorScheduler.num_held_blocks`'s probes (of no request).
-_PROBE = ReqContext("")
 
 
 class OffloadingConnectorScheduler:
@@ -114,29 +112,7 @@ class OffloadingConnectorScheduler:
         self._jobs_to_flush: list[int] = []
         self._failed_before_submit: list[str] = []
         self._dropped_jobs: list[int] = []  # made stale by reset() before being handed over
-        self._counters = dict.fromkeys(
-            (
-                "lookups",
-                "retries",
-                "retry_timeouts",
-                "hit_tokens",
-                "load_jobs",
-                "loaded_blocks",
-                "failed_loads",
-                "store_jobs",
-                "stored_blocks",
-                "failed_stores",
-                "rejected_stores",
-                "shed_store_blocks",
-                "load_bytes",
-                "store_bytes",
-            ),
-            0,
-        )
-        self._transfer_seconds = {"load": 0.0, "store": 0.0}
-        # hit_tokens split by load_source(); the failed part fell back to recompute
-        self._hit_tokens_by_source: dict[str, int] = {}
-        self._failed_load_tokens_by_source: dict[str, int] = {}
+        self._counters = ConnectorCounters()
         self._fence = ReuseFence(config.groups)
         if costs is None:
             costs = LoadCosts(name for name in manager.tier_stats() if name != "host")
@@ -146,12 +122,11 @@ class OffloadingConnectorScheduler:
         self._awaited_s = 0.0
         self._steps_to_poll = 0
         self._hits = HitSearch(config, manager, costs)
+        counts = self._counters.counts
         self._loads = LoadPlanner(
-            config, manager, self._jobs, self._counters, self._hit_tokens_by_source
+            config, manager, self._jobs, counts, self._counters.hit_tokens_by_source
         )
-        self._stores = StorePlanner(
-            config, manager, self._jobs, self._fence, events, self._counters
-        )
+        self._stores = StorePlanner(config, manager, self._jobs, self._fence, events, counts)
         self._retries = FinishedStoreRetries(
             self._requests, self._jobs, self._plan_final_store, self._end_request
         )
@@ -190,10 +165,10 @@ class OffloadingConnectorScheduler:
                 group_state.block_ids.clear()
         state.update_offload_keys()
         state.num_locally_computed_tokens = num_computed_tokens
-        self._counters["lookups"] += 1
+        self._counters.counts["lookups"] += 1
         wait = may_wait(state, self.config)
         if not wait:
-            self._counters["retry_timeouts"] += 1
+            self._counters.counts["retry_timeouts"] += 1
         hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if (hit_end is None or not wait) and self._events is not None:
             # Promotions for it (its lookup met blocks on a secondary tier): describe them.
@@ -206,7 +181,7 @@ class OffloadingConnectorScheduler:
                 # Its promotions landed within the manager's wait: the hit loads in this step.
                 hit_end = self._hits.hit_end(state, num_computed_tokens, wait)
         if hit_end is None:
-            self._counters["retries"] += 1
+            self._counters.counts["retries"] += 1
             return None, False
         state.retry_since = None
         if not state.answered:
@@ -219,30 +194,28 @@ class OffloadingConnectorScheduler:
         num_hit = max(0, hit_end - num_computed_tokens)
         return num_hit, num_hit > 0
 
+    def skip_lookup(self, request: OffloadRequest) -> bool:
+        """The engine could not admit ``request`` now whatever its lookup answered: whether it
+        may leave it unasked this step. Yes once its last lookup answered (not ``None``: one that
+        waits on promotions is asked again); its blocks are then touched as a lookup touches
+        them, so its hit ages in the tier as if asked. O(its blocks), no lookup."""
+        state = self._requests.get(request.request_id)
+        if state is None or state.request is not request or state.finished:
+            return False
+        if not state.answered or state.retry_since is not None:
+            return False
+        state.update_offload_keys()
+        self._hits.touch(state)
+        return True
+
     def num_held_blocks(self, request: OffloadRequest, first: int, end: int) -> int:
         """How many of the request's hash blocks ``first, first + 1, ...`` (below ``end``), a
-        leading run, the tier holds (:meth:`~kvoffload.manager_contract.OffloadingManager.holds`: for a
-        tiering manager, the host tier). A pure probe for the engine's admission order: nothing
-        is counted, touched or promoted, and no request state is made. Full attention only (0
-        when the first group has a sliding window)."""
-        group = self.config.groups[0]
-        if group.sliding_window_blocks is not None:
-            return 0
-        per = group.offloaded_block_size // self.config.hash_block_size
-        hashes, holds = request.block_hashes, self.manager.holds
-        # The keys a lookup of the request made already (the same keys), else made here.
+        leading run, the tier holds: a pure probe for the engine's admission order
+        (:meth:`~kvoffload.scheduler.lookup.HitSearch.num_held`)."""
         state = self._requests.get(request.request_id)
-        known: Sequence[OffloadKey] = ()
-        if state is not None and state.request is request:
-            known = state.group_states[0].offload_keys
-        last = min(end, len(hashes))
-        j = first // per
-        while j * per < last and (j + 1) * per <= len(hashes):
-            key = known[j] if j < len(known) else make_offload_key(hashes[(j + 1) * per - 1], 0)
-            if not holds(key, _PROBE):
-                break
-            j += 1
-        return max(0, min(j * per, last) - first)
+        return self._hits.num_held(
+            request, state if state is None or state.request is request else None, first, end
+        )
 
     def update_state_after_alloc(
         self, request: OffloadRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -261,6 +234,9 @@ class OffloadingConnectorScheduler:
             group_state.block_ids[:] = ids
             if ids and self._fence:
                 self._fence.reallocated(ids, self._jobs_to_flush)
+        if state.decision is not None:  # the engine acts on the lookup's answer
+            self.costs.decided(state.decision)
+            state.decision = None
         if num_external_tokens <= 0:
             return
         job = self._loads.plan(state, num_external_tokens)
@@ -350,14 +326,9 @@ class OffloadingConnectorScheduler:
             if job is None:
                 logger.debug("ignoring result of unknown job %d", result.job_id)
                 continue
-            if job.is_store:
-                counters["store_bytes"] += result.num_bytes
-                self._transfer_seconds["store"] += result.seconds
-            else:
-                counters["load_bytes"] += result.num_bytes
-                self._transfer_seconds["load"] += result.seconds
-                if result.success:
-                    self.costs.observe_load(result.seconds, len(job.keys) / self._num_workers)
+            counters.result(job, result)
+            if not job.is_store and result.success:
+                self.costs.observe_load(result.seconds, len(job.keys) / self._num_workers)
             if not result.success:
                 job.failed = True
             job.pending -= 1
@@ -388,10 +359,9 @@ class OffloadingConnectorScheduler:
                 self.manager.complete_store(job.keys, job.ctx, success=not job.failed)
             else:
                 self.manager.complete_load(job.keys, job.ctx)
+        self._counters.completed(job, failed)
         if failed:
-            self._count_failure(job)
-        else:
-            self._counters["stored_blocks" if job.is_store else "loaded_blocks"] += len(job.keys)
+            self._log_failure(job)
         state = self._requests.get(job.req_id)
         if state is None:
             return
@@ -402,17 +372,12 @@ class OffloadingConnectorScheduler:
             del self._requests[job.req_id]
             update.freed.append(job.req_id)
 
-    def _count_failure(self, job: PlannedJob) -> None:
-        """A job failed (or went stale in a reset): its store is not announced, its load's
-        tokens are recomputed."""
+    def _log_failure(self, job: PlannedJob) -> None:
+        """A job failed (or went stale in a reset): its store is not announced; a failure is
+        logged."""
         if job.is_store and self._events is not None:
             self._events.forget(job.keys)
-        if not job.is_store:
-            failed_by_source = self._failed_load_tokens_by_source
-            for source, n in job.sources.items():
-                failed_by_source[source] = failed_by_source.get(source, 0) + n
         if job.failed:
-            self._counters["failed_stores" if job.is_store else "failed_loads"] += 1
             logger.warning(
                 "request %s: %s of %d blocks failed; %s",
                 job.req_id,
@@ -513,27 +478,14 @@ class OffloadingConnectorScheduler:
         return awaited
 
     def stats(self) -> dict[str, float]:
-        """Connector counters plus the manager's, the latter prefixed ``tier_``.
-
-        ``lookups``: calls of get_num_new_matched_tokens, retries included; ``hit_tokens``:
-        tokens whose load was planned, split by tier as ``hit_tokens_<tier>``, and
-        ``failed_load_tokens_<tier>`` of those whose load failed and were recomputed;
-        ``load_jobs`` / ``store_jobs``: jobs planned; ``loaded_blocks`` / ``stored_blocks``:
-        blocks of jobs that completed successfully (loaded into the engine, stored in the
-        tier); ``failed_loads`` / ``failed_stores``: jobs that failed; ``shed_store_blocks``:
-        offered blocks shed because ``max_stores_in_flight`` were in flight, and the gauge
-        ``stores_in_flight_blocks``; bytes and seconds as the workers reported them.
-        """
-        out: dict[str, float] = dict(self._counters)
-        for source, n in self._hit_tokens_by_source.items():
-            out[f"hit_tokens_{source}"] = n
-        for source, n in self._failed_load_tokens_by_source.items():
-            out[f"failed_load_tokens_{source}"] = n
+        """Connector counters (:meth:`~kvoffload.scheduler.counters.ConnectorCounters.stats`)
+        plus ``recomputed_by_choice_tokens_<tier>``, the cost estimates, the gauges
+        ``live_requests``, ``jobs_in_flight`` and ``stores_in_flight_blocks``, and the
+        manager's stats prefixed ``tier_``."""
+        out = self._counters.stats()
         for source, n in self._hits.recomputed_by_choice.items():
             out[f"recomputed_by_choice_tokens_{source}"] = n
         out.update(self.costs.snapshot(self.config.groups[0].offloaded_block_size))
-        out["load_seconds"] = self._transfer_seconds["load"]
-        out["store_seconds"] = self._transfer_seconds["store"]
         out["live_requests"] = len(self._requests)
         out["jobs_in_flight"] = len(self._jobs)
         out["stores_in_flight_blocks"] = self._stores.in_flight

@@ -29,7 +29,10 @@ it stops. A slow first copy (a thread starting, a stall on a loaded machine) wou
 later hit recomputed. So after :data:`PROBE_AFTER_DECLINES` decisions in a row that left blocks of
 a hit to recompute with no host load measured since, the host estimate is forgotten (back to the
 prior): the next hit is loaded, and its copy measured afresh. A tier that is really slow costs
-one load per :data:`PROBE_AFTER_DECLINES` declined hits. Pinned estimates are never forgotten.
+one load per :data:`PROBE_AFTER_DECLINES` declined hits. Pinned estimates are never forgotten. The
+reference engine's connector counts a decision once the engine acts on it (:meth:`LoadCosts.decided`:
+its request is admitted), not per lookup: a waiting request asked again every step is one
+decision; other callers' decisions count when the next one is made.
 
 **The decision** (:class:`PayingPrefix`, ``load_policy="auto"``): loading the first ``k`` blocks
 of a hit takes ``max(load_k, step)`` (``load_k`` their summed load costs: the load runs beside the
@@ -42,7 +45,7 @@ comparison per block, folded into the lookup loop that exists anyway.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvoffload.errors import ConfigError
@@ -74,7 +77,9 @@ def check_load_policy(value: object, setting: str = "load_policy") -> str:
     """``value`` if it is one of :data:`LOAD_POLICIES`, else :class:`ConfigError` naming
     ``setting``."""
     if value not in LOAD_POLICIES:
-        raise ConfigError(setting, f"unknown load policy {value!r}; choose from {list(LOAD_POLICIES)}")
+        raise ConfigError(
+            setting, f"unknown load policy {value!r}; choose from {list(LOAD_POLICIES)}"
+        )
     return str(value)
 
 
@@ -174,7 +179,8 @@ class LoadCosts:
         self.step_charged = True
         self._promotion_totals: dict[str, tuple[float, float]] = {}
         self._pinned = dict(pinned) if pinned is not None else None
-        #: the last decision made, and the declined ones in a row since a host load was measured
+        #: the last decision counted when the next is made (``decision(counted=True)``), and
+        #: the declined ones in a row since a host load was measured
         self._last: PayingPrefix | None = None
         self._declines = 0
 
@@ -264,23 +270,37 @@ class LoadCosts:
         """The tier a ``RETRY`` block is counted under: the one secondary tier, if only one."""
         return self.tiers[0] if len(self.tiers) == 1 else "secondary"
 
-    def decision(self, block_tokens: int, keys_per_block: int = 1) -> PayingPrefix:
+    def decision(
+        self, block_tokens: int, keys_per_block: int = 1, counted: bool = True
+    ) -> PayingPrefix:
         """A fresh :class:`PayingPrefix` for blocks of ``block_tokens`` tokens, each made of
-        ``keys_per_block`` keys (one per KV-cache group). When a probe is due, the host
-        estimate is forgotten first (module docstring)."""
-        last = self._last
-        if last is not None and last.best < last.blocks:
-            self._declines += 1
-        if self._declines >= PROBE_AFTER_DECLINES:
-            self._declines = 0
-            self._host = PerBlock(self.alpha)  # forgotten: the prior until the probe's copy
-        pay = self._last = PayingPrefix(
+        ``keys_per_block`` keys (one per KV-cache group); a promoted block is priced at the
+        first one only. ``counted``: it counts towards a probe when the next decision is made;
+        a caller that knows which decisions the engine acts on passes ``False`` and reports
+        those with :meth:`decided`."""
+        last, self._last = self._last, None
+        if last is not None:
+            self.decided(last)
+        pay = PayingPrefix(
             compute_block_s=self.token_s * block_tokens,
             step_s=self.step_s,
             host_block_s=self.host_block_s(block_tokens) * keys_per_block,
-            promoted_block_s=self.promoted_block_s(block_tokens) * keys_per_block,
+            promoted_block_s=lambda: self.promoted_block_s(block_tokens) * keys_per_block,
         )
+        if counted:
+            self._last = pay
         return pay
+
+    def decided(self, pay: PayingPrefix) -> None:
+        """The engine acted on ``pay`` (admitted its request with that answer). One that left
+        blocks of a hit to recompute counts towards a probe; once one is due, the host estimate
+        is forgotten (module docstring)."""
+        if pay.best >= pay.blocks:
+            return
+        self._declines += 1
+        if self._declines >= PROBE_AFTER_DECLINES:
+            self._declines = 0
+            self._host = PerBlock(self.alpha)  # forgotten: the prior until the probe's copy
 
     def snapshot(self, block_tokens: int) -> dict[str, float]:
         """The estimates as stats (gauges): ``cost_token_s`` (computing one token),
@@ -310,7 +330,7 @@ class PayingPrefix:
 
     Feed each block of the hit in order (:meth:`host` or :meth:`promoted`); :attr:`best` is then
     the number of leading blocks worth loading and :attr:`best_promoted` how many of those were
-    promoted blocks."""
+    promoted blocks. ``promoted_block_s`` may be a function, called at the first promoted block."""
 
     __slots__ = (
         "best",
@@ -326,7 +346,11 @@ class PayingPrefix:
     )
 
     def __init__(
-        self, compute_block_s: float, step_s: float, host_block_s: float, promoted_block_s: float
+        self,
+        compute_block_s: float,
+        step_s: float,
+        host_block_s: float,
+        promoted_block_s: float | Callable[[], float],
     ) -> None:
         self.compute_block_s = compute_block_s
         self.step_s = step_s
@@ -346,7 +370,10 @@ class PayingPrefix:
     def promoted_block(self) -> None:
         """The next block is being promoted from a secondary tier."""
         self.promoted += 1
-        self._add(self.promoted_block_s)
+        price = self.promoted_block_s
+        if callable(price):  # priced at the first promoted block
+            price = self.promoted_block_s = price()
+        self._add(price)
 
     def _add(self, load_block_s: float) -> None:
         self.blocks += 1

@@ -3,21 +3,26 @@
 Full-attention groups need every block of the prefix; sliding-window groups only the blocks of
 the last window before the hit's end. Each group can only lower the answer; window groups are
 re-checked until it is stable. The answer is a multiple of the config's ``load_alignment`` and
-never covers the last prompt token (the engine needs its logits).
+never covers the last prompt token (the engine needs its logits). ``HitSearch.num_held`` is the
+admission order's probe of the same blocks: the leading run the tier holds, nothing touched.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from kvoffload.manager_contract import LookupResult, OffloadingManager
+from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.manager_contract import LookupResult, OffloadingManager, ReqContext
 from kvoffload.scheduler.costs import LoadCosts, PayingPrefix
-from kvoffload.scheduler.state import RequestKVState, SchedulerOffloadConfig
+from kvoffload.scheduler.state import OffloadRequest, RequestKVState, SchedulerOffloadConfig
 
 __all__ = ["HitSearch", "may_wait"]
 
 _HIT = LookupResult.HIT
 _RETRY = LookupResult.RETRY
+#: The context of :meth:`HitSearch.num_held`'s probes (of no request).
+_PROBE = ReqContext("")
 
 
 def may_wait(state: RequestKVState, config: SchedulerOffloadConfig) -> bool:
@@ -64,6 +69,7 @@ class HitSearch:
         scan goes on past it, so the tier sees every block it may prepare at once). With
         ``load_policy="auto"`` the full-attention prefix is cut where loading stops paying; a
         cut before the first ``RETRY`` block answers at once instead of waiting."""
+        state.decision = None
         if self._config.load_policy == "never":
             return num_computed
         bound = state.request.num_tokens - 1
@@ -93,7 +99,7 @@ class HitSearch:
             last = min(end // obs, len(keys))
             retry_at = -1
             if pay is None and self._config.load_policy == "auto":
-                pay = self._costs.decision(obs, len(groups))
+                pay = state.decision = self._costs.decision(obs, len(groups), counted=False)
                 while i < last:
                     answer = lookup(keys[i], ctx)
                     if answer is _HIT:
@@ -171,6 +177,29 @@ class HitSearch:
                 candidate = i
             i -= 1
         return first
+
+    def num_held(
+        self, request: OffloadRequest, state: RequestKVState | None, first: int, end: int
+    ) -> int:
+        """How many of ``request``'s hash blocks ``first, first + 1, ...`` (below ``end``), a
+        leading run, the tier holds (:meth:`~kvoffload.manager_contract.OffloadingManager.holds`:
+        for a tiering manager, the host tier); ``state``: the request's, if it has one (its
+        keys are reused). A pure probe: nothing is counted, touched or promoted. Full attention
+        only (0 when the first group has a sliding window)."""
+        group = self._config.groups[0]
+        if group.sliding_window_blocks is not None:
+            return 0
+        per = group.offloaded_block_size // self._config.hash_block_size
+        hashes, holds = request.block_hashes, self._manager.holds
+        known: Sequence[OffloadKey] = () if state is None else state.group_states[0].offload_keys
+        last = min(end, len(hashes))
+        j = first // per
+        while j * per < last and (j + 1) * per <= len(hashes):
+            key = known[j] if j < len(known) else make_offload_key(hashes[(j + 1) * per - 1], 0)
+            if not holds(key, _PROBE):
+                break
+            j += 1
+        return max(0, min(j * per, last) - first)
 
     def touch(self, state: RequestKVState) -> None:
         """Mark the request's blocks as used in the tier (a window group: its last window's)."""

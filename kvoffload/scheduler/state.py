@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.manager_contract import ReqContext
-from kvoffload.scheduler.costs import check_load_policy
+from kvoffload.scheduler.costs import PayingPrefix, check_load_policy
 from kvoffload.validation import accepts_renamed
 
 __all__ = [
@@ -223,6 +223,8 @@ class RequestKVState:
     #: When the current run of RETRY answers began (monotonic seconds), or None, and its length.
     retry_since: float | None = None
     retry_count: int = 0
+    #: The load decision of the last lookup (``load_policy="auto"``), until acted on.
+    decision: PayingPrefix | None = None
 
     def __post_init__(self) -> None:
         if not self.group_states:

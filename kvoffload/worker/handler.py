@@ -167,7 +167,8 @@ class OffloadingWorker:
     def get_finished(self) -> list[TransferResult]:
         """Return the jobs finished since the last call, failures included, each exactly once."""
         check_state(self, self._state, WorkerState.RUNNING, "collect finished transfers")
-        self._collect()
+        if self._in_flight:  # else no handler holds a result to collect (most engine steps)
+            self._collect()
         results, self._unreported = self._unreported, []
         return results
 
