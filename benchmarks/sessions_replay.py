@@ -108,9 +108,8 @@ def replay(args: argparse.Namespace, offload: bool, policy: str, seed: int) -> R
         }
         first: dict[str, float] = {}
         ttft: dict[int, list[float]] = {}
-        spent: dict[
-            str, dict[str, float]
-        ] = {}  # req id -> part -> virtual s, until its first token
+        # request id -> part -> virtual seconds, until its first token
+        spent: dict[str, dict[str, float]] = {}
         for _ in range(1_000_000):
             if not arrivals and not live:
                 break
