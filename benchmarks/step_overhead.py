@@ -1,7 +1,9 @@
 """Where the host tier's per-step overhead goes: the sessions workload in-process, in real time.
 
-`make bench-sessions` shows `kvoffload serve` with a host tier spending more engine time per
-run than without one, for fewer tokens computed. This runs the same closed-loop workload
+On `tiny`, where prefill is ~7% of the engine's time, `kvoffload serve` with a host tier spent
+more engine time per run than without one, for fewer tokens computed (the sessions workload at
+its former `make bench-sessions` sizing: 8 users, 64 device blocks, this script's defaults). This
+runs that closed-loop workload
 (N users x R rounds, each turn re-sending its conversation with the engine's answers; think
 times skipped: a user's next turn is added when its last one finishes) against an in-process
 :class:`~kvoffload.engine.Engine` without HTTP, with and without a host tier, interleaved, and
