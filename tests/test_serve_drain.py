@@ -23,7 +23,7 @@ from kvoffload.serving.loop import EngineLoop, LoopState
 
 pytestmark = pytest.mark.timeout(180)
 
-BODY = json.dumps({"prompt": "held back", "max_tokens": 3}).encode()
+BODY = json.dumps({"prompt": "held back", "max_tokens": 3, "ignore_eos": True}).encode()
 
 
 def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 #: Long enough to fail a test that would otherwise hang, far beyond any answer's time.
 ANSWER_S = 30.0
-BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
 
 
 @contextlib.asynccontextmanager
