@@ -154,12 +154,8 @@ class KVOffloadManager(OffloadingManager):
         ctx = kvoffload_context(req_context)
         if self.load_policy == "auto":
             inner_lookup = self.inner.lookup
-            result = self._chooser.lookup(
-                key,
-                ctx,
-                self._step,
-                lambda k: inner_lookup(our_key(k), ctx),  # type: ignore[arg-type]
-            )
+            ours = our_key(key)  # the same bytes, our key type
+            result = self._chooser.lookup(ours, ctx, self._step, lambda k: inner_lookup(k, ctx))
         else:
             result = self.inner.lookup(our_key(key), ctx)
         waited = self.waits.answered(key, result in _FINAL, req_context)
