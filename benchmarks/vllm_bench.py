@@ -245,7 +245,7 @@ def report(runs: list[dict[str, Any]], configs: list[str], args: argparse.Namesp
         jobs = sum(s.get("promotion_jobs", 0) for s in st)
         promo = sum(s.get("promotion_us", 0) for s in st) / max(jobs, 1) / 1e3
         print(f"  {c:16s} lookup waits: {n}, p50 {spread(wait)} ms = {spread(steps)} steps; "
-              f"compute step p50 {spread(step)} ms; promotion {promo:.1f} ms mean over "
+              f"engine step p50 {spread(step)} ms; promotion {promo:.1f} ms mean over "
               f"{jobs} jobs; room waits {sum(s.get('room_waits', 0) for s in st)}; budget "
               f"misses {sum(s.get('retry_budget_misses', 0) for s in st)}; loaded blocks "
               f"{sum(s.get('loaded_blocks', 0) for s in st)}; recomputed by choice "

@@ -136,6 +136,37 @@ def test_reuse_filter_counts_requests_not_lookups(make_harness: Any) -> None:
     assert serve_request(h.manager, keys, "third") == 3
 
 
+def test_engine_step_s_times_every_step_a_request_is_in_the_engine(make_harness: Any) -> None:
+    """Decode steps (no lookup, no store) are engine steps too; steps with no request in the
+    engine (idle, where vLLM does not step) are not. The old count only took consecutive steps
+    that offered blocks to store: 0 here."""
+    h = make_harness({})
+    h.manager.on_schedule_end(STEP_END)  # idle
+    ctx = h.request()
+    for _ in range(4):  # four steps with the request in the engine, none storing
+        h.manager.on_schedule_end(STEP_END)
+    h.manager.on_request_finished(ctx)
+    h.manager.on_schedule_end(STEP_END)  # the request left during this one
+    h.manager.on_schedule_end(STEP_END)  # idle again
+    steps = h.manager.waits.summary()["engine_step_s"]
+    assert steps["count"] == 3  # between the four busy ends
+
+
+def test_stats_carry_only_the_gauges_that_changed(make_harness: Any) -> None:
+    """vLLM asks every step and ships what it gets to its API server: the first call carries
+    every gauge, a call with nothing changed none (vLLM then ships nothing), a store only the
+    gauges it moved. The old code sent every gauge (~90 with tiers) on every step."""
+    h = make_harness({})
+    first = h.manager.get_stats().reduce()
+    assert f"{STATS_METRIC}:('capacity_blocks',)" in first
+    assert f"{STATS_METRIC}:('engine_step_s_p50',)" in first
+    assert h.manager.get_stats().is_empty()
+    assert serve_request(h.manager, vllm_keys(2, start=40), "a") == 0
+    moved = h.manager.get_stats().reduce()
+    assert moved[f"{STATS_METRIC}:('stored_blocks',)"] == 2
+    assert f"{STATS_METRIC}:('capacity_blocks',)" not in moved
+
+
 def test_tiers_cascade_and_promote_through_the_spec(make_harness: Any, tmp_path: Path) -> None:
     h = make_harness(
         {

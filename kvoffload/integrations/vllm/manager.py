@@ -34,9 +34,11 @@ policy, our tiering manager with our tiers, our reuse filter) and translates per
 * events: medium ``"CPU"``/``"STORAGE"`` and locality to vLLM's ``Medium``/``Locality``;
 * stats: every counter and gauge of our ``stats()`` as one gauge ``kvoffload:manager`` labelled
   by ``stat``, with how long lookups that answered ``RETRY``/``HIT_PENDING`` kept the request
-  waiting and how long a step takes (``lookup_wait_s_p50``, ``engine_step_s_p50``, ...:
-  :class:`~kvoffload.integrations.vllm.waits.LookupWaits`); the same as JSON in
-  ``kvoffload_stats_file``, when set, whenever the engine goes idle and at shutdown.
+  waiting and how long an engine step takes while requests are in (``lookup_wait_s_p50``,
+  ``engine_step_s_p50``, ...: :class:`~kvoffload.integrations.vllm.waits.LookupWaits`); only
+  the gauges that changed go to vLLM each step, the summaries at most every second
+  (:meth:`KVOffloadManager.get_stats`); all of it as JSON in ``kvoffload_stats_file``, when
+  set, whenever the engine goes idle and at shutdown.
 
 Not thread-safe, like our managers; vLLM enters it from its scheduler thread only (the default
 no-op ``lock``).
@@ -76,9 +78,11 @@ from kvoffload.manager_contract import LookupResult as KVOLookupResult
 from kvoffload.manager_contract import OffloadingManager as KVOManager
 from kvoffload.scheduler.costs import LoadCosts, check_load_policy
 
-__all__ = ["STATS_METRIC", "KVOffloadManager"]
+__all__ = ["STATS_METRIC", "SUMMARY_INTERVAL_S", "KVOffloadManager"]
 
 STATS_METRIC = "kvoffload:manager"
+#: Seconds between two publications of the summaries (cost estimates, wait quantiles).
+SUMMARY_INTERVAL_S = 1.0
 _LOOKUP = {result: LookupResult[result.name] for result in KVOLookupResult}
 _FINAL = (KVOLookupResult.HIT, KVOLookupResult.MISS)
 #: Our tier names as vLLM's cache-hit sources; another tier (``remote``: Redis) is vLLM's
@@ -114,6 +118,9 @@ class KVOffloadManager(OffloadingManager):
         self._busy = False  # this step called lookup
         self._computed = False  # this step called prepare_store (it computed tokens)
         self._was_busy = False  # the step before did either
+        self._live: set[str] = set()  # vLLM's requests between on_new_request and finished
+        self._sent: dict[str, float] = {}  # the gauges as vLLM last took them
+        self._summary_due = 0.0  # when get_stats next adds the summaries
         self._retry_budget_s = lookup_retry_s
         self.budget_misses = 0  # lookups answered MISS because the request waited too long
         self.waits = LookupWaits()
@@ -147,9 +154,8 @@ class KVOffloadManager(OffloadingManager):
         ctx = kvoffload_context(req_context)
         if self.load_policy == "auto":
             inner_lookup = self.inner.lookup
-            result = self._chooser.lookup(
-                key, ctx, self._step, lambda k: inner_lookup(our_key(k), ctx)  # type: ignore[arg-type]
-            )
+            ours = our_key(key)  # the same bytes, our key type
+            result = self._chooser.lookup(ours, ctx, self._step, lambda k: inner_lookup(k, ctx))
         else:
             result = self.inner.lookup(our_key(key), ctx)
         waited = self.waits.answered(key, result in _FINAL, req_context)
@@ -202,16 +208,18 @@ class KVOffloadManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         kvoffload_context(req_context)
+        self._live.add(req_context.req_id)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._live.discard(req_context.req_id)
         self.inner.request_finished(kvoffload_context(req_context))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._begin_step()  # a step without lookups still applies finished tier jobs
         self.inner.step_end()
         self._step_begun = False
-        self.waits.step_ended(self._computed)
+        self.waits.step_ended(bool(self._live))
         busy = self._busy or self._computed
         self._measure_step(busy)
         if self._was_busy and not busy:
@@ -223,7 +231,9 @@ class KVOffloadManager(OffloadingManager):
         of the blocks it offered to store; every 16 steps, fold in the tiers' promotions."""
         now = time.perf_counter()
         if self._step_started is not None:
-            self.costs.observe_step(self._offered_keys * self.block_tokens, now - self._step_started)
+            self.costs.observe_step(
+                self._offered_keys * self.block_tokens, now - self._step_started
+            )
         self._step_started = now if busy else None
         self._offered_keys = 0
         self._step += 1
@@ -250,15 +260,27 @@ class KVOffloadManager(OffloadingManager):
         ]
 
     def get_stats(self) -> OffloadingConnectorStats:
+        """Our gauges that changed since vLLM last took them (vLLM asks every step and ships
+        them to its API server, which sets each one: sending all ~90 every step cost both
+        processes CPU the forward needs); the summaries (:meth:`load_stats`, the wait
+        quantiles, which sort their samples) at most every :data:`SUMMARY_INTERVAL_S`. Most
+        steps change none: vLLM then ships nothing. Prometheus keeps each gauge's last value;
+        vLLM's log line lists those that changed in its interval."""
         stats = OffloadingConnectorStats()
-        for name, value in self.inner.stats().items():
-            stats.set_gauge(STATS_METRIC, value, (name,))
-        stats.set_gauge(STATS_METRIC, self.budget_misses, ("retry_budget_misses",))
-        for name, cost in self.load_stats().items():
-            stats.set_gauge(STATS_METRIC, cost, (name,))
-        for what, figures in self.waits.summary().items():
-            for figure, amount in figures.items():
-                stats.set_gauge(STATS_METRIC, amount, (f"{what}_{figure}",))
+        figures: dict[str, float] = dict(self.inner.stats())
+        figures["retry_budget_misses"] = self.budget_misses
+        now = time.monotonic()
+        if now >= self._summary_due:
+            self._summary_due = now + SUMMARY_INTERVAL_S
+            figures.update(self.load_stats())
+            for what, summary in self.waits.summary().items():
+                for figure, amount in summary.items():
+                    figures[f"{what}_{figure}"] = amount
+        sent = self._sent
+        for name, value in figures.items():
+            if sent.get(name) != value:
+                sent[name] = value
+                stats.set_gauge(STATS_METRIC, value, (name,))
         return stats
 
     def load_stats(self) -> dict[str, float]:

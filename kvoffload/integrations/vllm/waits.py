@@ -3,12 +3,13 @@
 A lookup that answers ``RETRY`` or ``HIT_PENDING`` (a promotion from a secondary tier, or a store
 still being written) makes vLLM ask again at a later step; the request waits meanwhile.
 :class:`LookupWaits` times each such wait, per request and key, from the first non-final answer
-to the final one (``HIT`` or ``MISS``), in seconds and in scheduler steps, and times the steps
-that compute tokens (``on_schedule_end`` to ``on_schedule_end``). ``summary()`` gives count, p50,
-p90 and max of each: the figures ``make bench-vllm`` reports.
+to the final one (``HIT`` or ``MISS``), in seconds and in scheduler steps, and times the engine's
+steps while it holds requests (``on_schedule_end`` to ``on_schedule_end``, both ends with a
+request in the engine: prefill and decode steps alike, never an idle gap). ``summary()`` gives
+count, p50, p90 and max of each: the figures ``make bench-vllm`` reports.
 
-Per-lookup work is one dict lookup on the request's own state; the samples are kept in two
-bounded deques (the last :data:`MAX_SAMPLES` of each).
+Per-lookup work is one dict lookup on the request's own state; the samples are kept in bounded
+deques (the last :data:`MAX_SAMPLES` of each), which ``summary()`` sorts: call it seldom.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 __all__ = ["MAX_SAMPLES", "LookupWaits"]
 
-MAX_SAMPLES = 100_000
+MAX_SAMPLES = 10_000
 
 
 class _Pending(dict):
@@ -41,7 +42,7 @@ def _quantiles(samples: deque[float]) -> dict[str, float]:
 
 class LookupWaits:
     """Wait times of lookups that did not answer at once (seconds and steps), and the duration
-    of steps that computed tokens (``prepare_store`` was called in them and in the step before)."""
+    of engine steps that began and ended with requests in the engine."""
 
     def __init__(self) -> None:
         self.waits_s: deque[float] = deque(maxlen=MAX_SAMPLES)
@@ -68,13 +69,15 @@ class LookupWaits:
         started = pending.setdefault(key, (now, self.step))
         return now - started[0]
 
-    def step_ended(self, computed: bool) -> None:
-        """One scheduler step ended; ``computed``: it computed tokens."""
+    def step_ended(self, busy: bool) -> None:
+        """One scheduler step ended; ``busy``: requests are in the engine (between vLLM's
+        ``on_new_request`` and ``on_request_finished``). A step is timed when the one before it
+        ended busy too (so an idle gap, where vLLM does not step, is never taken for a step)."""
         now = time.monotonic()
         self.step += 1
-        if computed and self._last_step is not None:
+        if busy and self._last_step is not None:
             self.steps_s.append(now - self._last_step)
-        self._last_step = now if computed else None
+        self._last_step = now if busy else None
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {
