@@ -284,6 +284,33 @@ def test_auto_answers_miss_for_a_hit_too_short_to_pay(auto_harness: ConnectorHar
     assert h.manager.load_stats()["cost_token_s"] == STEP_50MS["token_s"]  # pinned, reported
 
 
+def test_a_decline_is_counted_once_however_often_vllm_asks_again(
+    auto_harness: ConnectorHarness,
+) -> None:
+    """vLLM re-asks a waiting request every step until it is scheduled (here: three steps with
+    no room for it); each pass declines the same 3-block hit, counted once, at its finish."""
+    h = auto_harness
+    h.manager.costs.pin(STEP_50MS)
+    base = _prompt(9, 5)
+    h.serve(base)
+    c = h.connector
+    waiting = Request("waiting", base[: 3 * BLOCK_TOKENS] + _prompt(10, 2),
+                      SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
+    c.on_new_request(waiting)
+    for _ in range(3):
+        assert c.get_num_new_matched_tokens(waiting, 0) == (0, False)
+        h.step([], {})
+    stats = h.manager.load_stats
+    assert stats().get("recomputed_by_choice_tokens_host", 0) == 0  # not acted on yet
+    hit, _ = h.serve(base[: 3 * BLOCK_TOKENS] + _prompt(11, 2))  # another such request, served
+    assert hit == 0
+    assert stats()["recomputed_by_choice_tokens_host"] == 3 * BLOCK_TOKENS
+    waiting.status = RequestStatus.FINISHED_ABORTED
+    c.request_finished(waiting, [])
+    h.step([], {}, finished={waiting.request_id})
+    assert stats()["recomputed_by_choice_tokens_host"] == 6 * BLOCK_TOKENS  # once, not 3 times
+
+
 def test_auto_recomputes_a_hit_slower_to_load_than_to_compute(
     auto_harness: ConnectorHarness,
 ) -> None:

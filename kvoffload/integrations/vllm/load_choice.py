@@ -15,6 +15,12 @@ the look-ahead it decides incrementally: a block that does not raise the saving 
 slower than computing) ends the prefix. A pass is the run of one request's lookups in one step
 that follow its key chain; vLLM's next ask (a new step, another group) starts a new one.
 
+``recomputed_by_choice`` counts what was acted on, once: vLLM re-asks a waiting request every
+step until it is scheduled (no room, no token budget), and each pass declines the same hit again.
+A pass's decline is held on the request by the pass's first key (one per KV cache group), replaced
+by the next pass from that key, and counted when the request finishes
+(:meth:`LoadChooser.request_finished`).
+
 Where vLLM recorded no positions (an older vLLM), the chain is unknown: every hit is loaded, as
 ``always`` does.
 """
@@ -51,7 +57,9 @@ class _RequestChoice:
         "limit",
         "next_key",
         "pay",
+        "pending",
         "seen",
+        "start",
         "step",
         "stopped",
     )
@@ -67,6 +75,9 @@ class _RequestChoice:
         self.limit: int | None = None
         self.pay: PayingPrefix | None = None
         self.stopped = False
+        self.start: OffloadKey | None = None  # the current pass's first key
+        #: by a pass's first key, that pass's decline, not yet counted: (promoted, blocks)
+        self.pending: dict[OffloadKey, tuple[int, int]] = {}
 
     def extend(self, positions: Mapping[OffloadKey, int]) -> None:
         """Link the keys vLLM recorded since the last call to their group's previous key."""
@@ -126,7 +137,7 @@ class LoadChooser:
         if pay is not None and answer in (_HIT, _RETRY, _HIT_PENDING):
             self._feed(pay, answer)
             if pay.best < pay.blocks:  # this block lowered the saving: the prefix ends here
-                self._count(pay.promoted - pay.best_promoted, pay.blocks - pay.best)
+                self._decline(state, pay.promoted - pay.best_promoted, pay.blocks - pay.best)
                 state.stopped = True
                 return _MISS
         return answer
@@ -142,6 +153,8 @@ class LoadChooser:
         """Start a pass at ``key``: look ahead until the prefix pays, the run ends or
         :data:`MAX_LOOKAHEAD` keys."""
         state.extend(positions)
+        state.pending.pop(key, None)  # asked again from this key: this pass decides anew
+        state.start = key
         state.step, state.index, state.stopped, state.limit = step, 0, False, None
         state.answers.clear()
         pay = self.costs.decision(self.block_tokens)
@@ -156,16 +169,31 @@ class LoadChooser:
             self._feed(pay, answer)
             probe = next_key.get(probe)
         if pay.best == 0:
-            self._count(pay.promoted, pay.blocks)
+            self._decline(state, pay.promoted, pay.blocks)
             state.stopped = True
         elif pay.best < pay.blocks:
             state.limit = pay.best
 
+    def request_finished(self, ctx: ReqContext) -> None:
+        """Count the request's pending declines (each key's last pass was the one acted on)."""
+        state = ctx.get_state(_RequestChoice)
+        if state is not None:
+            for promoted, blocks in state.pending.values():
+                self._count(promoted, blocks)
+            state.pending.clear()
+
     def _stop(self, state: _RequestChoice) -> None:
         pay = state.pay
         if pay is not None:
-            self._count(pay.promoted - pay.best_promoted, pay.blocks - pay.best)
+            self._decline(state, pay.promoted - pay.best_promoted, pay.blocks - pay.best)
         state.stopped = True
+
+    @staticmethod
+    def _decline(state: _RequestChoice, promoted: int, blocks: int) -> None:
+        """This pass leaves ``blocks`` keys of hits (``promoted`` of them being promoted) to
+        recompute: pending until the request finishes."""
+        if blocks and state.start is not None:
+            state.pending[state.start] = (promoted, blocks)
 
     @staticmethod
     def _feed(pay: PayingPrefix, answer: LookupResult) -> None:

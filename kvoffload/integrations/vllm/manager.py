@@ -213,7 +213,9 @@ class KVOffloadManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._live.discard(req_context.req_id)
-        self.inner.request_finished(kvoffload_context(req_context))
+        ctx = kvoffload_context(req_context)
+        self._chooser.request_finished(ctx)
+        self.inner.request_finished(ctx)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._begin_step()  # a step without lookups still applies finished tier jobs
