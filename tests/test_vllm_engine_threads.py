@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvoffload.integrations.vllm.engine_threads import threads_to_keep
+from kvoffload.integrations.vllm.engine_threads import AFFINITY_VARIABLES, threads_to_keep
 
 _CHILD = """
 import json, sys, torch
@@ -44,7 +44,8 @@ def test_threads_to_keep(threads: int, workers: int, cpus: int, kept: int) -> No
 
 
 def _run(env_extra: dict[str, str], cpus: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("VLLM_CPU_") and k not in AFFINITY_VARIABLES}
     env.update({"OMP_NUM_THREADS": "2", **env_extra})
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(cpus)],
@@ -53,8 +54,12 @@ def _run(env_extra: dict[str, str], cpus: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+#: What vLLM's multiprocessing executor sets in a worker it binds (GNU OpenMP, torch's own).
+BOUND = {"GOMP_CPU_AFFINITY": "0 1"}
+
+
 def test_a_team_covering_every_core_loses_one_thread_once() -> None:
-    got = _run({}, cpus=2)
+    got = _run(BOUND, cpus=2)
     assert got["before"] == 2
     assert (got["first"], got["second"], got["after"]) == (1, None, 1)
     assert got["sum"] == float(2 * sum(range(1 << 16)))
@@ -64,10 +69,24 @@ def test_a_team_covering_every_core_loses_one_thread_once() -> None:
     "setting", [{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}]
 )
 def test_explicit_binding_is_left_alone(setting: dict[str, str]) -> None:
-    got = _run(setting, cpus=2)
+    got = _run({**BOUND, **setting}, cpus=2)
     assert (got["first"], got["after"]) == (None, 2)
 
 
 def test_a_team_with_cores_to_spare_is_left_alone() -> None:
-    got = _run({}, cpus=3)
+    got = _run(BOUND, cpus=3)
+    assert (got["first"], got["after"]) == (None, 2)
+
+
+
+@pytest.mark.parametrize("variable", ["KMP_AFFINITY", "OMP_PLACES"])
+def test_every_openmp_runtime_s_binding_counts(variable: str) -> None:
+    got = _run({variable: "{0,1}"}, cpus=2)
+    assert (got["first"], got["after"]) == (1, 1)
+
+
+def test_an_unbound_team_is_left_alone() -> None:
+    """The uni executor (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) binds no team and reserves no
+    core for a connector: the team is the same as without one, so it keeps every thread."""
+    got = _run({}, cpus=2)
     assert (got["first"], got["after"]) == (None, 2)

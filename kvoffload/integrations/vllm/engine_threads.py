@@ -15,6 +15,13 @@ intra-op thread count by one, to the team vLLM builds without a connector. It is
 worker's main thread (the one that runs the forward pass), once, when the worker side is built.
 Explicit binding settings (``VLLM_CPU_OMP_THREADS_BIND`` other than ``auto``,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU``) are the user's choice and left alone.
+
+The binding (and its reservation) happens only where vLLM's multiprocessing executor spawned the
+worker: it sets the team's OpenMP affinity variable in the worker's environment
+(``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY`` or ``OMP_PLACES``). Under the ``uni`` executor
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) vLLM binds nothing and reserves nothing: the team is
+torch's default with or without a connector, so nothing is given back (giving one back there
+halved the compute threads against a run without offloading: ``vllm_bench.py`` runs so).
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ import os
 import torch
 
 __all__ = ["give_back_core", "threads_to_keep"]
+
+#: The variables vLLM's executor sets in a worker's environment when it binds the worker's
+#: OpenMP team (one per OpenMP runtime: GNU, Intel, other).
+AFFINITY_VARIABLES = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES")
 
 
 def threads_to_keep(threads: int, workers: int, usable_cpus: int) -> int:
@@ -45,7 +56,8 @@ def _usable_cpus() -> int | None:
 
 def give_back_core(workers: int, usable_cpus: int | None = None) -> int | None:
     """Lower the calling thread's intra-op threads as :func:`threads_to_keep` says, under vLLM's
-    automatic binding only; return the new count, ``None`` where nothing changed.
+    automatic binding only (it bound this worker's team: :data:`AFFINITY_VARIABLES`); return the
+    new count, ``None`` where nothing changed.
 
     ``usable_cpus``: default the CPUs of the parent process (vLLM's engine process).
     """
@@ -53,6 +65,8 @@ def give_back_core(workers: int, usable_cpus: int | None = None) -> int | None:
         return None
     if os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") is not None:
         return None
+    if not any(os.environ.get(name) for name in AFFINITY_VARIABLES):
+        return None  # vLLM bound no team (the uni executor): none was reserved either
     cpus = _usable_cpus() if usable_cpus is None else usable_cpus
     if cpus is None:
         return None
