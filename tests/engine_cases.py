@@ -4,7 +4,7 @@ the host tier, reference runs, and the checks that nothing is left pinned, held 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -101,6 +101,22 @@ def random_mix(seed: int, num_prompts: int = 12) -> tuple[list[list[int]], list[
         rng.choice(prefixes) + random_tokens(rng, rng.randrange(1, 9)) for _ in range(num_prompts)
     ]
     return prompts, [greedy(max_tokens=rng.randrange(1, 16)) for _ in prompts]
+
+
+def run_until_done(
+    engine: Engine, ids: Collection[str], max_steps: int = 5000
+) -> dict[str, RequestOutput]:
+    """Step ``engine`` until every request in ``ids`` finished (at most ``max_steps`` steps);
+    every output of those steps by request id."""
+    done: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            done[out.request_id] = out
+        if set(ids) <= done.keys():
+            return done
+    raise AssertionError(
+        f"requests still unfinished after {max_steps} steps: {set(ids) - done.keys()}"
+    )
 
 
 def drive(

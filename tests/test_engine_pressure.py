@@ -21,6 +21,7 @@ from engine_cases import (
     random_mix,
     random_tokens,
     reference_outputs,
+    run_until_done,
     tiny_engine,
 )
 from hypothesis import HealthCheck, given, settings
@@ -33,19 +34,6 @@ from kvoffload.worker import CPUCopyHandler, FaultInjectingHandler, OffloadingHa
 from kvoffload.worker.handler import TransferSpec
 
 MAX_STEPS = 5000
-
-
-def _run(engine: Engine, ids: Collection[str]) -> dict[str, RequestOutput]:
-    """Step until every request in ``ids`` finished (bounded)."""
-    done: dict[str, RequestOutput] = {}
-    for _ in range(MAX_STEPS):
-        for out in engine.step():
-            done[out.request_id] = out
-        if set(ids) <= done.keys():
-            return done
-    raise AssertionError(
-        f"requests still unfinished after {MAX_STEPS} steps: {set(ids) - done.keys()}"
-    )
 
 
 def _step_until(engine: Engine, condition, what: str) -> list[RequestOutput]:
@@ -159,7 +147,7 @@ def test_too_long_prompt_is_refused_at_add_request() -> None:
             engine.add_request(random_tokens(rng, capacity - 2), greedy(3))
         assert not engine.has_unfinished()
         exact = engine.add_request(random_tokens(rng, capacity - 2), greedy(2))
-        assert _run(engine, [exact])[exact].finish_reason == "length"
+        assert run_until_done(engine, [exact])[exact].finish_reason == "length"
         assert_quiescent(engine)
 
 
@@ -218,7 +206,7 @@ def test_abort_while_waiting() -> None:
         engine.abort(second)
         engine.abort(second)  # twice: no-op
         engine.abort("no-such-request")
-        done = _run(engine, [first, second])
+        done = run_until_done(engine, [first, second])
         assert done[second].output_token_ids == [] and done[second].finish_reason == "abort"
         assert_same_outputs([done[first]], want[:1])
         assert_quiescent(engine)
@@ -243,7 +231,7 @@ def test_abort_while_loading_keeps_blocks_until_the_load_is_done() -> None:
         # Another request runs under pressure meanwhile; the aborted load's blocks are never reused.
         other_prompt = random_tokens(rng, 10)
         other = engine.add_request(other_prompt, greedy(6))
-        done = _run(engine, [loading, other])
+        done = run_until_done(engine, [loading, other])
         assert done[loading].finish_reason == "abort" and done[loading].output_token_ids == []
         assert loading in engine.scheduler.held
         assert all(b.ref_cnt == 1 for b in blocks)
@@ -297,7 +285,7 @@ def test_abort_while_running(store_policy: str) -> None:
         )
         assert not finished
         engine.abort(victim)
-        done = _run(engine, [victim, other])
+        done = run_until_done(engine, [victim, other])
         _check_partial(done[victim], want[0])
         assert len(done[victim].output_token_ids) >= 3
         assert_same_outputs([done[other]], want[1:])

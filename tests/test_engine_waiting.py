@@ -19,34 +19,17 @@ from engine_cases import (
     host_gib,
     one_thread,  # noqa: F401 - autouse fixture
     random_tokens,
+    run_until_done,
     tiny_engine,
 )
 
-from kvoffload.engine import Engine, RequestOutput
+from kvoffload.engine import Engine
 from kvoffload.scheduler.costs import PROBE_AFTER_DECLINES
 
 #: Full blocks of the waiting request's prompt (held by the host tier).
 HIT_BLOCKS = 6
 #: Its prompt: the blocks and two tokens more.
 PROMPT_LEN = HIT_BLOCKS * BLOCK_SIZE + 2
-
-
-def _run(engine: Engine, req_id: str, max_steps: int = 500) -> RequestOutput:
-    for _ in range(max_steps):
-        for out in engine.step():
-            if out.request_id == req_id:
-                return out
-    raise AssertionError(f"{req_id} unfinished after {max_steps} steps")
-
-
-def _run_all(engine: Engine, req_ids: list[str], max_steps: int = 500) -> dict[str, RequestOutput]:
-    done: dict[str, RequestOutput] = {}
-    for _ in range(max_steps):
-        for out in engine.step():
-            done[out.request_id] = out
-        if set(req_ids) <= done.keys():
-            return done
-    raise AssertionError(f"unfinished after {max_steps} steps: {set(req_ids) - done.keys()}")
 
 
 def _engine(**kwargs: Any) -> Engine:
@@ -69,12 +52,12 @@ def test_a_waiting_request_without_room_is_asked_once_and_keeps_its_host_hit() -
     # Device: A's 24 blocks at its end (B's 6 cached ones among them). Host: B's 6 + A's 18
     # prompt blocks exactly; A's decode blocks evict.
     with _engine(num_device_blocks=24, kv_offloading_size=host_gib(24)) as engine:
-        _run(engine, engine.add_request(prompt_b, greedy(max_tokens=1)))
+        run_until_done(engine, [engine.add_request(prompt_b, greedy(max_tokens=1))])
         engine.drain()
         a = engine.add_request(prompt_a, greedy(max_tokens=24))
         b = engine.add_request(prompt_b, greedy(max_tokens=1))
         lookups = engine.stats()["offload_lookups"]
-        done = _run_all(engine, [a, b])
+        done = run_until_done(engine, [a, b])
         asked = engine.stats()["offload_lookups"] - lookups
     assert done[b].cached_tokens_engine == 0  # A's decoding took all of B's device blocks
     assert done[b].cached_tokens_offload == HIT_BLOCKS * BLOCK_SIZE
@@ -93,15 +76,15 @@ def test_asking_a_waiting_request_again_is_not_another_load_decision() -> None:
     prompt_a = random_tokens(rng, 18 * BLOCK_SIZE)  # 18 blocks, + 5 while decoding 20 tokens
     options = {"num_device_blocks": 24, "kv_offloading_size": host_gib(256)}
     with _engine(load_policy="auto", **options) as engine:
-        _run(engine, engine.add_request(prompt_b, greedy(max_tokens=1)))
-        _run(engine, engine.add_request(flush, greedy(max_tokens=1)))
+        run_until_done(engine, [engine.add_request(prompt_b, greedy(max_tokens=1))])
+        run_until_done(engine, [engine.add_request(flush, greedy(max_tokens=1))])
         engine.drain()
         assert engine.connector is not None
         engine.connector.costs.observe_load(1.0, 1)  # a stalled copy: 1 s a block
         a = engine.add_request(prompt_a, greedy(max_tokens=20))
         b = engine.add_request(prompt_b, greedy(max_tokens=1))
         lookups = engine.stats()["offload_lookups"]
-        done = _run_all(engine, [a, b])
+        done = run_until_done(engine, [a, b])
         asked = engine.stats()["offload_lookups"] - lookups
         stats = engine.stats()
     assert asked > PROBE_AFTER_DECLINES + 2  # B was asked again each step while it waited
