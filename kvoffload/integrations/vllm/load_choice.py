@@ -19,7 +19,8 @@ that follow its key chain; vLLM's next ask (a new step, another group) starts a 
 step until it is scheduled (no room, no token budget), and each pass declines the same hit again.
 A pass's decline is held on the request by the pass's first key (one per KV cache group), replaced
 by the next pass from that key, and counted when the request finishes
-(:meth:`LoadChooser.request_finished`).
+(:meth:`LoadChooser.request_finished`), which is also when the cost probe learns of it
+(:meth:`~kvoffload.scheduler.costs.LoadCosts.decided`, as in the reference engine).
 
 Where vLLM recorded no positions (an older vLLM), the chain is unknown: every hit is loaded, as
 ``always`` does.
@@ -76,8 +77,8 @@ class _RequestChoice:
         self.pay: PayingPrefix | None = None
         self.stopped = False
         self.start: OffloadKey | None = None  # the current pass's first key
-        #: by a pass's first key, that pass's decline, not yet counted: (promoted, blocks)
-        self.pending: dict[OffloadKey, tuple[int, int]] = {}
+        #: by a pass's first key, that pass's decision if it declined blocks, not yet counted
+        self.pending: dict[OffloadKey, PayingPrefix] = {}
 
     def extend(self, positions: Mapping[OffloadKey, int]) -> None:
         """Link the keys vLLM recorded since the last call to their group's previous key."""
@@ -137,7 +138,7 @@ class LoadChooser:
         if pay is not None and answer in (_HIT, _RETRY, _HIT_PENDING):
             self._feed(pay, answer)
             if pay.best < pay.blocks:  # this block lowered the saving: the prefix ends here
-                self._decline(state, pay.promoted - pay.best_promoted, pay.blocks - pay.best)
+                self._decline(state, pay)
                 state.stopped = True
                 return _MISS
         return answer
@@ -157,7 +158,7 @@ class LoadChooser:
         state.start = key
         state.step, state.index, state.stopped, state.limit = step, 0, False, None
         state.answers.clear()
-        pay = self.costs.decision(self.block_tokens)
+        pay = self.costs.decision(self.block_tokens, counted=False)
         state.pay = pay
         answers, next_key = state.answers, state.next_key
         probe: OffloadKey | None = key
@@ -169,7 +170,7 @@ class LoadChooser:
             self._feed(pay, answer)
             probe = next_key.get(probe)
         if pay.best == 0:
-            self._decline(state, pay.promoted, pay.blocks)
+            self._decline(state, pay)
             state.stopped = True
         elif pay.best < pay.blocks:
             state.limit = pay.best
@@ -178,22 +179,22 @@ class LoadChooser:
         """Count the request's pending declines (each key's last pass was the one acted on)."""
         state = ctx.get_state(_RequestChoice)
         if state is not None:
-            for promoted, blocks in state.pending.values():
-                self._count(promoted, blocks)
+            for pay in state.pending.values():
+                self._count(pay.promoted - pay.best_promoted, pay.blocks - pay.best)
+                self.costs.decided(pay)
             state.pending.clear()
 
     def _stop(self, state: _RequestChoice) -> None:
-        pay = state.pay
-        if pay is not None:
-            self._decline(state, pay.promoted - pay.best_promoted, pay.blocks - pay.best)
+        if state.pay is not None:
+            self._decline(state, state.pay)
         state.stopped = True
 
     @staticmethod
-    def _decline(state: _RequestChoice, promoted: int, blocks: int) -> None:
-        """This pass leaves ``blocks`` keys of hits (``promoted`` of them being promoted) to
-        recompute: pending until the request finishes."""
-        if blocks and state.start is not None:
-            state.pending[state.start] = (promoted, blocks)
+    def _decline(state: _RequestChoice, pay: PayingPrefix) -> None:
+        """This pass's decision ``pay`` leaves the hit's blocks past ``pay.best`` to recompute:
+        pending until the request finishes."""
+        if pay.blocks > pay.best and state.start is not None:
+            state.pending[state.start] = pay
 
     @staticmethod
     def _feed(pay: PayingPrefix, answer: LookupResult) -> None:
