@@ -550,7 +550,8 @@ def test_two_instances_with_compare_on_a_given_server(
     with redis_server.client() as c:
         c.flushall()
     out_json = tmp_path / "out.json"
-    argv = [*COMMON, *args, "--instances", "2", "--compare", "--kv-remote-url", redis_server.url,
+    argv = [*COMMON, *LOAD_ALL, *args, "--instances", "2", "--compare",
+            "--kv-remote-url", redis_server.url,
             "--output-json", str(out_json), "--kv-remote-lookup-wait-s", "60",
             "--kv-lookup-retry-s", "60"]  # fmt: skip
     assert main(argv) == 0
